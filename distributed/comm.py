@@ -1,0 +1,307 @@
+"""Communication: the few collectives PatchRay uses, and the accounting every mode and the benchmark share.
+
+Design decisions:
+
+* **One place talks to torch.distributed.** Adapters call the helpers here (``all_reduce``,
+  ``all_gather_padded``, ``exchange_halo``, ``gather_to``), never ``dist.*`` directly, so the gloo
+  host-staging rule, padding for transport and one-rank short cuts live in one file.
+* **Halo sizes come from shared data, never from a metadata collective.** Every caller passes the
+  per-rank sizes it derived from global shapes, so a halo exchange is one ``batch_isend_irecv``.
+* **gloo cannot send CUDA tensors point-to-point** ('writev: Bad address', measured on an H200), so under
+  gloo a CUDA tensor is staged through host memory for send/recv; collectives run on CUDA tensors as is.
+* **Accounting follows seed 000's counting rules.** :func:`log_comm` temporarily wraps the public
+  ``torch.distributed`` operations (all_reduce, all_gather, all_gather_into_tensor, broadcast, isend,
+  irecv, send, recv, barrier, batch_isend_irecv). A call that one of those makes from inside PyTorch's
+  ``distributed_c10d`` module (the sends inside ``batch_isend_irecv``, the tensor collectives inside
+  ``all_gather_object``) is labelled *batched*: its tensor bytes count, its call does not. When no log
+  is open nothing is wrapped, so accounting costs nothing when off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, List, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .context import ParallelContext
+
+__all__ = [
+    "COUNTED_OPS",
+    "CommLog",
+    "log_comm",
+    "all_reduce",
+    "all_gather_padded",
+    "exchange_halo",
+    "gather_to",
+    "broadcast",
+    "Halo",
+]
+
+COUNTED_OPS = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+    "barrier",
+    "batch_isend_irecv",
+    # beyond seed 000's list: PatchRay gathers outputs to the caller only, with gather
+    "gather",
+)
+
+_C10D_MODULE = "torch.distributed.distributed_c10d"
+
+
+@dataclass
+class CommLog:
+    """Calls and tensor bytes per operation, for one rank.
+
+    ``calls[op]`` counts API calls; ``batched_calls[op]`` counts calls made from inside
+    ``distributed_c10d`` (they add bytes but not calls); ``bytes[op]`` sums both.
+    """
+
+    calls: Dict[str, int] = field(default_factory=dict)
+    batched_calls: Dict[str, int] = field(default_factory=dict)
+    bytes: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def record(self, op: str, nbytes: int, batched: bool) -> None:
+        target = self.batched_calls if batched else self.calls
+        target[op] = target.get(op, 0) + 1
+        self.bytes[op] = self.bytes.get(op, 0) + nbytes
+
+    def to_dict(self) -> dict:
+        return {
+            "total_calls": self.total_calls,
+            "total_bytes": self.total_bytes,
+            "calls": dict(sorted(self.calls.items())),
+            "batched_calls": dict(sorted(self.batched_calls.items())),
+            "bytes": dict(sorted(self.bytes.items())),
+        }
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        # a P2POp list (batch_isend_irecv) is no tensor buffer: its sends and receives count as batched calls
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+_active_logs: List[CommLog] = []
+_patch_lock = threading.Lock()
+_originals: Dict[str, object] = {}
+
+
+def _make_wrapper(op: str, original):
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        batched = caller == _C10D_MODULE
+        # Only positional tensor buffers count (seed 000: "Byte totals sum positional tensor buffers").
+        nbytes = sum(_tensor_bytes(a) for a in args)
+        for log in _active_logs:
+            log.record(op, nbytes, batched)
+        return original(*args, **kwargs)
+
+    wrapper.__patchray_wrapped__ = original
+    return wrapper
+
+
+def _install():
+    import torch.distributed.distributed_c10d as c10d
+
+    for op in COUNTED_OPS:
+        original = getattr(c10d, op)
+        _originals[op] = original
+        wrapped = _make_wrapper(op, original)
+        setattr(c10d, op, wrapped)
+        setattr(dist, op, wrapped)
+
+
+def _uninstall():
+    import torch.distributed.distributed_c10d as c10d
+
+    for op, original in _originals.items():
+        setattr(c10d, op, original)
+        setattr(dist, op, original)
+    _originals.clear()
+
+
+@contextlib.contextmanager
+def log_comm():
+    """Count ``torch.distributed`` calls and bytes made inside the block (this process only).
+
+    Example:
+        >>> with log_comm() as log:
+        ...     pass  # run one decode
+        >>> log.total_calls
+        0
+    """
+    log = CommLog()
+    with _patch_lock:
+        if not _active_logs:
+            _install()
+        _active_logs.append(log)
+    try:
+        yield log
+    finally:
+        with _patch_lock:
+            _active_logs.remove(log)
+            if not _active_logs:
+                _uninstall()
+
+
+# --------------------------------------------------------------------------------------------------
+# primitives
+
+
+def all_reduce(t: torch.Tensor, ctx: ParallelContext, op=None) -> torch.Tensor:
+    """In-place sum (or ``op``) over the group; a no-op on one rank. Returns ``t``."""
+    if ctx.world_size == 1:
+        return t
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=ctx.group)
+    return t
+
+
+def broadcast(t: torch.Tensor, ctx: ParallelContext, src: int = 0) -> torch.Tensor:
+    """Broadcast ``t`` from group rank ``src`` in place; a no-op on one rank."""
+    if ctx.world_size == 1:
+        return t
+    dist.broadcast(t, src=ctx.global_ranks[src] if ctx.global_ranks else src, group=ctx.group)
+    return t
+
+
+def _pad_along(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    if t.shape[dim] == size:
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[dim] = size
+    out = t.new_zeros(shape)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+def all_gather_padded(t: torch.Tensor, ctx: ParallelContext, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along ``dim``; ``sizes[r]`` is rank r's extent (known to all).
+
+    Uneven extents are padded to the largest for transport and cut back afterwards, so this is one
+    ``all_gather`` and no metadata collective.
+    """
+    if ctx.world_size == 1:
+        return t
+    if len(sizes) != ctx.world_size:
+        raise ValueError(f"sizes must have one entry per rank (got {len(sizes)}, world_size {ctx.world_size})")
+    if t.shape[dim] != sizes[ctx.rank]:
+        raise ValueError(f"this rank's extent {t.shape[dim]} along dim {dim} differs from sizes[{ctx.rank}]={sizes[ctx.rank]}")
+    biggest = max(sizes)
+    send = _pad_along(t, dim, biggest)
+    bufs = [torch.empty_like(send) for _ in range(ctx.world_size)]
+    dist.all_gather(bufs, send, group=ctx.group)
+    return torch.cat([b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)], dim=dim)
+
+
+def gather_to(t: torch.Tensor, ctx: ParallelContext, dim: int, sizes: Sequence[int], dst: int = 0) -> Optional[torch.Tensor]:
+    """Concatenate every rank's ``t`` along ``dim`` on group rank ``dst`` only (``None`` elsewhere).
+
+    The output travels once, to the caller: no all-gather to every rank.
+    """
+    if ctx.world_size == 1:
+        return t
+    biggest = max(sizes)
+    send = _pad_along(t, dim, biggest)
+    # gloo's gather on CUDA tensors is not among the collectives measured to work: stage it on the host.
+    if ctx.stages_p2p_through_host:
+        send = send.cpu()
+    if ctx.rank == dst:
+        bufs = [torch.empty_like(send) for _ in range(ctx.world_size)]
+    else:
+        bufs = None
+    dst_global = ctx.global_ranks[dst] if ctx.global_ranks else dst
+    dist.gather(send, gather_list=bufs, dst=dst_global, group=ctx.group)
+    if ctx.rank != dst:
+        return None
+    return torch.cat([b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)], dim=dim).to(t.device)
+
+
+class Halo(NamedTuple):
+    """Rows received from the previous (``before``) and next (``after``) rank; ``None`` at the image edge."""
+
+    before: Optional[torch.Tensor]
+    after: Optional[torch.Tensor]
+
+
+def exchange_halo(x: torch.Tensor, ctx: ParallelContext, dim: int, halos: Sequence[Sequence[int]]) -> Halo:
+    """Swap boundary slices with the neighbouring ranks along ``dim`` in one batched point-to-point.
+
+    Args:
+        x: this rank's band.
+        ctx: the parallel context.
+        dim: the sharded dimension (rows).
+        halos: ``halos[r] == (before_r, after_r)``: how many slices rank r needs from rank r-1 and r+1.
+            Every rank passes the same table (derived from global shapes), so no sizes travel.
+
+    Returns:
+        :class:`Halo` with the received slices (``None`` where nothing is needed or at the edge).
+    """
+    if ctx.world_size == 1:
+        return Halo(None, None)
+    r, n = ctx.rank, ctx.world_size
+    need_before, need_after = halos[r]
+    # what my neighbours need from me
+    give_prev = halos[r - 1][1] if r > 0 else 0  # rank r-1 needs `after` slices: my first ones
+    give_next = halos[r + 1][0] if r < n - 1 else 0  # rank r+1 needs `before` slices: my last ones
+    extent = x.shape[dim]
+    if max(give_prev, give_next) > extent:
+        # backstop, not the guard: callers refuse thin bands from shared shapes before any rank gets here
+        raise ValueError(f"rank {r} holds {extent} slices along dim {dim} but a neighbour needs {max(give_prev, give_next)}")
+
+    stage = ctx.stages_p2p_through_host
+    host = torch.device("cpu")
+
+    def _send_buf(t):
+        t = t.contiguous()
+        return t.to(host) if stage else t
+
+    def _recv_buf(count):
+        shape = list(x.shape)
+        shape[dim] = count
+        return torch.empty(shape, dtype=x.dtype, device=host if stage else x.device)
+
+    ops = []
+    recv_before = recv_after = None
+    g = ctx.global_ranks or tuple(range(n))
+    if r > 0 and need_before:
+        recv_before = _recv_buf(need_before)
+        ops.append(dist.P2POp(dist.irecv, recv_before, g[r - 1], ctx.group))
+    if r < n - 1 and need_after:
+        recv_after = _recv_buf(need_after)
+        ops.append(dist.P2POp(dist.irecv, recv_after, g[r + 1], ctx.group))
+    if r > 0 and give_prev:
+        ops.append(dist.P2POp(dist.isend, _send_buf(x.narrow(dim, 0, give_prev)), g[r - 1], ctx.group))
+    if r < n - 1 and give_next:
+        ops.append(dist.P2POp(dist.isend, _send_buf(x.narrow(dim, extent - give_next, give_next)), g[r + 1], ctx.group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    if stage:
+        recv_before = recv_before.to(x.device) if recv_before is not None else None
+        recv_after = recv_after.to(x.device) if recv_after is not None else None
+    return Halo(recv_before, recv_after)

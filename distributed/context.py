@@ -1,0 +1,93 @@
+"""The explicit, immutable parallel context every adapter and helper receives.
+
+Design decision: nothing in ``distributed/`` reads the WORLD group, ``LOCAL_RANK`` or derives a device
+from the rank number. In a Ray actor the GPU Ray assigned is usually ``cuda:0``, and one process may
+host several groups (a VAE group and a sampling group), so the group, rank and device travel together
+in one frozen value that is passed in explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["ParallelContext"]
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Who this rank is, inside which group, on which device.
+
+    Args:
+        group: the ``torch.distributed`` process group the ranks share, or ``None`` for one rank.
+        rank: this process's rank inside ``group``.
+        world_size: number of ranks in ``group``.
+        global_ranks: the WORLD ranks of ``group``'s members, in group-rank order.
+        device: the device this rank computes on (what Ray assigned; ``cpu`` for CPU ranks).
+        backend: ``"gloo"`` or ``"nccl"`` (``"none"`` for one rank without a group).
+
+    Example:
+        >>> ctx = ParallelContext.single(torch.device("cpu"))
+        >>> ctx.world_size
+        1
+    """
+
+    group: Any
+    rank: int
+    world_size: int
+    global_ranks: tuple = field(default=())
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str = "none"
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1 (got {self.world_size})")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size) (got rank {self.rank}, world_size {self.world_size})")
+        if self.global_ranks and len(self.global_ranks) != self.world_size:
+            raise ValueError(
+                f"global_ranks must list one WORLD rank per member (got {len(self.global_ranks)} for "
+                f"world_size {self.world_size})"
+            )
+        if self.world_size > 1 and self.group is None:
+            raise ValueError("a context with world_size > 1 needs a process group; pass group=")
+        if not isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", torch.device(self.device))
+
+    @classmethod
+    def single(cls, device: Optional[torch.device] = None) -> "ParallelContext":
+        """A one-rank context: every collective becomes a no-op."""
+        return cls(group=None, rank=0, world_size=1, global_ranks=(0,), device=torch.device(device or "cpu"))
+
+    @classmethod
+    def from_group(cls, group=None, device: Optional[torch.device] = None) -> "ParallelContext":
+        """Build a context for ``group`` (default: WORLD) of an initialised ``torch.distributed``."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return cls.single(device)
+        group = group if group is not None else dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return cls(
+            group=group,
+            rank=dist.get_rank(group),
+            world_size=dist.get_world_size(group),
+            global_ranks=ranks,
+            device=torch.device(device or "cpu"),
+            backend=str(dist.get_backend(group)),
+        )
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    @property
+    def stages_p2p_through_host(self) -> bool:
+        """gloo cannot send/recv CUDA tensors ('writev: Bad address'), so point-to-point is staged on the host."""
+        return self.backend == "gloo" and self.device.type == "cuda"
