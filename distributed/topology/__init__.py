@@ -1,0 +1,48 @@
+"""P2P topology probe and PCIe-aware advice (issue 8).
+
+``probe_topology()`` inspects this machine (nvidia-smi, NVML, PyTorch, NCCL; each optional),
+``report_from_saved()`` reads ``nvidia-smi topo -m`` / ``topo -p2p`` text saved elsewhere, and ``advise()`` turns
+either into the NCCL environment, the decode mode and the OTIL preset to use, plus plain warnings.
+Nothing here imports torch, NVML or matplotlib until a function needs it.
+"""
+
+from .advice import (
+    Advice,
+    DecodeChoice,
+    OtilChoice,
+    advise,
+    bottleneck_link,
+    cached_probe,
+    choose_decode_mode,
+    choose_otil_preset,
+    clear_probe_cache,
+    link_profiles,
+)
+from .cli import probe_main
+from .parse import TopoMatrix, parse_gpu_listing, parse_p2p_matrix, parse_saved_outputs, parse_topo_matrix
+from .probe import probe_topology, report_from_saved
+from .report import TopologyReport, render_heatmap, summary_text
+
+__all__ = [
+    "Advice",
+    "DecodeChoice",
+    "OtilChoice",
+    "TopoMatrix",
+    "TopologyReport",
+    "advise",
+    "bottleneck_link",
+    "cached_probe",
+    "choose_decode_mode",
+    "choose_otil_preset",
+    "clear_probe_cache",
+    "link_profiles",
+    "parse_gpu_listing",
+    "parse_p2p_matrix",
+    "parse_saved_outputs",
+    "parse_topo_matrix",
+    "probe_main",
+    "probe_topology",
+    "render_heatmap",
+    "report_from_saved",
+    "summary_text",
+]
