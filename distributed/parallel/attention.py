@@ -1,0 +1,185 @@
+"""Gathered attention: each rank's queries attend to the keys and values of the whole image.
+
+Design decisions:
+
+* **Local queries, gathered K/V.** Each rank projects only its own tokens; keys and values are gathered with one
+  ``all_gather`` each (``comm.all_gather_padded``, extents from the band table) and the rank's queries attend to
+  all of them. Softmax over keys does not depend on the keys' order, so the gathered order (rank by rank) needs
+  no reordering; where a mask depends on position (frame-causal video attention) it is built for that order.
+* **One adapter class per attention layer type**: diffusers ``Attention`` (KL/Flux.2 mid-block, HunyuanVideo's
+  frame-causal mid-block), Wan/Qwen-Image's per-frame ``*AttentionBlock`` and HunyuanVideo-1.5's frame-causal
+  ``AttnBlock``. Each reuses the module's projections by reference and refuses configurations it does not
+  reproduce exactly (cross-attention, spatial norm, q/k norms, a non-default processor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..comm import all_gather_padded
+from .plan import Applied, RowState, Style, set_forward
+
+__all__ = ["GatheredAttention", "RecordVideoLayout", "GatheredFrameAttention", "GatheredCausalAttnBlock", "frame_causal_mask"]
+
+
+def _token_sizes(state: RowState, local_rows: int, per_row: int, frames: int = 1) -> list:
+    b = state.bounds_at(local_rows)
+    return [frames * (b[i + 1] - b[i]) * per_row for i in range(len(b) - 1)]
+
+
+def frame_causal_mask(
+    frames: int, rows_local: int, row_bounds: Sequence[int], width: int, rank: int, device
+) -> torch.Tensor:
+    """Boolean ``[L_q, L_k]`` mask: a query of frame t sees keys of frames <= t (True = attend).
+
+    Queries are this rank's tokens in ``(frame, row, column)`` order; keys are every rank's tokens, rank after
+    rank, each in the same order (the layout ``all_gather`` along the token dimension produces).
+    """
+    q_frame = torch.arange(frames, device=device).repeat_interleave(rows_local * width)
+    k_frame = torch.cat(
+        [
+            torch.arange(frames, device=device).repeat_interleave((row_bounds[i + 1] - row_bounds[i]) * width)
+            for i in range(len(row_bounds) - 1)
+        ]
+    )
+    return k_frame.unsqueeze(0) <= q_frame.unsqueeze(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordVideoLayout(Style):
+    """A container that flattens ``[B, C, T, h, W]`` into tokens before its attention: record ``(T, h, W)``.
+
+    Registered as a named forward pre-hook (the math does not change); the frame-causal attention reads it.
+    """
+
+    def _apply(self, module, path, state):
+        def hook(mod, args):
+            x = args[0]
+            if x.dim() == 5:
+                state.video_layout = tuple(x.shape[2:])
+
+        handle = module.register_forward_pre_hook(hook)
+        return Applied(handle.remove)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatheredAttention(Style):
+    """diffusers ``Attention`` as its ``AttnProcessor2_0`` computes it, with K/V gathered from every rank.
+
+    Args:
+        frame_causal: the caller passes HunyuanVideo's frame-causal mask over ``(T, h, W)`` tokens; the
+            adapter rebuilds it for local queries and gathered keys (layout from :class:`RecordVideoLayout`).
+    """
+
+    frame_causal: bool = False
+
+    def _apply(self, module, path, state):
+        from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+        processor = getattr(module, "processor", None)
+        if not isinstance(processor, (AttnProcessor, AttnProcessor2_0)):
+            raise NotImplementedError(f"{path}: attention processor {type(processor).__name__} is not supported in row mode")
+        for attr in ("spatial_norm", "norm_q", "norm_k", "norm_cross"):
+            if getattr(module, attr, None):
+                raise NotImplementedError(f"{path}: Attention with {attr} is not supported in row mode")
+        attn, frame_causal, ctx = module, self.frame_causal, state.ctx
+
+        def forward(hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+            if encoder_hidden_states is not None:
+                raise NotImplementedError(f"{path}: cross-attention is not supported in row mode")
+            residual = hidden_states
+            if hidden_states.dim() == 4:
+                batch, channel, height, width = hidden_states.shape
+                frames, rows, per_row = 1, height, width
+                hidden_states = hidden_states.view(batch, channel, height * width).transpose(1, 2)
+            else:
+                if not frame_causal or state.video_layout is None:
+                    raise NotImplementedError(f"{path}: token-shaped input without a recorded video layout")
+                frames, rows, per_row = state.video_layout
+                batch = hidden_states.shape[0]
+                if frames * rows * per_row != hidden_states.shape[1]:
+                    raise RuntimeError(f"{path}: {hidden_states.shape[1]} tokens do not match layout {state.video_layout}")
+            if attention_mask is not None and not frame_causal:
+                raise NotImplementedError(f"{path}: an attention mask is only supported for frame-causal attention")
+            if attn.group_norm is not None:
+                hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+            query = attn.to_q(hidden_states)
+            sizes = _token_sizes(state, rows, per_row, frames)
+            key = all_gather_padded(attn.to_k(hidden_states), ctx, 1, sizes)
+            value = all_gather_padded(attn.to_v(hidden_states), ctx, 1, sizes)
+            head_dim = key.shape[-1] // attn.heads
+            query = query.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+            key = key.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+            value = value.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+            mask = None
+            if frame_causal and attention_mask is not None:
+                mask = frame_causal_mask(frames, rows, state.bounds_at(rows), per_row, ctx.rank, query.device)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False)
+            out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
+            out = attn.to_out[1](attn.to_out[0](out))
+            if residual.dim() == 4:
+                out = out.transpose(-1, -2).reshape(residual.shape)
+            if attn.residual_connection:
+                out = out + residual
+            return out / attn.rescale_output_factor
+
+        return Applied(set_forward(module, forward))
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredFrameAttention(Style):
+    """Wan / Qwen-Image ``*AttentionBlock``: single-head attention within each frame, K/V gathered over rows."""
+
+    def _apply(self, module, path, state):
+        ctx = state.ctx
+
+        def forward(x):
+            identity = x
+            batch, channels, time, height, width = x.size()
+            x = x.permute(0, 2, 1, 3, 4).reshape(batch * time, channels, height, width)
+            x = module.norm(x)
+            qkv = module.to_qkv(x)
+            qkv = qkv.reshape(batch * time, 1, channels * 3, -1).permute(0, 1, 3, 2).contiguous()
+            q, k, v = qkv.chunk(3, dim=-1)
+            sizes = _token_sizes(state, height, width)
+            k = all_gather_padded(k.contiguous(), ctx, 2, sizes)
+            v = all_gather_padded(v.contiguous(), ctx, 2, sizes)
+            x = F.scaled_dot_product_attention(q, k, v)
+            x = x.squeeze(1).permute(0, 2, 1).reshape(batch * time, channels, height, width)
+            x = module.proj(x)
+            x = x.view(batch, time, channels, height, width).permute(0, 2, 1, 3, 4)
+            return x + identity
+
+        return Applied(set_forward(module, forward))
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredCausalAttnBlock(Style):
+    """HunyuanVideo-1.5 ``AttnBlock``: frame-causal attention over all ``(T, h, W)`` tokens, K/V gathered."""
+
+    def _apply(self, module, path, state):
+        ctx = state.ctx
+
+        def tokens(t):
+            b, c = t.shape[:2]
+            return t.reshape(b, c, -1).permute(0, 2, 1).unsqueeze(1).contiguous()
+
+        def forward(x):
+            identity = x
+            x = module.norm(x)
+            query, key, value = module.to_q(x), module.to_k(x), module.to_v(x)
+            batch, channels, frames, height, width = query.shape
+            sizes = _token_sizes(state, height, width, frames)
+            key = all_gather_padded(tokens(key), ctx, 2, sizes)
+            value = all_gather_padded(tokens(value), ctx, 2, sizes)
+            mask = frame_causal_mask(frames, height, state.bounds_at(height), width, ctx.rank, query.device)
+            out = F.scaled_dot_product_attention(tokens(query), key, value, attn_mask=mask)
+            out = out.squeeze(1).reshape(batch, frames, height, width, channels).permute(0, 4, 1, 2, 3)
+            return module.proj_out(out) + identity
+
+        return Applied(set_forward(module, forward))

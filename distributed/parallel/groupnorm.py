@@ -1,0 +1,79 @@
+"""Exact GroupNorm over a row-sharded tensor, in one collective per call.
+
+Design decision: each rank reduces its band to per-(sample, group) ``(count, mean, M2)`` in fp32, one
+``all_gather`` exchanges those ``3 x B x G`` numbers, and every rank merges them with Chan et al.'s parallel
+update (``M2 = sum M2_r + sum n_r (mean_r - mean)^2``), which is exact up to rounding and does not cancel
+catastrophically the way ``E[x^2] - E[x]^2`` does. The variance is the biased one ``nn.GroupNorm`` uses.
+Normalisation is one fused ``x * a + b`` with per-(sample, channel) coefficients, so no fp32 copy of the
+activation is made (the band's own dtype is kept, like ``nn.GroupNorm`` on CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+from ..comm import all_gather_padded
+from ..context import ParallelContext
+from .plan import Applied, RowState, Style, set_forward
+
+__all__ = ["group_stats", "merge_group_stats", "exact_group_norm", "ExactGroupNorm"]
+
+
+def group_stats(x: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """This rank's ``[3, B, G]`` fp32 stack of (count, mean, M2) over everything but the batch and the group."""
+    b = x.shape[0]
+    xg = x.reshape(b, num_groups, -1)
+    var, mean = torch.var_mean(xg, dim=-1, correction=0)
+    count = xg.shape[-1]
+    mean = mean.float()
+    return torch.stack([torch.full_like(mean, float(count)), mean, var.float() * count])
+
+
+def merge_group_stats(stats: torch.Tensor):
+    """Chan's merge of ``[N, 3, B, G]`` per-rank stats; returns (mean, biased variance), each ``[B, G]``."""
+    n, mean, m2 = stats[:, 0], stats[:, 1], stats[:, 2]
+    total = n.sum(0)
+    merged_mean = (n * mean).sum(0) / total
+    merged_m2 = m2.sum(0) + (n * (mean - merged_mean) ** 2).sum(0)
+    return merged_mean, merged_m2 / total
+
+
+def exact_group_norm(x: torch.Tensor, norm: nn.GroupNorm, ctx: ParallelContext) -> torch.Tensor:
+    """``norm(x_full)`` restricted to this rank's part ``x``: statistics over every rank's part.
+
+    Works for any layout whose dim 0 is the batch and dim 1 the channels (``[B, C, *]``).
+    """
+    b, c = x.shape[0], x.shape[1]
+    g = norm.num_groups
+    stats = group_stats(x, g)
+    if ctx.world_size > 1:
+        stats = all_gather_padded(stats.unsqueeze(0).contiguous(), ctx, 0, [1] * ctx.world_size)
+    else:
+        stats = stats.unsqueeze(0)
+    mean, var = merge_group_stats(stats)
+    rstd = torch.rsqrt(var + norm.eps)
+    # per (sample, channel): y = x * scale + shift, with the affine parameters folded in
+    scale = rstd.repeat_interleave(c // g, dim=1)
+    shift = -mean.repeat_interleave(c // g, dim=1) * scale
+    if norm.affine:
+        shift = shift * norm.weight.float() + norm.bias.float()
+        scale = scale * norm.weight.float()
+    view = (b, c) + (1,) * (x.dim() - 2)
+    return torch.addcmul(shift.to(x.dtype).view(view), x, scale.to(x.dtype).view(view))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactGroupNorm(Style):
+    """``nn.GroupNorm`` with statistics over the whole (row-sharded) tensor."""
+
+    def _apply(self, module, path, state: RowState):
+        if module.num_channels % module.num_groups:
+            raise NotImplementedError(f"{path}: num_channels={module.num_channels} not divisible by num_groups")
+
+        def forward(x):
+            return exact_group_norm(x, module, state.ctx)
+
+        return Applied(set_forward(module, forward))

@@ -1,0 +1,371 @@
+"""Row mode: each rank decodes (or encodes) one band of latent rows; the result equals the single-GPU one.
+
+Design decisions:
+
+* **The model runs unchanged on a band.** :func:`parallelize_vae` applies the family's row plan (a table:
+  layer type -> adapter style, :data:`ROW_PLANS`) to one half of the VAE, then ``row_decode`` simply calls the
+  diffusers ``vae.decode`` on the rank's latent band. Every layer that looks beyond its own rows is adapted
+  (halo convolutions, exact GroupNorm, gathered attention); everything else is verified row-local and left
+  alone, so the family's own decode logic (Wan's frame loop and feature caches, HunyuanVideo's framewise
+  decoding, clamps, unpatchify) keeps working. conv_in and the mid-block are sharded like every other layer.
+* **Every decision comes from shapes every rank shares.** Validation (family, channels, rank count) happens
+  before the first collective and raises the same ``ValueError`` on every rank. Band boundaries at every layer
+  are the latent band table times the layer's scale (see ``parallel/plan.py``), never a metadata collective.
+* **The output travels once**, to group rank 0 (``comm.gather_to``); other ranks return ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..comm import gather_to
+from ..context import ParallelContext
+from ..parallel.attention import GatheredAttention, GatheredCausalAttnBlock, GatheredFrameAttention, RecordVideoLayout
+from ..parallel.conv import HaloConv, HaloPadThenConv, HaloPaddedCausalConv, HaloWanCausalConv
+from ..parallel.groupnorm import ExactGroupNorm
+from ..parallel.plan import Applied, ClaimedOnly, RowLocal, RowState, apply_plan, undo_all
+from .families import FAMILIES, family_of, get_family
+
+__all__ = ["ROW_PLANS", "row_bands", "parallelize_vae", "RowShardHandle", "row_decode", "row_encode", "validate_latent"]
+
+_HANDLE_ATTR = "_patchray_row_shard"
+_LOCAL = RowLocal()
+
+_TORCH_COMMON = {
+    "Conv2d": HaloConv(),
+    "Conv3d": HaloConv(),
+    "GroupNorm": ExactGroupNorm(),
+    "SiLU": _LOCAL,
+    "Dropout": _LOCAL,
+    "Identity": _LOCAL,
+    "Linear": _LOCAL,
+    "ModuleList": _LOCAL,
+    "Sequential": _LOCAL,
+}
+
+
+def _local(*names: str) -> dict:
+    return {name: _LOCAL for name in names}
+
+
+_KL_PLAN = {
+    **_TORCH_COMMON,
+    **_local("Decoder", "Encoder", "UNetMidBlock2D", "UpDecoderBlock2D", "DownEncoderBlock2D", "ResnetBlock2D", "Upsample2D"),
+    "Downsample2D": HaloPadThenConv(),
+    "Attention": GatheredAttention(),
+}
+
+
+def _wan_like(prefix: str) -> dict:
+    return {
+        **_TORCH_COMMON,
+        **_local(
+            f"{prefix}Decoder3d",
+            f"{prefix}Encoder3d",
+            f"{prefix}MidBlock",
+            f"{prefix}ResidualBlock",
+            f"{prefix}UpBlock",
+            f"{prefix}RMS_norm",
+            f"{prefix}Upsample",
+        ),
+        f"{prefix}CausalConv3d": HaloWanCausalConv(),
+        f"{prefix}Resample": HaloPadThenConv(),
+        f"{prefix}AttentionBlock": GatheredFrameAttention(),
+        "ZeroPad2d": ClaimedOnly(parent=f"{prefix}Resample"),
+    }
+
+
+ROW_PLANS: Dict[str, dict] = {
+    "kl": _KL_PLAN,
+    "flux2": _KL_PLAN,
+    "wan": _wan_like("Wan"),
+    "qwen_image": _wan_like("QwenImage"),
+    "hunyuan_video": {
+        **_TORCH_COMMON,
+        **_local(
+            "HunyuanVideoDecoder3D",
+            "HunyuanVideoEncoder3D",
+            "HunyuanVideoUpBlock3D",
+            "HunyuanVideoDownBlock3D",
+            "HunyuanVideoResnetBlockCausal3D",
+            "HunyuanVideoUpsampleCausal3D",
+            "HunyuanVideoDownsampleCausal3D",
+        ),
+        "HunyuanVideoCausalConv3d": HaloPaddedCausalConv(),
+        "HunyuanVideoMidBlock3D": RecordVideoLayout(),
+        "Attention": GatheredAttention(frame_causal=True),
+    },
+    "hunyuan_video_15": {
+        **_TORCH_COMMON,
+        **_local(
+            "HunyuanVideo15Decoder3D",
+            "HunyuanVideo15Encoder3D",
+            "HunyuanVideo15UpBlock3D",
+            "HunyuanVideo15DownBlock3D",
+            "HunyuanVideo15ResnetBlock",
+            "HunyuanVideo15RMS_norm",
+            "HunyuanVideo15Upsample",
+            "HunyuanVideo15Downsample",
+            "HunyuanVideo15MidBlock",
+        ),
+        "HunyuanVideo15CausalConv3d": HaloPaddedCausalConv(),
+        "HunyuanVideo15AttnBlock": GatheredCausalAttnBlock(),
+    },
+    "ltx2": {
+        **_TORCH_COMMON,
+        **_local(
+            "LTX2VideoDecoder3d",
+            "LTX2VideoEncoder3d",
+            "LTX2VideoMidBlock3d",
+            "LTX2VideoUpBlock3d",
+            "LTX2VideoDownBlock3D",
+            "LTX2VideoUpsampler3d",
+            "LTX2VideoDownsampler3d",
+            "LTX2VideoCausalConv3d",
+            "PerChannelRMSNorm",
+            "LayerNorm",
+        ),
+        # the spatial noise injection draws fresh noise per position: not reproducible per band
+        "LTX2VideoResnetBlock3d": RowLocal(refuse=("per_channel_scale1", "per_channel_scale2")),
+    },
+}
+assert set(ROW_PLANS) == set(FAMILIES), "every family needs a row plan"  # backstop, not the guard: import-time table check
+
+
+# --------------------------------------------------------------------------------------------------
+# bands and validation
+
+
+def row_bands(latent_height: int, world_size: int, min_rows: int = 1) -> List[Tuple[int, int]]:
+    """Split ``latent_height`` rows into ``world_size`` contiguous bands (the first ones one row taller if uneven).
+
+    Raises:
+        ValueError: when a band would hold fewer than ``min_rows`` rows; names the largest rank count that fits.
+
+    Example:
+        >>> row_bands(7, 3)
+        [(0, 3), (3, 5), (5, 7)]
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1 (got {world_size})")
+    if latent_height < world_size * min_rows:
+        fits = max(1, latent_height // max(min_rows, 1))
+        raise ValueError(
+            f"a latent of {latent_height} rows cannot give each of {world_size} ranks {min_rows} row(s); "
+            f"use at most {fits} ranks, or a taller image"
+        )
+    base, extra = divmod(latent_height, world_size)
+    bands, start = [], 0
+    for r in range(world_size):
+        stop = start + base + (1 if r < extra else 0)
+        bands.append((start, stop))
+        start = stop
+    return bands
+
+
+def _latent_channels(vae) -> int:
+    config = vae.config
+    for key in ("latent_channels", "z_dim"):
+        if key in config:
+            return int(config[key])
+    raise ValueError(f"cannot tell the latent channels of {type(vae).__name__}")  # pragma: no cover
+
+
+def validate_latent(vae, z: torch.Tensor, world_size: int) -> List[Tuple[int, int]]:
+    """Check ``z`` against ``vae`` and the rank count (shared data only); return the latent bands."""
+    family = family_of(vae)
+    spec = get_family(family)
+    want_dim = 5 if spec.is_video else 4
+    layout = "[B, C, T, h, w]" if spec.is_video else "[B, C, h, w]"
+    if z.dim() != want_dim:
+        raise ValueError(f"{family} latents are {want_dim}-D {layout}; got shape {tuple(z.shape)}")
+    channels = _latent_channels(vae)
+    if z.shape[1] != channels:
+        raise ValueError(
+            f"latent has {z.shape[1]} channels but this {family} VAE expects {channels}; "
+            f"pass a latent made by this VAE (or load the matching VAE)"
+        )
+    return row_bands(z.shape[-2], world_size)
+
+
+def _bounds(bands) -> Tuple[int, ...]:
+    return (0,) + tuple(stop for _, stop in bands)
+
+
+# --------------------------------------------------------------------------------------------------
+# apply / remove
+
+
+class RowShardHandle:
+    """An applied row plan on one half of a VAE. :meth:`remove` restores the model exactly."""
+
+    def __init__(self, vae: nn.Module, half: str, family: str, state: RowState, applied: List[Applied]):
+        self.vae, self.half, self.family, self.state = vae, half, family, state
+        self._applied = applied
+
+    @property
+    def active(self) -> bool:
+        return self._applied is not None
+
+    def remove(self) -> None:
+        """Undo every adapter (idempotent)."""
+        if self._applied is None:
+            return
+        undo_all(self._applied)
+        self._applied = None
+        handles = self.vae.__dict__.get(_HANDLE_ATTR, {})
+        handles.pop(self.half, None)
+        if not handles:
+            self.vae.__dict__.pop(_HANDLE_ATTR, None)
+
+
+def _half_roots(vae, half: str):
+    if half == "decoder":
+        return [("post_quant_conv", getattr(vae, "post_quant_conv", None)), ("decoder", vae.decoder)]
+    if half == "encoder":
+        return [("encoder", vae.encoder), ("quant_conv", getattr(vae, "quant_conv", None))]
+    raise ValueError(f"half must be 'decoder' or 'encoder' (got {half!r})")
+
+
+def parallelize_vae(vae: nn.Module, ctx: ParallelContext, half: str = "decoder") -> RowShardHandle:
+    """Apply the family's row plan to ``vae.decoder`` (or ``vae.encoder``) for the ranks of ``ctx``.
+
+    Args:
+        vae: a diffusers VAE of a known family (see ``FAMILIES``).
+        ctx: the parallel context (group, rank, device).
+        half: ``"decoder"`` or ``"encoder"``.
+
+    Returns:
+        a :class:`RowShardHandle`; ``handle.remove()`` restores the model (no weights were copied).
+
+    Raises:
+        ValueError: unknown family, bad ``half``, or the half is already parallelized.
+        NotImplementedError: a module no adapter covers (named with its path and class).
+
+    Example:
+        >>> handle = parallelize_vae(vae, ctx)          # doctest: +SKIP
+        >>> handle.state.latent_bounds = (0, 32, 64)    # doctest: +SKIP  (row_decode does this)
+        >>> handle.remove()                             # doctest: +SKIP
+    """
+    family = family_of(vae)
+    roots = _half_roots(vae, half)
+    if half in vae.__dict__.get(_HANDLE_ATTR, {}):
+        raise ValueError(f"the {half} of this VAE is already parallelized; call handle.remove() first")
+    state = RowState(ctx)
+    applied = apply_plan(roots, ROW_PLANS[family], state)
+    handle = RowShardHandle(vae, half, family, state, applied)
+    vae.__dict__.setdefault(_HANDLE_ATTR, {})[half] = handle
+    return handle
+
+
+@contextlib.contextmanager
+def _sharded(vae, ctx: ParallelContext, half: str, bounds: Tuple[int, ...]):
+    """Use an existing handle for ``half`` (same group) or apply one for the duration of the block."""
+    existing = vae.__dict__.get(_HANDLE_ATTR, {}).get(half)
+    if existing is not None and existing.state.ctx != ctx:
+        raise ValueError(f"the {half} of this VAE is parallelized for another group; remove that handle first")
+    handle = existing or parallelize_vae(vae, ctx, half)
+    saved_tiling = getattr(vae, "use_tiling", None)
+    try:
+        handle.state.latent_bounds = bounds
+        if saved_tiling:
+            vae.use_tiling = False  # row mode replaces tiling for this call; restored below
+        yield handle
+    finally:
+        handle.state.latent_bounds = None
+        if saved_tiling:
+            vae.use_tiling = saved_tiling
+        if existing is None:
+            handle.remove()
+
+
+def _param_dtype_device(vae):
+    p = next(vae.parameters())
+    return p.dtype, p.device
+
+
+def _gather_rows(out: torch.Tensor, ctx: ParallelContext, bands) -> Optional[torch.Tensor]:
+    rows_dim = out.dim() - 2
+    rank_rows = bands[ctx.rank][1] - bands[ctx.rank][0]
+    scale, rem = divmod(out.shape[rows_dim], rank_rows)
+    if rem:
+        raise RuntimeError(f"band output of {out.shape[rows_dim]} rows is not a multiple of {rank_rows}")  # backstop
+    sizes = [(stop - start) * scale for start, stop in bands]
+    return gather_to(out.contiguous(), ctx, rows_dim, sizes, dst=0)
+
+
+@torch.no_grad()
+def row_decode(vae: nn.Module, z: torch.Tensor, ctx: ParallelContext) -> Optional[torch.Tensor]:
+    """Decode ``z`` with the rows split across the ranks of ``ctx``; the sample arrives on group rank 0 only.
+
+    Args:
+        vae: a diffusers VAE of a known family, on ``ctx.device``.
+        z: the FULL latent, the same on every rank (any dtype; cast to the VAE's).
+        ctx: the parallel context (``ParallelContext.single()`` decodes on one rank).
+
+    Returns:
+        on rank 0 the decoded sample, equal to ``vae.decode(z).sample``; ``None`` on the other ranks.
+
+    Raises:
+        ValueError: unknown family, a latent whose rank/channels do not fit, too many ranks for its rows
+            (identically on every rank, before any communication).
+        NotImplementedError: the VAE holds a layer no adapter covers.
+
+    Example:
+        >>> image = row_decode(vae, z, ctx)  # doctest: +SKIP
+    """
+    bands = validate_latent(vae, z, ctx.world_size)
+    dtype, device = _param_dtype_device(vae)
+    start, stop = bands[ctx.rank]
+    with _sharded(vae, ctx, "decoder", _bounds(bands)):
+        band = z.narrow(-2, start, stop - start).to(device=device, dtype=dtype)
+        out = vae.decode(band).sample
+    return _gather_rows(out, ctx, bands)
+
+
+@torch.no_grad()
+def row_encode(vae: nn.Module, x: torch.Tensor, ctx: ParallelContext, *, return_parameters: bool = False):
+    """Encode ``x`` with the rows split across the ranks; the latent mean arrives on group rank 0 only.
+
+    Args:
+        vae: a diffusers VAE of a known family, on ``ctx.device``.
+        x: the FULL input image/video, the same on every rank; height and width divisible by the family's
+            spatial ratio.
+        ctx: the parallel context.
+        return_parameters: return the latent distribution's parameters (mean and log-variance channels, what
+            ``DiagonalGaussianDistribution`` takes) instead of its mean.
+
+    Returns:
+        on rank 0 ``vae.encode(x).latent_dist.mean`` (or ``.parameters``); ``None`` on the other ranks.
+    """
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    family = family_of(vae)
+    spec = get_family(family)
+    want_dim = 5 if spec.is_video else 4
+    if x.dim() != want_dim:
+        raise ValueError(f"{family} inputs are {want_dim}-D; got shape {tuple(x.shape)}")
+    in_channels = int(vae.config.get("in_channels", x.shape[1]))
+    if x.shape[1] != in_channels:
+        raise ValueError(f"input has {x.shape[1]} channels but this {family} VAE expects {in_channels}")
+    ratio = spec.spatial_ratio
+    height, width = x.shape[-2], x.shape[-1]
+    if height % ratio or width % ratio:
+        raise ValueError(
+            f"{family} encodes sizes divisible by {ratio}; got {height}x{width}: crop or pad to "
+            f"{height // ratio * ratio}x{width // ratio * ratio}"
+        )
+    bands = row_bands(height // ratio, ctx.world_size)
+    dtype, device = _param_dtype_device(vae)
+    start, stop = bands[ctx.rank]
+    with _sharded(vae, ctx, "encoder", _bounds(bands)):
+        band = x.narrow(-2, start * ratio, (stop - start) * ratio).to(device=device, dtype=dtype)
+        params = vae.encode(band).latent_dist.parameters
+    params = _gather_rows(params, ctx, bands)
+    if params is None or return_parameters:
+        return params
+    return DiagonalGaussianDistribution(params).mean
