@@ -1,0 +1,63 @@
+"""Module-level task functions the cluster tests send to the ranks (they travel by name)."""
+
+import os
+import time
+
+import torch
+
+from patchray.distributed import comm
+
+
+def whoami(ctx):
+    return {"rank": ctx.rank, "world_size": ctx.world_size, "pid": os.getpid(), "device": str(ctx.device), "backend": ctx.backend}
+
+
+def all_reduce_random(ctx, seed):
+    g = torch.Generator().manual_seed(seed + ctx.rank)
+    x = torch.randn(5, 7, generator=g, dtype=torch.float64)
+    local = x.clone()
+    comm.all_reduce(x, ctx)
+    return local, x
+
+
+def neighbour_exchange(ctx, rows_per_rank, halos):
+    g = torch.Generator().manual_seed(100 + ctx.rank)
+    band = torch.randn(rows_per_rank[ctx.rank], 4, generator=g)
+    halo = comm.exchange_halo(band, ctx, 0, halos)
+    return band, halo.before, halo.after
+
+
+def known_sequence(ctx):
+    """A fixed sequence of operations whose counts the test knows in advance."""
+    with comm.log_comm() as log:
+        t = torch.ones(8)  # 32 bytes
+        comm.all_reduce(t, ctx)
+        comm.all_reduce(t, ctx)
+        comm.all_gather_padded(torch.ones(2, 3), ctx, 0, [2] * ctx.world_size)  # 24 bytes out, n*24 in
+        comm.exchange_halo(torch.ones(3, 2), ctx, 0, [(1, 1)] * ctx.world_size)  # 8 bytes each way
+        comm.broadcast(torch.ones(4), ctx)
+    return log.to_dict()
+
+
+def die_on(ctx, rank_to_die):
+    if ctx.rank == rank_to_die:
+        time.sleep(0.5)
+        os._exit(3)
+    t = torch.ones(1)
+    comm.all_reduce(t, ctx)  # the others block here until the cluster is stopped
+    return t.item()
+
+
+def hang_on(ctx, rank_to_hang):
+    if ctx.rank == rank_to_hang:
+        time.sleep(3600)
+    t = torch.ones(1)
+    comm.all_reduce(t, ctx)
+    return t.item()
+
+
+def refuse(ctx, value):
+    # validation from shared data: every rank raises the same error, nobody waits in a collective
+    if value < 0:
+        raise ValueError(f"value must be >= 0 (got {value}); pass a non-negative value")
+    return value

@@ -1,0 +1,153 @@
+"""The rank cluster on real Ray with CPU ranks and a real gloo process group (no mocks)."""
+
+import time
+
+import pytest
+import torch
+
+from patchray.distributed.cluster import ClusterSetupError, RankFailure, check_cluster, get_cluster
+
+from ..conftest import TEST_PYTHONPATH
+from . import cluster_tasks as tasks
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def ClusterConfig(**kw):  # noqa: N802 - the library's config, with this test package importable on the ranks
+    from patchray.distributed.cluster import ClusterConfig as _Config
+
+    return _Config(extra_pythonpath=(TEST_PYTHONPATH,), **kw)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_group_forms_and_all_reduces(n):
+    cluster = get_cluster(ClusterConfig(num_ranks=n, device="cpu"))
+    who = cluster.run(tasks.whoami)
+    assert [w["rank"] for w in who] == list(range(n))
+    assert all(w["world_size"] == n and w["backend"] == "gloo" and w["device"] == "cpu" for w in who)
+    assert len({w["pid"] for w in who}) == n  # one process per rank
+    out = cluster.run(tasks.all_reduce_random, 7)
+    expect = sum(local for local, _ in out)
+    for _, reduced in out:
+        # float64 sums of n terms in possibly different order: a few ulps
+        torch.testing.assert_close(reduced, expect, rtol=1e-12, atol=1e-12)
+
+
+def test_neighbour_exchange_uneven_bands():
+    cluster = get_cluster(ClusterConfig(num_ranks=3, device="cpu"))
+    rows = [4, 2, 5]
+    halos = [(0, 2), (1, 2), (2, 0)]  # rank 1 needs 1 row from rank 0 and 2 from rank 2, ...
+    out = cluster.run(tasks.neighbour_exchange, rows, halos)
+    bands = [b for b, _, _ in out]
+    for r, (_, before, after) in enumerate(out):
+        need_before, need_after = halos[r]
+        if r == 0:
+            assert before is None
+        else:
+            assert torch.equal(before, bands[r - 1][-need_before:])
+        if r == 2:
+            assert after is None
+        else:
+            assert torch.equal(after, bands[r + 1][:need_after])
+
+
+def test_comm_counts_exact_for_known_sequence():
+    cluster = get_cluster(ClusterConfig(num_ranks=3, device="cpu"))
+    logs = cluster.run(tasks.known_sequence)
+    for r, log in enumerate(logs):
+        # all_reduce x2, all_gather x1, batch_isend_irecv x1, broadcast x1: five API calls on every rank
+        assert log["calls"] == {"all_reduce": 2, "all_gather": 1, "batch_isend_irecv": 1, "broadcast": 1}
+        assert log["total_calls"] == 5
+        neighbours = (r > 0) + (r < 2)
+        # the sends/receives inside batch_isend_irecv are labelled batched: bytes, no calls
+        assert log["batched_calls"] == {"isend": neighbours, "irecv": neighbours}
+        assert log["bytes"]["all_reduce"] == 2 * 32
+        assert log["bytes"]["all_gather"] == 3 * 24 + 24  # output list (3 buffers) + input tensor
+        assert log["bytes"]["isend"] == log["bytes"]["irecv"] == neighbours * 8
+        assert log["bytes"]["batch_isend_irecv"] == 0  # a list of P2POps is no tensor buffer
+        assert log["bytes"]["broadcast"] == 16
+
+
+def test_second_call_reuses_the_cluster():
+    cfg = ClusterConfig(num_ranks=2, device="cpu")
+    c1 = get_cluster(cfg)
+    pids1 = [w["pid"] for w in c1.run(tasks.whoami)]
+    t0 = time.perf_counter()
+    c2 = get_cluster(cfg)
+    assert c2 is c1
+    assert [w["pid"] for w in c2.run(tasks.whoami)] == pids1
+
+
+def test_refusal_is_raised_and_the_group_survives():
+    cluster = get_cluster(ClusterConfig(num_ranks=2, device="cpu"))
+    with pytest.raises(ValueError, match="value must be >= 0"):
+        cluster.run(tasks.refuse, -1)
+    assert cluster.run(tasks.refuse, 5) == [5, 5]
+    assert get_cluster(ClusterConfig(num_ranks=2, device="cpu")) is cluster
+
+
+def test_dead_rank_raises_within_bound_and_next_call_works():
+    cfg = ClusterConfig(num_ranks=3, device="cpu")
+    cluster = get_cluster(cfg)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        cluster.run(tasks.die_on, 1, timeout_s=120)
+    assert 1 in info.value.ranks and "rank 1" in str(info.value)
+    assert time.monotonic() - t0 < 60  # death is noticed by Ray, not by the call's 120 s bound
+    fresh = get_cluster(cfg)
+    assert fresh is not cluster
+    assert fresh.run(tasks.refuse, 1) == [1, 1, 1]
+
+
+def test_hung_rank_becomes_an_error_within_the_bound():
+    cfg = ClusterConfig(num_ranks=2, device="cpu")
+    cluster = get_cluster(cfg)
+    with pytest.raises(RankFailure, match="did not finish") as info:
+        cluster.run(tasks.hang_on, 0, timeout_s=5)
+    assert 0 in info.value.ranks
+    assert get_cluster(cfg).run(tasks.refuse, 2) == [2, 2]
+
+
+def test_cancel_check_stops_every_rank():
+    cfg = ClusterConfig(num_ranks=2, device="cpu")
+    cluster = get_cluster(cfg)
+
+    class Interrupted(Exception):
+        pass
+
+    calls = {"n": 0}
+
+    def cancel():
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise Interrupted("user pressed cancel")
+
+    with pytest.raises(Interrupted):
+        cluster.run(tasks.hang_on, 1, timeout_s=120, cancel_check=cancel)
+    assert cluster.broken
+    assert get_cluster(cfg).run(tasks.refuse, 3) == [3, 3]
+
+
+def test_more_gpu_ranks_than_gpus_fails_at_once_with_both_counts():
+    with pytest.raises(ClusterSetupError, match=r"asked for 2 GPU ranks but the Ray cluster has 0 GPU"):
+        get_cluster(ClusterConfig(num_ranks=2, device="cuda"))
+
+
+def test_check_cluster_reports_three_ready_ranks():
+    report = check_cluster(ClusterConfig(num_ranks=3, device="cpu"), nbytes=1 << 16)
+    assert report["ranks"] == 3 and report["ready_ranks"] == 3
+    assert report["all_reduce_ok"] and report["p2p_ok"]
+    assert report["backend"] == "gloo"
+    assert set(report["bandwidth_gbps"]) == {"1->0", "2->1"}
+    assert all(v > 0 for v in report["bandwidth_gbps"].values())
+
+
+def test_config_validation_names_the_field():
+    from patchray.distributed.cluster import ClusterConfig
+
+    with pytest.raises(ValueError, match="num_ranks"):
+        ClusterConfig(num_ranks=0)
+    with pytest.raises(ValueError, match="device"):
+        ClusterConfig(device="tpu")
+    with pytest.raises(ValueError, match="strategy"):
+        ClusterConfig(strategy="RANDOM")
