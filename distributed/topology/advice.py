@@ -478,8 +478,8 @@ def advise(report: TopologyReport) -> list:
     if report.gpu_count == 0:
         out.append(Advice(
             "warning", "warning", "No NVIDIA GPU found",
-            " ".join(report.notes) + " PatchRay runs on CPU ranks here: correct results, no GPU speed-up."
-            if report.notes else "PatchRay runs on CPU ranks here: correct results, no GPU speed-up.",
+            "PatchRay runs on CPU ranks here: correct results, no GPU speed-up. The report's notes say what was "
+            "checked (nvidia-smi, NVML, PyTorch).",
         ))
     elif report.gpu_count == 1:
         out.append(Advice(

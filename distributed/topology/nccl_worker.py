@@ -86,12 +86,27 @@ def main(argv=None) -> int:
     if len(args.devices) < 2:
         print("need at least two devices", file=sys.stderr)
         return 2
+    import multiprocessing
     import tempfile
 
-    import torch.multiprocessing as mp
-
+    # stdlib spawn, not torch.multiprocessing: this launcher never imports torch (only the ranks do), which
+    # saves one slow torch import per measurement
+    ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="patchray-nccl-") as tmp:
-        mp.spawn(_rank, args=(args, os.path.join(tmp, "store")), nprocs=len(args.devices), join=True)
+        procs = [ctx.Process(target=_rank, args=(r, args, os.path.join(tmp, "store"))) for r in range(len(args.devices))]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + args.timeout * 2
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if failed:
+            print(f"ranks {failed} failed or timed out", file=sys.stderr)
+            return 1
     return 0
 
 

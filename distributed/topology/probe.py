@@ -394,6 +394,15 @@ def measure_copy(src: int, dst: int, nbytes: int = 64 << 20, iters: int = 10) ->
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nccl_worker.py")
 
 
+def _worker_env(p2p_disabled: bool) -> dict:
+    """This process's environment with ``NCCL_P2P_DISABLE=1`` set or removed (the rest passes through)."""
+    env = dict(os.environ)
+    env.pop("NCCL_P2P_DISABLE", None)
+    if p2p_disabled:
+        env["NCCL_P2P_DISABLE"] = "1"
+    return env
+
+
 def measure_allreduce(
     devices: Sequence[int],
     *,
@@ -419,10 +428,7 @@ def measure_allreduce(
     Raises:
         RuntimeError: when the workers fail or time out (the message carries their stderr tail).
     """
-    env = dict(os.environ)
-    env.pop("NCCL_P2P_DISABLE", None)
-    if p2p_disabled:
-        env["NCCL_P2P_DISABLE"] = "1"
+    env = _worker_env(p2p_disabled)
     with tempfile.TemporaryDirectory(prefix="patchray-probe-") as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, _WORKER, "--devices", ",".join(map(str, devices)), "--bytes", str(nbytes),
