@@ -128,7 +128,7 @@ def _axis_cuts(spans: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
 def _contiguous_runs(weights: Sequence[int], ranks: int) -> Tuple[Tuple[int, int], ...]:
     """Split ``weights`` (raster order) into ``ranks`` non-empty contiguous runs minimizing the largest sum.
 
-    The smallest feasible bound is found by bisection over the sub-run sums; the runs are then filled
+    The smallest feasible bound is found by bisection over integer loads; the runs are then filled
     greedily under that bound while leaving at least one tile for every later rank (which never makes
     the bound infeasible: a capped run leaves exactly one tile per remaining rank, each below the bound).
     """
@@ -147,15 +147,14 @@ def _contiguous_runs(weights: Sequence[int], ranks: int) -> Tuple[Tuple[int, int
             load += w
         return parts
 
-    bounds = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
-    lo, hi = 0, len(bounds) - 1
-    while lo < hi:
+    lo, hi = max(weights), prefix[-1]
+    while lo < hi:  # the smallest bound that ``ranks`` runs can meet
         mid = (lo + hi) // 2
-        if bounds[mid] >= max(weights) and parts_needed(bounds[mid]) <= ranks:
+        if parts_needed(mid) <= ranks:
             hi = mid
         else:
             lo = mid + 1
-    bound = bounds[lo]
+    bound = lo
     runs, start = [], 0
     for r in range(ranks):
         stop = start + 1
