@@ -17,11 +17,12 @@ from .advice import (
     choose_otil_preset,
     clear_probe_cache,
     link_profiles,
+    recommended_settings,
 )
 from .cli import probe_main
 from .parse import TopoMatrix, parse_gpu_listing, parse_p2p_matrix, parse_saved_outputs, parse_topo_matrix
 from .probe import probe_topology, report_from_saved
-from .report import TopologyReport, render_heatmap, summary_text
+from .report import TopologyReport, heatmap_image, render_heatmap, summary_text
 
 __all__ = [
     "Advice",
@@ -35,6 +36,7 @@ __all__ = [
     "choose_decode_mode",
     "choose_otil_preset",
     "clear_probe_cache",
+    "heatmap_image",
     "link_profiles",
     "parse_gpu_listing",
     "parse_p2p_matrix",
@@ -42,6 +44,7 @@ __all__ = [
     "parse_topo_matrix",
     "probe_main",
     "probe_topology",
+    "recommended_settings",
     "render_heatmap",
     "report_from_saved",
     "summary_text",

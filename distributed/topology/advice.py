@@ -35,9 +35,11 @@ __all__ = [
     "advise",
     "link_profiles",
     "nearest_profile",
+    "effective_gbps",
     "bottleneck_link",
     "choose_decode_mode",
     "choose_otil_preset",
+    "recommended_settings",
     "cached_probe",
     "clear_probe_cache",
 ]
@@ -53,10 +55,11 @@ OTIL_FULL_GATHER_GBPS = 100.0
 _OTIL_K_CLASSES = ((20.0, 1 / 4), (5.0, 1 / 8), (0.0, 1 / 16))
 # PCIe 3.0 x4: the narrowest link that still gets no warning.
 NARROW_PCIE_GBPS = pcie_gbps(3, 4)
-# Copies reach ~80% of a PCIe link's theoretical rate with P2P, ~40% when staged through host memory
-# (two copies and a synchronisation); NVLink ~20 GB/s per link and direction (V100-A100 era, conservative for H100).
-_P2P_EFFICIENCY = 0.8
-_HOST_STAGED_EFFICIENCY = 0.4
+# Copies reach ~88% of a PCIe link's signalling rate with P2P (the pinned-copy efficiency the link model measured on
+# the H200 host) and half that when staged through host memory (two copies: the link model's via_host rule);
+# NVLink ~20 GB/s per link and direction (NV18 -> 360 GB/s, the link model's nvlink profile).
+_P2P_EFFICIENCY = 55.3 / 63.0
+_HOST_STAGED_EFFICIENCY = _P2P_EFFICIENCY / 2
 _NVLINK_GBPS_PER_LINK = 20.0
 _ASSUMED_PCIE_GBPS = pcie_gbps(4, 16)  # when a saved report has no --query-gpu output
 # NCCL with P2P disabled must beat P2P by more than this to call P2P "slow": a short all_reduce timing
@@ -97,13 +100,18 @@ class LinkProfile(NamedTuple):
     via_host: bool
 
 
-_FALLBACK_PROFILES = {
-    "nvlink": LinkProfile("nvlink", 150.0, 3.0, False),
-    "pcie4_x16_p2p": LinkProfile("pcie4_x16_p2p", 24.0, 8.0, False),
-    "pcie4_x16_no_p2p": LinkProfile("pcie4_x16_no_p2p", 11.0, 20.0, True),
-    "pcie3_x8": LinkProfile("pcie3_x8", 5.5, 15.0, True),
-    "10gbe": LinkProfile("10gbe", 1.1, 50.0, True),
+_FALLBACK_PROFILES = {  # the link model's table (issue 5) as of this writing, used only if it cannot be imported
+    "nvlink": LinkProfile("nvlink", 360.0, 5.0, False),
+    "pcie4_x16_p2p": LinkProfile("pcie4_x16_p2p", 27.6, 10.0, False),
+    "pcie4_x16_no_p2p": LinkProfile("pcie4_x16_no_p2p", 27.6, 20.0, True),
+    "pcie3_x8": LinkProfile("pcie3_x8", 6.9, 10.0, False),
+    "10gbe": LinkProfile("10gbe", 1.18, 50.0, False),
 }
+
+
+def effective_gbps(profile) -> float:
+    """What one copy achieves on a profile: its bandwidth, halved when staged through host (two copies)."""
+    return profile.bandwidth_gbps / (2.0 if profile.via_host else 1.0)
 
 
 def link_profiles() -> dict:
@@ -119,14 +127,17 @@ def link_profiles() -> dict:
 
 
 def nearest_profile(bandwidth_gbps: float, via_host: Optional[bool] = None, profiles: Optional[dict] = None):
-    """The named profile whose bandwidth is nearest on a log scale; restricted to the same ``via_host`` if known."""
+    """The named profile whose effective bandwidth (:func:`effective_gbps`) is nearest on a log scale.
+
+    ``via_host`` (known P2P status) restricts the candidates to profiles with the same ``via_host`` when any exist.
+    """
     profiles = link_profiles() if profiles is None else profiles
     cands = list(profiles.values())
     if via_host is not None and any(bool(p.via_host) == via_host for p in cands):
         cands = [p for p in cands if bool(p.via_host) == via_host]
     if not cands or not bandwidth_gbps or bandwidth_gbps <= 0:
         return None
-    return min(cands, key=lambda p: abs(math.log(max(p.bandwidth_gbps, 1e-6) / bandwidth_gbps)))
+    return min(cands, key=lambda p: abs(math.log(max(effective_gbps(p), 1e-6) / bandwidth_gbps)))
 
 
 class LinkEstimate(NamedTuple):
@@ -163,7 +174,7 @@ def bottleneck_link(report: TopologyReport, devices: Optional[Sequence[int]] = N
     if len([n for n in report.nodes if n.gpus]) > 1 and report.inter_node:
         worst = min(report.inter_node, key=lambda x: x.bandwidth_gbps if x.bandwidth_gbps is not None else math.inf)
         if worst.bandwidth_gbps is not None:
-            return LinkEstimate(worst.bandwidth_gbps, worst.latency_us, True, "inter-node", f"{worst.a}<->{worst.b}")
+            return LinkEstimate(worst.bandwidth_gbps, worst.latency_us, None, "inter-node", f"{worst.a}<->{worst.b}")
     node = report.local
     if node is None or len(node.gpus) < 2:
         return LinkEstimate(None, None, None, "none", "")
@@ -505,6 +516,40 @@ def advise(report: TopologyReport) -> list:
                           settings={"otil_preset": o.preset, "otil_k_fraction": o.k_fraction}))
     order = {"warning": 0, "action": 1, "info": 2}
     return sorted(out, key=lambda a: order.get(a.severity, 3))
+
+
+def recommended_settings(report: TopologyReport, devices: Optional[Sequence[int]] = None, **otil_kwargs) -> dict:
+    """What PatchRay's auto modes use, in one dict: decode mode, OTIL preset and k, and the NCCL environment.
+
+    Args:
+        report (`TopologyReport`): e.g. from :func:`cached_probe`.
+        devices (`list[int]`, *optional*): the GPUs of the job (nvidia-smi indices of the first node).
+        **otil_kwargs: passed to :func:`choose_otil_preset` (``num_blocks``, ``block_bytes``, ``step_compute_ms``).
+
+    Returns:
+        `dict` with ``decode_mode``, ``otil_preset``, ``otil_k_fraction``, ``otil_k`` (``None`` without
+        ``num_blocks``), ``env`` (NCCL variables advised for the first node) and ``link`` (the bottleneck, as a dict).
+
+    Example::
+
+        >>> recommended_settings(cached_probe(key), num_blocks=64)["otil_k"]
+        16
+    """
+    d = choose_decode_mode(report, devices)
+    o = choose_otil_preset(report, devices, **otil_kwargs)
+    env: dict = {}
+    if report.local is not None:
+        for a in _advise_node(report.local):
+            if a.kind == "nccl_env":
+                env.update(a.env)
+    return {
+        "decode_mode": d.mode,
+        "otil_preset": o.preset,
+        "otil_k_fraction": o.k_fraction,
+        "otil_k": o.k,
+        "env": env,
+        "link": d.link._asdict(),
+    }
 
 
 # --------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ __all__ = [
     "pcie_gbps",
     "summary_text",
     "render_heatmap",
+    "heatmap_image",
     "node_from_dict",
 ]
 
@@ -395,9 +396,9 @@ def render_heatmap(report: TopologyReport, path: str) -> str:
     """Draw one GPU x GPU heatmap per node and write it as a PNG.
 
     Cells are coloured by the measured copy bandwidth (log scale, slower direction) where measured, else by the
-    estimate the advice uses (marked ``~``), and annotated with the link kind, the P2P read status and the GB/s. P2P that is not available is
-    hatched. A report with no GPU gives a small image that says so. Uses matplotlib's Agg canvas directly,
-    so it never changes the process's pyplot backend (ComfyUI may have its own).
+    estimate the advice uses (marked ``~``), and annotated with the link kind, the P2P read status and the GB/s.
+    Pairs without P2P are hatched. A report with no GPU gives a small image that says so. Uses matplotlib's Agg
+    canvas directly, so it never changes the process's pyplot backend (ComfyUI may have its own).
 
     Args:
         report (`TopologyReport`): the probe's result.
@@ -406,20 +407,39 @@ def render_heatmap(report: TopologyReport, path: str) -> str:
     Returns:
         `str`: ``path``.
     """
+    fig = _heatmap_figure(report)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, format="png", bbox_inches="tight")
+    return path
+
+
+def heatmap_image(report: TopologyReport):
+    """The heatmap of :func:`render_heatmap` as a ``float32`` numpy array ``[H, W, 3]`` in 0..1.
+
+    For callers that want pixels rather than a file (ComfyUI's IMAGE is ``[B, H, W, C]`` in 0..1: add a batch axis).
+    """
+    import numpy as np
+
+    fig = _heatmap_figure(report)
+    fig.canvas.draw()
+    rgba = np.asarray(fig.canvas.buffer_rgba())
+    return rgba[..., :3].astype(np.float32) / 255.0
+
+
+def _heatmap_figure(report: TopologyReport):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure
 
     nodes = [n for n in report.nodes if n.gpus] or []
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if not nodes:
         fig = Figure(figsize=(6, 2.2), dpi=100)
         ax = fig.add_subplot(111)
         ax.axis("off")
         msg = "No NVIDIA GPU found" + (f"\n{report.notes[0]}" if report.notes else "")
         ax.text(0.5, 0.5, msg, ha="center", va="center", fontsize=11, wrap=True)
-        FigureCanvasAgg(fig).print_png(path)
-        return path
+        FigureCanvasAgg(fig)
+        return fig
 
     sizes = [len(n.gpus) for n in nodes]
     cell = 1.25 if max(sizes) <= 4 else 0.95
@@ -484,8 +504,7 @@ def render_heatmap(report: TopologyReport, path: str) -> str:
         cb = fig.colorbar(im, ax=fig.axes, shrink=0.8, pad=0.02)
         cb.set_label("GB/s between the pair, slower direction (log scale)", fontsize=8)
     FigureCanvasAgg(fig)
-    fig.savefig(path, format="png", bbox_inches="tight")
-    return path
+    return fig
 
 
 def _hatch(c: int, r: int):

@@ -62,7 +62,7 @@ def test_consumer_no_p2p_gets_p2p_disabled_tile_runs_and_sparse_otil():
     assert any("No GPU peer-to-peer" in t and "CNS" in t for t in titles(adv, "warning"))
     assert setting(adv, "decode_mode") == "tile-runs"
     assert setting(adv, "otil_preset") == "otil"
-    # host-staged through a PCIe 3.0 x4 link: 0.4 * 3.94 GB/s = 1.6 GB/s < 5 GB/s -> k/K = 1/16
+    # host-staged through a PCIe 3.0 x4 link: 0.44 * 3.94 GB/s = 1.7 GB/s < 5 GB/s -> k/K = 1/16
     assert setting(adv, "otil_k_fraction") == pytest.approx(1 / 16)
     assert [a.severity for a in adv] == sorted((a.severity for a in adv), key=["warning", "action", "info"].index)
 
@@ -172,10 +172,12 @@ def test_link_profiles_have_the_link_model_fields():
     assert profiles
     for p in profiles.values():
         assert isinstance(p.name, str) and p.bandwidth_gbps > 0 and p.latency_us >= 0 and isinstance(p.via_host, bool)
-    table = {"a": LinkProfile("a", 100.0, 1.0, False), "b": LinkProfile("b", 10.0, 5.0, True), "c": LinkProfile("c", 1.0, 50.0, True)}
+    # "b" is staged through host memory: one copy achieves 20 / 2 = 10 GB/s on it
+    table = {"a": LinkProfile("a", 100.0, 1.0, False), "b": LinkProfile("b", 20.0, 5.0, True), "c": LinkProfile("c", 1.0, 50.0, False)}
     assert nearest_profile(40.0, profiles=table).name == "a"  # log distance: 40 is nearer 100 than 10
     assert nearest_profile(29.0, profiles=table).name == "b"
     assert nearest_profile(40.0, via_host=True, profiles=table).name == "b"
+    assert nearest_profile(2.0, profiles=table).name == "c"
     assert nearest_profile(0.0, profiles=table) is None
 
 
@@ -211,3 +213,15 @@ def test_cached_probe_probes_once_per_key():
     assert r3 is not r1 and len(calls) == 3
     clear_probe_cache()
     assert math.isfinite(bottleneck_link(r1).bandwidth_gbps)
+
+
+def test_recommended_settings_bundle_what_auto_modes_use():
+    from patchray.distributed.topology.advice import recommended_settings
+
+    s = recommended_settings(saved("consumer_2x3090_no_p2p"), num_blocks=64)
+    assert (s["decode_mode"], s["otil_preset"], s["otil_k"]) == ("tile-runs", "otil", 4)  # 64 / 16
+    assert s["env"] == {"NCCL_P2P_DISABLE": "1"} and s["link"]["source"] == "estimate"
+    s = recommended_settings(saved("hgx_h100_8gpu_nvlink"), devices=[0, 1], num_blocks=64)
+    assert (s["decode_mode"], s["otil_preset"], s["otil_k"], s["env"]) == ("row", "balanced", 64, {})
+    empty = recommended_settings(TopologyReport(nodes=[NodeTopology("cpu-only")]))
+    assert empty["decode_mode"] == "row" and empty["link"]["bandwidth_gbps"] is None

@@ -242,3 +242,12 @@ def test_cli_refuses_bad_input(tmp_path, capsys):
     assert probe_main(["--topo-file", str(tmp_path / "missing.txt"), "--out", str(tmp_path)]) == 2
     assert probe_main(["--topo-file", str(junk), "--ranks", "2"]) == 2
     assert probe_main(["--ranks", "0"]) == 2
+
+
+def test_heatmap_image_for_nodes():
+    from patchray.distributed.topology.report import heatmap_image
+
+    img = heatmap_image(saved("dual_socket_4x_l40s"))
+    assert img.ndim == 3 and img.shape[2] == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    assert img.dtype.name == "float32" and 0.0 <= float(img.min()) and float(img.max()) <= 1.0
+    assert float(img.std()) > 0.05  # not a blank canvas
