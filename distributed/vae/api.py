@@ -132,21 +132,42 @@ def _encode_task(ctx: ParallelContext, spec: VaeSpec, weights, x: torch.Tensor, 
 # driver side
 
 
-def choose_mode(family: str, height: int, width: int, frames: int, world_size: int, topology: Optional[dict] = None) -> str:
-    """``auto``'s choice: row mode (exact) unless the topology advice says the link favours whole tiles."""
-    if world_size == 1:
-        return "row"
-    if topology:
-        try:
-            from ..topology import choose_decode_mode
+def choose_mode(family: str, height: int, width: int, frames: int, world_size: int, topology: Any = None) -> str:
+    """``auto``'s choice: row mode (exact) unless the topology advice says the link favours whole tiles.
 
-            choice = choose_decode_mode(topology, world_size=world_size)
-            mode = choice if isinstance(choice, str) else getattr(choice, "mode", "row")
-            if mode in ("row", "tile-runs"):
-                return mode
-        except Exception as exc:  # advice is optional: never fail a decode over it
-            log.debug("topology advice unavailable: %s", exc)
-    return "row"
+    Args:
+        topology: a ``topology.TopologyReport`` (e.g. from ``topology.cached_probe``); ``None``: row mode.
+    """
+    if world_size == 1 or topology is None:
+        return "row"
+    try:
+        from ..topology import choose_decode_mode
+
+        mode = choose_decode_mode(topology).mode
+    except Exception as exc:  # advice is optional: never fail a decode over it
+        log.debug("topology advice unavailable: %s", exc)
+        return "row"
+    if mode == "tile-runs":
+        from .planner import plan_tiles
+
+        try:
+            plan_tiles(family, height, width, frames, world_size)
+        except ValueError:  # the image is too small for tiles on this many ranks: row mode works
+            return "row"
+    return mode if mode in ("row", "tile-runs") else "row"
+
+
+def _cluster_topology(cluster) -> Any:
+    """The probe's report for this cluster's GPUs, probed once per cluster configuration (no bandwidth runs)."""
+    if getattr(cluster, "device_kind", "cpu") != "cuda":
+        return None
+    try:
+        from ..topology import cached_probe
+
+        return cached_probe(("vae-auto", cluster.config), measure=False)
+    except Exception as exc:
+        log.debug("topology probe unavailable: %s", exc)
+        return None
 
 
 def _run_with_weights(cluster, task: Callable, spec: VaeSpec, *args, cancel_check=None, timeout_s=None):
@@ -189,7 +210,7 @@ def distributed_decode(
     plan: Optional[dict] = None,
     dtype="fp32",
     gn_sync: bool = False,
-    topology: Optional[dict] = None,
+    topology: Any = None,
     cancel_check: Optional[Callable[[], None]] = None,
     timeout_s: Optional[float] = None,
 ) -> torch.Tensor:
@@ -203,7 +224,7 @@ def distributed_decode(
         plan: a ``TilePlan.to_dict()`` for tile-runs (default: the planner's balanced plan, else coarse).
         dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` or a torch dtype for the VAE's weights and activations.
         gn_sync: tile-runs only: normalise every tile with image-wide GroupNorm statistics.
-        topology: a topology report dict, used by ``auto``.
+        topology: a ``topology.TopologyReport`` for ``auto`` (default: probed once per cluster on GPU clusters).
         cancel_check: polled while the ranks work; raise from it to stop every rank.
 
     Returns:
@@ -215,7 +236,7 @@ def distributed_decode(
     n = cluster.config.num_ranks
     height, width, frames = _latent_frames_hw(spec.family, z)
     if mode == "auto":
-        mode = choose_mode(spec.family, height, width, frames, n, topology)
+        mode = choose_mode(spec.family, height, width, frames, n, topology if topology is not None else _cluster_topology(cluster))
     if mode == "tile-runs":
         from .planner import TilePlan, plan_tiles
 

@@ -74,3 +74,25 @@ def test_bad_requests_are_refused_with_the_fix():
         api.distributed_decode(cluster, spec, torch.randn(1, 7, 16, 16), mode="row")
     with pytest.raises(ValueError, match="unknown family|known families"):
         api.spec_for_family("sd35")
+
+
+def _saved_report(name):
+    from pathlib import Path
+
+    from patchray.distributed.topology import report_from_saved
+
+    folder = Path(__file__).resolve().parents[1] / "fixtures" / "topology" / name
+    topo = (folder / "topo_m.txt").read_text()
+    p2p = [(folder / f).read_text() for f in ("p2p.txt", "p2p_r.txt", "p2p_w.txt") if (folder / f).exists()]
+    return report_from_saved(topo, p2p)
+
+
+def test_auto_follows_the_topology_advice():
+    # a consumer board without GPU peer-to-peer: the advice prefers whole tiles (no per-layer exchange)
+    no_p2p = _saved_report("consumer_2x3090_no_p2p")
+    assert api.choose_mode("kl", 2048, 2048, 1, 2, no_p2p) == "tile-runs"
+    # NVLink: exact row mode
+    nvlink = _saved_report("hgx_h100_8gpu_nvlink")
+    assert api.choose_mode("kl", 2048, 2048, 1, 2, nvlink) == "row"
+    # an image too small for tiles on this many ranks stays in row mode whatever the link
+    assert api.choose_mode("kl", 128, 128, 1, 2, no_p2p) == "row"
