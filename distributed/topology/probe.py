@@ -107,15 +107,11 @@ def build_node(
     for cap, matrix in (nvml.get("p2p") or {}).items():
         p2p.setdefault(cap, matrix)
     idx = sorted(gpus)
-    pairs = []
-    for n, a in enumerate(idx):
-        for b in idx[n + 1 :]:
-            pairs.append(PairInfo(
-                a=a, b=b,
-                link=links.get((a, b)) or links.get((b, a)),
-                p2p_read=_sym(p2p.get("r"), a, b),
-                p2p_write=_sym(p2p.get("w"), a, b),
-            ))
+    pairs = [
+        PairInfo(a=a, b=b, link=links.get((a, b)) or links.get((b, a)),
+                 p2p_read=_sym(p2p.get("r"), a, b), p2p_write=_sym(p2p.get("w"), a, b))
+        for n, a in enumerate(idx) for b in idx[n + 1 :]
+    ]
     nics = []
     if topo is not None:
         for label in topo.nics:
@@ -306,8 +302,9 @@ def _nvml_collect(nv, notes: list) -> dict:
             if j is not None:
                 to_gpu[i][j] = to_gpu[i].get(j, 0) + 1
     links, p2p_r, p2p_w = {}, {}, {}
-    read_cap = getattr(nv, "NVML_P2P_CAPS_INDEX_READ", 0)
-    write_cap = getattr(nv, "NVML_P2P_CAPS_INDEX_WRITE", 1)
+    # nvmlGpuP2PCapsIndex_t: READ = 0, WRITE = 1. Not read from pynvml: some nvidia-ml-py releases define
+    # NVML_P2P_CAPS_INDEX_READ as the tuple (0,) (a stray comma), which NVML then rejects.
+    read_cap, write_cap = 0, 1
     for i in range(count):
         for j in range(count):
             if i == j:
@@ -489,6 +486,9 @@ def probe_topology(devices: Optional[Sequence[int]] = None, measure: bool = True
         if g is not None:
             g.cuda_index = ci
             g.name = g.name or name
+    known = {(p.a, p.b) for p in node.pairs}
+    node.pairs += [PairInfo(a=a.index, b=b.index) for n, a in enumerate(node.gpus) for b in node.gpus[n + 1 :]
+                   if (a.index, b.index) not in known]  # GPUs only PyTorch saw (no nvidia-smi, no NVML)
     report = TopologyReport(nodes=[node])
     if not node.gpus:
         report.notes.append("No NVIDIA GPU found on this machine. " + " ".join(n.rstrip(".") + "." for n in notes))

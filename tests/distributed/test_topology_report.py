@@ -133,8 +133,6 @@ class FakeNvml:
     """An NVML stand-in for a 3-GPU box: GPU0-GPU1 on two direct NVLinks, GPU2 on PCIe; P2P refused for GPU2."""
 
     NVML_NVLINK_MAX_LINKS = 4
-    NVML_P2P_CAPS_INDEX_READ = 0
-    NVML_P2P_CAPS_INDEX_WRITE = 1
     BUS = ["00000000:17:00.0", "00000000:65:00.0", "00000000:CA:00.0"]
 
     class _Pci:
@@ -192,7 +190,11 @@ class FakeNvml:
         return 30  # NVML_TOPOLOGY_HOSTBRIDGE
 
     def nvmlDeviceGetP2PStatus(self, a, b, cap):
-        return 0 if 2 not in (a, b) else 1  # OK, or CHIPSET_NOT_SUPPORTED
+        if cap not in (0, 1):  # nvmlGpuP2PCapsIndex_t READ / WRITE, as NVML itself would check
+            raise TypeError(f"bad P2P capability index {cap!r}")
+        if 2 in (a, b):
+            return 1 if cap == 0 else 5  # read: CHIPSET_NOT_SUPPORTED, write: NOT_SUPPORTED
+        return 0
 
 
 def test_nvml_facts_assemble_into_a_node():
@@ -202,7 +204,8 @@ def test_nvml_facts_assemble_into_a_node():
     assert nv["links"][(0, 1)] == "NV2" and nv["links"][(1, 0)] == "NV2" and nv["links"][(0, 2)] == "PHB"
     node = build_node("box", "live", nvml=nv)
     assert [g.pcie_label() for g in node.gpus] == ["PCIe 4.0 x16", "PCIe 4.0 x16", "PCIe 4.0 x4"]
-    assert node.pair(0, 1).p2p_ok is True and node.pair(1, 2).p2p_read == "CNS" and node.pair(1, 2).p2p_ok is False
+    assert node.pair(0, 1).p2p_ok is True and node.pair(0, 1).p2p_write == "OK"
+    assert (node.pair(1, 2).p2p_read, node.pair(1, 2).p2p_write, node.pair(1, 2).p2p_ok) == ("CNS", "NS", False)
     assert node.gpus[0].memory_mib == 24 << 10
 
 
@@ -251,3 +254,19 @@ def test_heatmap_image_for_nodes():
     assert img.ndim == 3 and img.shape[2] == 3 and img.shape[0] > 100 and img.shape[1] > 100
     assert img.dtype.name == "float32" and 0.0 <= float(img.min()) and float(img.max()) <= 1.0
     assert float(img.std()) > 0.05  # not a blank canvas
+
+
+def test_node_probe_on_rank_runs_once_per_host():
+    import socket
+    from types import SimpleNamespace
+
+    from patchray.distributed.topology.probe import node_probe_on_rank
+    from patchray.distributed.topology.report import node_from_dict
+
+    host = socket.gethostname()
+    # ranks 0 and 1 share this host: only rank 0 probes it; the result is a plain dict for any driver
+    assert node_probe_on_rank(SimpleNamespace(rank=1), {host: 0}) is None
+    d = node_probe_on_rank(SimpleNamespace(rank=0), {host: 0})
+    assert isinstance(d, dict) and d["host"] == host and d["source"] == "remote"
+    node = node_from_dict(d)
+    assert node.host == host and len(node.gpus) == len(d["gpus"])
