@@ -500,6 +500,9 @@ def _heatmap_figure(report: TopologyReport):
                       f"{node.nccl.p2p_disabled_gbps or 0:.1f} GB/s NCCL_P2P_DISABLE=1")
         ax.set_title(title, fontsize=9)
         any_measured = any_measured or measured
+    if report.inter_node:
+        links = "; ".join(f"{x.a} <-> {x.b}: {_fmt_gbps(x.bandwidth_gbps)}" for x in report.inter_node)
+        fig.suptitle(f"between nodes: {links}", fontsize=9)
     if im is not None:
         cb = fig.colorbar(im, ax=fig.axes, shrink=0.8, pad=0.02)
         cb.set_label("GB/s between the pair, slower direction (log scale)", fontsize=8)

@@ -270,3 +270,17 @@ def test_node_probe_on_rank_runs_once_per_host():
     assert isinstance(d, dict) and d["host"] == host and d["source"] == "remote"
     node = node_from_dict(d)
     assert node.host == host and len(node.gpus) == len(d["gpus"])
+
+
+def test_heatmap_and_summary_for_two_nodes(tmp_path):
+    from patchray.distributed.topology.report import InterNodeLink
+
+    a, b = saved("workstation_4x_a6000_pcie_switch").local, saved("consumer_2x3090_no_p2p").local
+    b.source = "remote"
+    rep = TopologyReport(nodes=[a, b], inter_node=[InterNodeLink(a.host, b.host, 1.18, 50.0, "cluster check")])
+    w, h = png_size(render_heatmap(rep, str(tmp_path / "two.png")))
+    one_w, _ = png_size(render_heatmap(TopologyReport(nodes=[a]), str(tmp_path / "one.png")))
+    assert w > one_w  # one panel per node, side by side
+    text = summary_text(rep)
+    assert f"Link {a.host} <-> {b.host}: 1.2 GB/s" in text and "probed on a Ray node" in text
+    check_schema(rep.to_dict())
