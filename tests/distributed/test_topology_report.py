@@ -284,3 +284,20 @@ def test_heatmap_and_summary_for_two_nodes(tmp_path):
     text = summary_text(rep)
     assert f"Link {a.host} <-> {b.host}: 1.2 GB/s" in text and "probed on a Ray node" in text
     check_schema(rep.to_dict())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_live_probe_measures_every_pair_on_gpus():
+    rep = probe_topology(measure=True, copy_bytes=16 << 20, nccl_bytes=16 << 20)
+    check_schema(rep.to_dict())
+    node = rep.local
+    seen = [g for g in node.gpus if g.cuda_index is not None]
+    assert len(seen) == torch.cuda.device_count()
+    for p in node.pairs:
+        if node.gpu(p.a).cuda_index is None or node.gpu(p.b).cuda_index is None:
+            continue
+        assert p.can_access_peer is not None and p.copy_gbps > 0 and p.copy_gbps_reverse > 0 and p.copy_latency_us > 0
+        assert p.link is not None  # from nvidia-smi topo -m or NVML
+    assert node.nccl is not None and node.nccl.error is None, node.nccl
+    assert node.nccl.p2p_allowed_gbps > 0 and node.nccl.p2p_disabled_gbps > 0
