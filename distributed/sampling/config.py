@@ -1,0 +1,222 @@
+"""Patch-parallel sampling configuration: one frozen dataclass, validated on construction, and named presets.
+
+Design decisions:
+
+* **Three orthogonal axes, not one mode string.** DistriFusion folds "how layers talk" and "how GroupNorm talks"
+  into one ``mode`` (``corrected_async_gn``, ``no_sync``, ...), which is why seed 001 had to patch upstream to get
+  "GroupNorm synchronised, everything else no_sync". Here :class:`PatchConfig` has ``layer_mode`` (conv halos and
+  self-attention K/V), ``groupnorm`` (the statistics) and ``output`` (how the denoiser output is completed on every
+  rank) as separate fields, so every combination the seed asks for is a value, not a patch.
+* **Synchronous steps are a function of the logical step index** (:meth:`PatchConfig.is_sync_step`): the warm-up
+  steps and every ``refresh_every``-th step. Nothing resets a counter to force a refresh, so the refresh cannot
+  disturb the schedule that decides it (the seed's pitfall with ``unet.set_counter(0)``).
+* **Presets are data** (:data:`PRESETS`), and :func:`preset` applies overrides through ``dataclasses.replace`` so
+  the result is validated again.
+
+Presets (seed 001):
+
+* ``full_sync``: every step synchronous; equals the single-rank result within floating-point tolerance.
+* ``displaced``: DistriFusion; halos and K/V one step stale through asynchronous all-gathers, corrected-async
+  GroupNorm, full gather of the denoiser output, 4 synchronous warm-up steps.
+* ``guide``: the OTIL guide as written (sections 4.1-4.3): layers ``no_sync`` after warm-up (halos and K/V frozen
+  at the last warm-up step), separate GroupNorm, OTIL top-k latent exchange (k/K = 1/4, 8x8 blocks).
+* ``otil``: ``guide`` with the seed's Pitfall-3 remedies: synchronised GroupNorm and a periodic synchronous
+  refresh of halos and K/V.
+* ``balanced``: keeps the full output gather (cheap: one band per step) and spends the budget on quality:
+  synchronised GroupNorm and a more frequent refresh.
+
+Every preset keeps ``cfg_repair`` on (the seed's fix for split-batch CFG); turn it off only to reproduce the bug.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+__all__ = ["LayerMode", "GroupNormMode", "OutputMode", "PatchConfig", "PRESETS", "preset"]
+
+
+class LayerMode(str, enum.Enum):
+    """How conv halos and self-attention K/V travel between ranks."""
+
+    FULL_SYNC = "full_sync"  # every step, blocking: exact
+    DISPLACED = "displaced"  # DistriFusion: the neighbours' values from the previous step, async all-gather
+    NO_SYNC = "no_sync"  # only on synchronous steps (warm-up, refresh); stale in between
+
+
+class GroupNormMode(str, enum.Enum):
+    """How GroupNorm statistics are formed on steps that are not synchronous."""
+
+    SYNC = "sync"  # one all-gather of (mean, M2) per GroupNorm, merged exactly (Chan)
+    STALE = "stale"  # previous step's statistics of the peers, this rank's fresh ones
+    CORRECTED_ASYNC = "corrected_async"  # DistriFusion: stale global moments + (fresh - stale) local moments
+    SEPARATE = "separate"  # local statistics only
+
+
+class OutputMode(str, enum.Enum):
+    """How every rank completes the denoiser output outside its band."""
+
+    GATHER = "gather"  # one all-gather of the bands: every rank holds the exact output
+    OTIL = "otil"  # only the top-k most-changed sub-blocks of each band travel; the rest is stale memory
+
+
+def _enum(cls, value, field_name):
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{field_name} must be one of {choices} (got {value!r})") from None
+
+
+@dataclass(frozen=True)
+class PatchConfig:
+    """Everything patch-parallel sampling needs to know; validated in ``__post_init__``.
+
+    Args:
+        layer_mode: ``"full_sync"``, ``"displaced"`` or ``"no_sync"`` (see :class:`LayerMode`).
+        groupnorm: ``"sync"``, ``"stale"``, ``"corrected_async"`` or ``"separate"`` (see :class:`GroupNormMode`);
+            used on steps that are not synchronous.
+        output: ``"gather"`` or ``"otil"`` (see :class:`OutputMode`).
+        warmup_steps: the first logical steps run fully synchronous (DistriFusion: 4). Must be >= 1 unless
+            ``layer_mode="full_sync"``: stale modes need one synchronous step to fill their memory.
+        refresh_every: every ``refresh_every``-th logical step (step % R == 0) after warm-up runs synchronous,
+            refreshing halos, K/V, GroupNorm statistics and the output memory; 0 = never.
+        split_batch: put the two CFG halves on two halves of the ranks (needs an even world size and a caller
+            that batches [uncond, cond]); otherwise every rank patch-parallelises the whole batch.
+        cfg_repair: with ``split_batch``, exchange each rank's fresh band with the rank holding the same band of
+            the other CFG half (one all-gather over that pair) every step. Off reproduces the seed's CFG bug.
+        block_size: OTIL square sub-block side, in latent pixels (the paper: 8).
+        k_ratio: OTIL blocks sent per step as a fraction of the band's blocks (the paper: 1/4).
+        k_blocks: an absolute k instead of ``k_ratio`` (clipped to each band's block count).
+        adaptive_k: choose k from the link bandwidth (``link_bandwidth_gbps``, or measured once at setup) so the
+            latent exchange fits ``comm_budget_ms`` per step.
+        link_bandwidth_gbps: the link's bandwidth in GB/s for ``adaptive_k`` (None: measure it once).
+        comm_budget_ms: per-step time budget of the latent exchange for ``adaptive_k``.
+        compress_bits: 0 (off) or 8/4/2: send the selected blocks as low-bit residuals against what the peers
+            hold, with error feedback (CompactFusion-style).
+        comm_checkpoint: in ``displaced`` mode, issue one asynchronous all-gather per this many buffers.
+
+    Example:
+        >>> cfg = preset("otil", k_ratio=0.5)
+        >>> cfg.is_sync_step(3), cfg.is_sync_step(5)
+        (True, False)
+    """
+
+    layer_mode: LayerMode = LayerMode.DISPLACED
+    groupnorm: GroupNormMode = GroupNormMode.CORRECTED_ASYNC
+    output: OutputMode = OutputMode.GATHER
+    warmup_steps: int = 4
+    refresh_every: int = 0
+    split_batch: bool = True
+    cfg_repair: bool = True
+    block_size: int = 8
+    k_ratio: float = 0.25
+    k_blocks: Optional[int] = None
+    adaptive_k: bool = False
+    link_bandwidth_gbps: Optional[float] = None
+    comm_budget_ms: float = 1.0
+    compress_bits: int = 0
+    comm_checkpoint: int = 60
+
+    def __post_init__(self):
+        object.__setattr__(self, "layer_mode", _enum(LayerMode, self.layer_mode, "layer_mode"))
+        object.__setattr__(self, "groupnorm", _enum(GroupNormMode, self.groupnorm, "groupnorm"))
+        object.__setattr__(self, "output", _enum(OutputMode, self.output, "output"))
+        for name in ("warmup_steps", "refresh_every", "block_size", "comm_checkpoint", "compress_bits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0 (got {self.warmup_steps}); use 0 only with layer_mode='full_sync'")
+        if self.layer_mode is not LayerMode.FULL_SYNC and self.warmup_steps < 1:
+            raise ValueError(
+                f"warmup_steps must be >= 1 with layer_mode={self.layer_mode.value!r} (got {self.warmup_steps}): stale "
+                "halos and K/V are filled by a synchronous step; set warmup_steps=1 or more (DistriFusion uses 4)"
+            )
+        if self.layer_mode is LayerMode.FULL_SYNC and self.groupnorm is not GroupNormMode.SYNC:
+            raise ValueError(
+                f"groupnorm must be 'sync' with layer_mode='full_sync' (got {self.groupnorm.value!r}): full_sync promises "
+                "the single-rank result; set groupnorm='sync' or pick layer_mode='displaced'/'no_sync'"
+            )
+        if self.layer_mode is LayerMode.FULL_SYNC and self.output is not OutputMode.GATHER:
+            raise ValueError(
+                f"output must be 'gather' with layer_mode='full_sync' (got {self.output.value!r}): OTIL leaves remote "
+                "regions stale, which breaks full_sync's exactness; set output='gather' or layer_mode='no_sync'"
+            )
+        if self.refresh_every < 0:
+            raise ValueError(f"refresh_every must be >= 0 (got {self.refresh_every}); 0 disables the periodic refresh")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 latent pixel (got {self.block_size}); the OTIL paper uses 8")
+        if not (isinstance(self.k_ratio, (int, float)) and 0.0 < float(self.k_ratio) <= 1.0):
+            raise ValueError(f"k_ratio must be in (0, 1] (got {self.k_ratio!r}); the OTIL paper uses 0.25")
+        if self.k_blocks is not None and (not isinstance(self.k_blocks, int) or self.k_blocks < 1):
+            raise ValueError(f"k_blocks must be a positive int or None (got {self.k_blocks!r}); None uses k_ratio")
+        if self.compress_bits not in (0, 2, 4, 8):
+            raise ValueError(f"compress_bits must be 0 (off), 8, 4 or 2 (got {self.compress_bits})")
+        if self.compress_bits and self.output is not OutputMode.OTIL:
+            raise ValueError(
+                f"compress_bits={self.compress_bits} compresses OTIL's selected blocks; set output='otil' or compress_bits=0"
+            )
+        if self.adaptive_k and self.output is not OutputMode.OTIL:
+            raise ValueError("adaptive_k chooses OTIL's k; set output='otil' or adaptive_k=False")
+        if self.adaptive_k and self.k_blocks is not None:
+            raise ValueError("adaptive_k and k_blocks both choose k; set k_blocks=None or adaptive_k=False")
+        if self.link_bandwidth_gbps is not None and not float(self.link_bandwidth_gbps) > 0:
+            raise ValueError(f"link_bandwidth_gbps must be > 0 GB/s or None (got {self.link_bandwidth_gbps!r})")
+        if not float(self.comm_budget_ms) > 0:
+            raise ValueError(f"comm_budget_ms must be > 0 (got {self.comm_budget_ms!r})")
+        if self.comm_checkpoint < 1:
+            raise ValueError(f"comm_checkpoint must be >= 1 buffer per all-gather (got {self.comm_checkpoint}); DistriFusion uses 60")
+
+    # ------------------------------------------------------------------------------------------------
+
+    def is_sync_step(self, step: int) -> bool:
+        """Whether logical step ``step`` (0-based) runs fully synchronous (warm-up or periodic refresh)."""
+        if self.layer_mode is LayerMode.FULL_SYNC or step < self.warmup_steps:
+            return True
+        return self.refresh_every > 0 and step % self.refresh_every == 0
+
+    def k_for(self, num_blocks: int) -> int:
+        """OTIL's k for a band of ``num_blocks`` sub-blocks (before ``adaptive_k``)."""
+        if self.k_blocks is not None:
+            return max(1, min(num_blocks, self.k_blocks))
+        return max(1, min(num_blocks, math.ceil(float(self.k_ratio) * num_blocks)))
+
+    def replace(self, **overrides) -> "PatchConfig":
+        """A validated copy with ``overrides`` applied (unknown names raise ``TypeError`` naming them)."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"PatchConfig has no field(s) {unknown}; fields: {[f.name for f in dataclasses.fields(self)]}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.value if isinstance(v, enum.Enum) else v
+        return out
+
+
+PRESETS: Dict[str, PatchConfig] = {
+    "full_sync": PatchConfig(layer_mode="full_sync", groupnorm="sync", output="gather", warmup_steps=0),
+    "displaced": PatchConfig(layer_mode="displaced", groupnorm="corrected_async", output="gather", warmup_steps=4),
+    "guide": PatchConfig(layer_mode="no_sync", groupnorm="separate", output="otil", warmup_steps=4, refresh_every=0),
+    "otil": PatchConfig(layer_mode="no_sync", groupnorm="sync", output="otil", warmup_steps=4, refresh_every=10),
+    "balanced": PatchConfig(layer_mode="no_sync", groupnorm="sync", output="gather", warmup_steps=4, refresh_every=5),
+}
+
+
+def preset(name: str, **overrides) -> PatchConfig:
+    """The preset ``name`` with ``overrides`` applied (validated).
+
+    Raises:
+        ValueError: for an unknown preset name (the message lists the known ones).
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

@@ -1,0 +1,369 @@
+"""Patch-parallel sampling: parallelize a UNet, and wrap any denoiser so the caller's sampler loop keeps working.
+
+``parallelize_unet(unet, ctx, config)`` installs the adapters (:mod:`.adapters`) and returns a handle;
+:class:`PatchParallelDenoiser` wraps a denoiser callable ``model(x, t, **cond)`` that runs that UNet. Each call is
+one logical step: the UNet computes this rank's row band (its first conv cuts the band out of the full latent), the
+band is completed into the full output (one all-gather, or OTIL's top-k blocks plus stale memory), and the caller's
+sampler, scheduler and CFG combination run unchanged on the full tensor. ``finalize(latent)`` gathers every rank's
+own band of the final latent: the exact result every rank would have computed for its band.
+
+Design decisions:
+
+* **The caller owns the loop.** The wrapper never sees timesteps as a schedule, only as the model's argument, so
+  Euler, DDIM, DPM-Solver, a ComfyUI sampler or a diffusers scheduler all work. Synchronous steps are chosen by
+  the logical call index (:meth:`PatchConfig.is_sync_step`), never by a counter the refresh itself resets.
+* **split_batch** (DistriFusion's CFG split): with an even world size and a caller that batches
+  ``[uncond, cond]``, ranks ``[0, N/2)`` compute the first half and ``[N/2, N)`` the second, each half
+  patch-parallel over N/2 ranks. With OTIL each rank would otherwise hold the other half's output frozen at the
+  last synchronous step (the seed's CFG bug); ``cfg_repair`` swaps the fresh band with the rank holding the same
+  band of the other half, one all-gather of a band over that pair per step. With ``output="gather"`` the whole
+  half is exchanged (DistriFusion's behaviour), so there is nothing to repair.
+* **Collective-safe**: every branch depends on the config, the world size and tensor shapes every rank shares.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..comm import all_gather_padded
+from ..context import ParallelContext
+from .adapters import GroupNormStats, HaloConv2d, PatchState, SelfAttentionKV, is_attention_module
+from .comm_manager import Traffic
+from .config import LayerMode, OutputMode, PatchConfig
+from .otil import OtilExchange, choose_k, measure_link_bandwidth
+
+__all__ = ["parallelize_unet", "UNetPatchHandle", "PatchParallelDenoiser", "SplitLayout"]
+
+logger = logging.getLogger(__name__)
+
+
+class UNetPatchHandle:
+    """What :func:`parallelize_unet` returns: the shared state, the adapters, and ``remove()``."""
+
+    def __init__(self, unet: nn.Module, state: PatchState, adapters: list):
+        self.unet = unet
+        self.state = state
+        self.adapters = adapters
+        self._removed = False
+        self._steps_done = 0
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.state.traffic
+
+    def prepare(self, height: int, width: int) -> bool:
+        """Set the latent size; returns True (and drops all stale memory) when it changed."""
+        if (self.state.height, self.state.width) == (height, width):
+            return False
+        if self.state.cm is not None:
+            self.state.cm.wait()
+        self.state.set_latent(height, width)
+        self._steps_done = 0
+        return True
+
+    def begin_step(self, step: int, sync: bool) -> None:
+        st = self.state
+        if st.cm is None:
+            raise RuntimeError("call prepare(height, width) before the first step")
+        if self._steps_done == 0 and not sync and st.ctx.world_size > 1 and st.config.layer_mode is not LayerMode.FULL_SYNC:
+            # backstop, not the guard: PatchConfig requires warmup_steps >= 1 for stale modes
+            raise RuntimeError("the first step after prepare() must be synchronous: stale memories are empty")
+        st.cm.wait()
+        st.step, st.sync, st.active = step, sync, True
+
+    def end_step(self) -> None:
+        st = self.state
+        st.active = False
+        if not st.cm.laid_out:
+            st.cm.build_layout()
+        else:
+            st.cm.flush()
+        self._steps_done += 1
+
+    def remove(self) -> None:
+        """Undo :func:`parallelize_unet` (idempotent)."""
+        if self._removed:
+            return
+        if self.state.cm is not None:
+            self.state.cm.wait()
+        for a in reversed(self.adapters):
+            a.remove()
+        self._removed = True
+
+
+def _row_align(convs) -> int:
+    align = 1
+    for _, m in convs:
+        align *= m.stride[0]
+    return align
+
+
+def parallelize_unet(unet: nn.Module, ctx: ParallelContext, config: PatchConfig, *, input_conv: Optional[str] = None) -> UNetPatchHandle:
+    """Install row-band patch parallelism on ``unet`` (diffusers' UNet2DConditionModel or ComfyUI's UNetModel).
+
+    Args:
+        unet: the model. Layers are matched by torch type (``nn.Conv2d``, ``nn.GroupNorm``) and duck typing
+            (attention modules with ``to_q``/``to_k``/``to_v``/``to_out``), so ComfyUI's subclasses are covered.
+        ctx: the patch group (all ranks computing the same batch).
+        config: the :class:`PatchConfig`.
+        input_conv: name of the conv that receives the full latent (default: the first ``nn.Conv2d`` registered,
+            ``conv_in`` in diffusers, ``input_blocks.0.0`` in ComfyUI).
+
+    Returns:
+        :class:`UNetPatchHandle`; call ``prepare(H, W)`` then ``begin_step``/``end_step`` around each call, or let
+        :class:`PatchParallelDenoiser` do it. ``handle.remove()`` restores the model.
+
+    Example:
+        >>> handle = parallelize_unet(unet, ctx, preset("displaced"))   # doctest: +SKIP
+        >>> handle.remove()                                               # doctest: +SKIP
+    """
+    if not isinstance(config, PatchConfig):
+        raise TypeError(f"config must be a PatchConfig (got {type(config).__name__}); use sampling.config.preset(name)")
+    convs = [(n, m) for n, m in unet.named_modules() if isinstance(m, nn.Conv2d)]
+    if not convs:
+        raise NotImplementedError(f"{type(unet).__name__} has no torch.nn.Conv2d; not a 2D UNet")
+    first = input_conv if input_conv is not None else convs[0][0]
+    if first not in dict(convs):
+        raise ValueError(f"input_conv={input_conv!r} is not an nn.Conv2d of {type(unet).__name__}")
+    state = PatchState(ctx, config, align=_row_align([c for c in convs if c[1].stride[0] > 1]))
+    adapters: list = []
+    if ctx.world_size > 1:
+        try:
+            for name, m in unet.named_modules():
+                if isinstance(m, nn.Conv2d):
+                    if m.kernel_size[0] > 1 or m.padding[0] != 0 or name == first:
+                        adapters.append(HaloConv2d(m, name, state, is_input=name == first))
+                elif isinstance(m, nn.GroupNorm):
+                    adapters.append(GroupNormStats(m, name, state))
+                elif is_attention_module(m):
+                    adapters.append(SelfAttentionKV(m, name, state))
+        except BaseException:
+            for a in reversed(adapters):
+                a.remove()
+            raise
+    return UNetPatchHandle(unet, state, adapters)
+
+
+# ------------------------------------------------------------------------------------------------- denoiser
+
+
+class SplitLayout(NamedTuple):
+    """Where this rank sits when the CFG batch is split: ``half`` (0 = first batch half) and the two contexts."""
+
+    half: int
+    patch: ParallelContext  # the ranks computing the same half
+    pair: Optional[ParallelContext]  # the two ranks holding the same band of opposite halves
+
+
+def _subgroup(ctx: ParallelContext, members: List[int]) -> ParallelContext:
+    global_members = [ctx.global_ranks[i] for i in members] if ctx.global_ranks else members
+    if len(members) == 1:
+        return ParallelContext.single(ctx.device)
+    group = dist.new_group(ranks=global_members, use_local_synchronization=True)
+    return ParallelContext(
+        group=group,
+        rank=members.index(ctx.rank),
+        world_size=len(members),
+        global_ranks=tuple(global_members),
+        device=ctx.device,
+        backend=ctx.backend,
+    )
+
+
+def _split_layout(ctx: ParallelContext) -> SplitLayout:
+    m = ctx.world_size // 2
+    half, p = divmod(ctx.rank, m)
+    patch = _subgroup(ctx, [half * m + q for q in range(m)])
+    pair = _subgroup(ctx, [p, p + m])
+    return SplitLayout(half, patch, pair)
+
+
+def _as_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "sample"):
+        return out.sample
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"the denoiser returned {type(out).__name__}; expected a tensor (or .sample / a tuple)")
+
+
+def _take_half(obj: Any, full_batch: int, half: int) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() >= 1 and obj.shape[0] == full_batch:
+            return obj.chunk(2, dim=0)[half]
+        return obj
+    if isinstance(obj, dict):
+        return {k: _take_half(v, full_batch, half) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_take_half(v, full_batch, half) for v in obj)
+    return obj
+
+
+class PatchParallelDenoiser:
+    """Wrap a denoiser ``model(x, t, **cond)`` that runs ``unet`` so each rank computes one row band.
+
+    Args:
+        model: the denoiser callable; gets the full latent ``x`` (the CFG-batched one if the caller batches CFG) and
+            returns the noise prediction (tensor, ``.sample`` or a tuple).
+        ctx: the context of all ranks.
+        config: the :class:`PatchConfig`.
+        unet: the module to parallelize (default: ``model`` itself when it is an ``nn.Module``).
+        cfg_in_batch: whether the caller batches ``[uncond, cond]`` along dim 0 (required by ``split_batch``).
+
+    Call it like the model; it returns the full output on every rank (remote regions approximate in OTIL mode).
+    At the end, ``finalize(latent)`` returns the exact final latent on every rank; ``remove()`` restores the UNet.
+
+    Example:
+        >>> den = PatchParallelDenoiser(lambda x, t, **c: unet(x, t, **c).sample, ctx, preset("otil"), unet=unet)
+        >>> for t in timesteps:                                   # the caller's own sampler loop
+        ...     eps = den(torch.cat([x, x]), t, encoder_hidden_states=ctx_emb)
+        ...     x = scheduler_step(x, eps, t)
+        >>> x = den.finalize(x)
+    """
+
+    def __init__(
+        self,
+        model: Callable[..., Any],
+        ctx: ParallelContext,
+        config: PatchConfig,
+        *,
+        unet: Optional[nn.Module] = None,
+        cfg_in_batch: bool = True,
+        input_conv: Optional[str] = None,
+    ):
+        if unet is None:
+            if not isinstance(model, nn.Module):
+                raise TypeError("pass unet= (the nn.Module the denoiser runs) when model is not an nn.Module")
+            unet = model
+        self.model = model
+        self.ctx = ctx
+        self.config = config
+        split = config.split_batch and cfg_in_batch and ctx.world_size >= 2 and ctx.world_size % 2 == 0
+        if config.split_batch and not split and ctx.world_size > 1 and ctx.rank == 0:
+            why = "the world size is odd" if ctx.world_size % 2 else "the caller does not batch CFG (cfg_in_batch=False)"
+            logger.warning("split_batch is off for this run because %s; set split_batch=False to silence this", why)
+        self.split: Optional[SplitLayout] = _split_layout(ctx) if split else None
+        self.patch_ctx = self.split.patch if split else ctx
+        self.handle = parallelize_unet(unet, self.patch_ctx, config, input_conv=input_conv)
+        self.traffic = self.handle.traffic
+        self.step = 0
+        self._shape = None
+        self._otil: Optional[OtilExchange] = None
+        self._other: Optional[torch.Tensor] = None  # the other CFG half's output memory (split_batch)
+        self._bandwidth: Optional[float] = None
+
+    # --------------------------------------------------------------------------------------------
+
+    @property
+    def bounds(self):
+        return self.handle.state.bounds
+
+    @property
+    def rows(self):
+        return self.handle.state.rows
+
+    def reset(self) -> None:
+        """Start a new sampling run: the next call is logical step 0 (synchronous), memories rebuilt."""
+        self.step = 0
+        self._shape = None
+        self._otil = None
+        self._other = None
+        self.handle.state.height = None
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+    def __call__(self, x: torch.Tensor, t: Any, **cond) -> torch.Tensor:
+        if x.dim() != 4:
+            raise ValueError(f"x must be a (batch, channels, height, width) latent (got shape {tuple(x.shape)})")
+        if self.split is not None and x.shape[0] % 2:
+            raise ValueError(f"split_batch needs an even batch ([uncond, cond]); got batch {x.shape[0]}")
+        if self._shape != tuple(x.shape):
+            if self._shape is not None:
+                self.reset()
+            self._shape = tuple(x.shape)
+            self.handle.prepare(x.shape[-2], x.shape[-1])
+        step = self.step
+        sync = self.config.is_sync_step(step)
+        x_in, t_in, cond_in = x, t, cond
+        if self.split is not None:
+            x_in = _take_half(x, x.shape[0], self.split.half)
+            t_in = _take_half(t, x.shape[0], self.split.half)
+            cond_in = _take_half(cond, x.shape[0], self.split.half)
+        self.handle.begin_step(step, sync)
+        try:
+            band = _as_tensor(self.model(x_in, t_in, **cond_in))
+        finally:
+            self.handle.end_step()
+        own = self._complete(band, sync)
+        out = self._join_halves(band, own, sync) if self.split is not None else own
+        self.step += 1
+        return out
+
+    def _complete(self, band: torch.Tensor, sync: bool) -> torch.Tensor:
+        """The patch group's full output of its batch, from each rank's band."""
+        pctx = self.patch_ctx
+        if pctx.world_size == 1:
+            return band
+        rows = list(self.rows)
+        if sync or self.config.output is OutputMode.GATHER:
+            full = all_gather_padded(band, pctx, dim=2, sizes=rows)
+            self.traffic.add("output", band.numel() * band.element_size() * (pctx.world_size - 1), collectives=1)
+            if self.config.output is OutputMode.OTIL:
+                self._exchange(band).sync(full)
+            return full
+        return self._exchange(band).step(band)
+
+    def _exchange(self, band: torch.Tensor) -> OtilExchange:
+        if self._otil is None:
+            cfg = self.config
+            b, c, _, w = band.shape
+            from .otil import _num_blocks
+
+            nbs = [_num_blocks(h, w, cfg.block_size) for h in self.rows]
+            if cfg.adaptive_k:
+                if self._bandwidth is None:
+                    self._bandwidth = cfg.link_bandwidth_gbps or measure_link_bandwidth(self.patch_ctx, band.device)
+                block_bytes = b * c * cfg.block_size**2 * band.element_size() + 4
+                ks = [choose_k(nb, block_bytes, self.patch_ctx.world_size - 1, self._bandwidth, cfg.comm_budget_ms) for nb in nbs]
+            else:
+                ks = [cfg.k_for(nb) for nb in nbs]
+            self._otil = OtilExchange(
+                self.patch_ctx, self.rows, b, c, w, band.dtype, band.device, cfg.block_size, ks, cfg.compress_bits, self.traffic
+            )
+        return self._otil
+
+    def _join_halves(self, band: torch.Tensor, own: torch.Tensor, sync: bool) -> torch.Tensor:
+        """Both CFG halves on every rank (split_batch)."""
+        pair = self.split.pair
+        b = own.shape[0]
+        if sync or self.config.output is OutputMode.GATHER:
+            both = all_gather_padded(own, pair, dim=0, sizes=[b, b])
+            self.traffic.add("cfg", own.numel() * own.element_size(), collectives=1)
+            self._other = both.chunk(2, dim=0)[1 - self.split.half].clone()
+        elif self.config.cfg_repair:
+            s, e = self.bounds[self.patch_ctx.rank], self.bounds[self.patch_ctx.rank + 1]
+            both = all_gather_padded(band, pair, dim=0, sizes=[b, b])
+            self.traffic.add("cfg", band.numel() * band.element_size(), collectives=1)
+            self._other[:, :, s:e] = both.chunk(2, dim=0)[1 - self.split.half]
+        # else: the guide's behaviour, kept to reproduce the bug: the other half stays as of the last sync step
+        halves = [own, self._other] if self.split.half == 0 else [self._other, own]
+        return torch.cat(halves, dim=0)
+
+    def finalize(self, latent: torch.Tensor) -> torch.Tensor:
+        """The exact final latent on every rank: each rank's own band, gathered (one all-gather)."""
+        pctx = self.patch_ctx
+        if pctx.world_size == 1:
+            return latent
+        if self._shape is None or latent.shape[-2:] != self._shape[-2:]:
+            raise ValueError(
+                f"finalize expects the sampled latent's size {self._shape[-2:] if self._shape else None}, got {tuple(latent.shape[-2:])}"
+            )
+        s, e = self.bounds[pctx.rank], self.bounds[pctx.rank + 1]
+        return all_gather_padded(latent[:, :, s:e].contiguous(), pctx, dim=2, sizes=list(self.rows))
