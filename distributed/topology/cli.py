@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from typing import List, Optional
 
 __all__ = ["probe_main"]
-
-log = logging.getLogger(__name__)
 
 _EPILOG = """\
 to analyse another machine, save there:

@@ -49,6 +49,7 @@ __all__ = [
     "parse_gpu_listing",
     "parse_saved_outputs",
     "strip_ansi",
+    "pcie_path_rank",
 ]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

@@ -474,6 +474,8 @@ def probe_topology(devices: Optional[Sequence[int]] = None, measure: bool = True
     nvml = _nvml_sources(notes)
     node = build_node(host, "live", topo=smi.get("topo"), p2p=smi.get("p2p"), listing=smi.get("listing", ()), nvml=nvml)
     cuda = _torch_cuda(notes)
+    for note in notes:
+        log.debug("topology probe: %s", note)
     # match CUDA indices to nvidia-smi indices by PCI bus id; positional only when ids are unknown and counts agree
     by_bus = {_bus_key(g.pci_bus_id): g for g in node.gpus if g.pci_bus_id}
     for ci, name, bus in cuda:
