@@ -1,0 +1,202 @@
+"""Tiled decode: tile-runs equals local for the same plan (real gloo ranks), GroupNorm-synced tiles get closer
+to the untiled decode than plain tiles, seam errors reported, refusals.
+
+Tiny synthetic VAEs (families.build_vae(..., "tiny")) and small latents keep this CPU-only. Exact plans may use
+tiles under the planner's sixteen-latent floor (``min_tile_latent=8``) to stay cheap: the blend, exchange and
+statistics code paths do not depend on the tile size.
+"""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from patchray.distributed.comm import log_comm
+from patchray.distributed.context import ParallelContext
+from patchray.distributed.spawn import run_ranks
+from patchray.distributed.vae.families import FAMILIES, build_vae, latent_shape
+from patchray.distributed.vae.planner import exact_plan
+from patchray.distributed.vae.tiled import (
+    GN_SYNC_HOOK,
+    decode_local,
+    decode_row_tiled,
+    decode_tile_runs,
+    seam_error,
+)
+
+GROUPNORM_FAMILIES = ("kl", "flux2", "hunyuan_video")
+
+
+def _latent(family, lat_h, lat_w, frames=1, batch=1, seed=1):
+    """A fresh random latent whose tone varies smoothly across the image.
+
+    Real latents change tone from region to region; with stationary noise every tile would see the image's
+    statistics and there would be no per-tile drift to measure.
+    """
+    r = FAMILIES[family].spatial_ratio
+    shape = latent_shape(family, lat_h * r, lat_w * r, frames, batch, size="tiny")
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(shape, generator=g)
+    yy = torch.linspace(-1.5, 1.5, lat_h)[:, None]
+    xx = torch.linspace(-1.0, 1.0, lat_w)[None, :]
+    return z * (1 + 0.5 * (yy + xx).abs()) + 2 * (yy - xx)
+
+
+def _plan(family, lat_h, lat_w, frames, ranks, window, overlap):
+    """An exact plan from latent-unit window/overlap."""
+    r = FAMILIES[family].spatial_ratio
+    return exact_plan(
+        family, lat_h * r, lat_w * r, frames, ranks, (window[0] * r, window[1] * r), (overlap[0] * r, overlap[1] * r),
+        min_tile_latent=8,
+    )
+
+
+def _untiled(vae, z):
+    with torch.no_grad():
+        return vae.decode(z).sample
+
+
+# ------------------------------------------------------------------------------ tile-runs on real ranks
+
+# (family, latent h, w, frames, batch, window, overlap, gn_sync): a 2-D grid of 6 tiles (at 3 ranks a tile's
+# neighbour above belongs to a non-adjacent rank) and a 5-D video latent with a triple overlap (overlap > stride)
+# and an untiled axis; each through plain and GroupNorm-synced tiles over the two world sizes (batch 2 checks
+# per-sample statistics). One spawn per world size keeps start-up cost down.
+_KL = ("kl", 32, 48, 1, 2, (20, 20), (6, 6))
+_VIDEO = ("hunyuan_video", 16, 32, 1, 1, (16, 20), (0, 12))
+_CASES = {2: (_KL + (True,), _VIDEO + (False,)), 3: (_KL + (False,), _VIDEO + (True,))}
+
+
+def _tile_runs_task(ctx, cases, row_tiled):
+    torch.manual_seed(0)
+    results = []
+    vaes = {}
+    for family, lat_h, lat_w, frames, batch, window, overlap, gn in cases:
+        vae = vaes.setdefault(family, build_vae(family))
+        z = _latent(family, lat_h, lat_w, frames, batch)
+        plan = _plan(family, lat_h, lat_w, frames, ctx.world_size, window, overlap)
+        with log_comm() as log:
+            out = decode_tile_runs(vae, z, plan, ctx, gn_sync=gn)
+        hooks_left = any(len(m._forward_hooks) or hasattr(m, GN_SYNC_HOOK) for m in vae.modules() if isinstance(m, nn.GroupNorm))
+        entry = {"calls": dict(log.calls), "none": out is None, "hooks_left": hooks_left, "tiles": plan.tile_count}
+        if ctx.rank == 0:
+            local = decode_local(vae, z, plan, gn_sync=gn)
+            entry.update(max_abs=float((out - local).abs().max()), shape=tuple(out.shape), local_shape=tuple(local.shape))
+        results.append(entry)
+    if row_tiled:
+        vae = vaes.setdefault("kl", build_vae("kl"))
+        z = _latent("kl", 32, 48)
+        plan = _plan("kl", 32, 48, 1, ctx.world_size, (20, 20), (6, 6))
+        out = decode_row_tiled(vae, z, plan, ctx)
+        entry = {"none": out is None}
+        if ctx.rank == 0:
+            entry["max_abs"] = float((out - decode_local(vae, z, plan)).abs().max())
+        results.append(entry)
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_runs(world_size):
+    return run_ranks(_tile_runs_task, world_size, _CASES[world_size], world_size == 2)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tile_runs_equals_local(world_size):
+    per_rank = _tile_runs(world_size)
+    for i, case in enumerate(_CASES[world_size]):
+        family, gn = case[0], case[-1]
+        lead = per_rank[0][i]
+        assert lead["tiles"] >= world_size
+        assert not lead["none"] and lead["shape"] == lead["local_shape"]
+        # Same tiles decoded by the same code, blended with the same weights in the same order: equal up to float
+        # rounding. Observed bitwise on CPU; 1e-5 leaves room for fp64 statistics merged in a different grouping.
+        assert lead["max_abs"] <= 1e-5, (family, gn, lead["max_abs"])
+        for rank, results in enumerate(per_rank):
+            entry = results[i]
+            assert entry["none"] == (rank != 0), "only the caller (group rank 0) receives the image"
+            assert not entry["hooks_left"]
+            # one edge exchange and one gather to the caller; GN sync adds one all-gather for every layer's statistics
+            expected = {"batch_isend_irecv": 1, "gather": 1}
+            if gn:
+                expected["all_gather"] = 1
+            assert entry["calls"] == expected, (rank, family, gn, entry["calls"])
+
+
+def test_row_tiled_equals_local():
+    per_rank = _tile_runs(2)
+    lead = per_rank[0][-1]
+    assert not lead["none"] and per_rank[1][-1]["none"]
+    # row mode reproduces each tile's single-device decode up to reduction-order noise (fp32)
+    assert lead["max_abs"] <= 1e-4, lead["max_abs"]
+
+
+# ------------------------------------------------------------------------------ local tiling and GN sync
+
+
+def test_one_tile_is_the_untiled_decode():
+    vae = build_vae("kl")
+    z = _latent("kl", 24, 32, batch=2)
+    plan = _plan("kl", 24, 32, 1, 1, (24, 32), (0, 0))
+    ref = _untiled(vae, z)
+    assert torch.equal(decode_local(vae, z, plan), ref)  # weight 1 everywhere, divided by 1
+    # image-wide statistics of a single tile are the image's: equal up to fp32 normalization rounding
+    assert (decode_local(vae, z, plan, gn_sync=True) - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gn_sync_is_closer_to_the_untiled_decode(family):
+    spec = FAMILIES[family]
+    has_gn = any(isinstance(m, nn.GroupNorm) for m in build_vae(family).modules())
+    assert has_gn == (family in GROUPNORM_FAMILIES), "the families table changed: update GROUPNORM_FAMILIES"
+    vae = build_vae(family)
+    if has_gn:
+        lat_h, lat_w = (32, 48) if not spec.is_video else (24, 32)
+        window, overlap = (lat_h // 2 + 4, lat_w // 2 + 4), (8, 8)
+    else:
+        lat_h, lat_w = 16, 24
+        window, overlap = (16, 16), (0, 8)
+    z = _latent(family, lat_h, lat_w)
+    plan = _plan(family, lat_h, lat_w, 1, 1, window, overlap)
+    ref = _untiled(vae, z)
+    plain = decode_local(vae, z, plan)
+    synced = decode_local(vae, z, plan, gn_sync=True)
+    assert plain.shape == synced.shape == ref.shape
+    plain_err = seam_error(plain, ref, plan)
+    synced_err = seam_error(synced, ref, plan)
+    print(f"\n{family}: tiles {plan.grid} plain {plain_err} | gn_sync {synced_err}")
+    assert not any(len(m._forward_hooks) for m in vae.modules() if isinstance(m, nn.GroupNorm))
+    if has_gn:
+        assert synced_err["mean_abs"] < plain_err["mean_abs"]
+    else:
+        # per-position RMS norms hold no spatial statistics: nothing to sync, and no second pass is run
+        assert torch.equal(synced, plain)
+
+
+def test_seam_error_of_plain_tiles_is_reported():
+    vae = build_vae("kl")
+    z = _latent("kl", 32, 48, seed=3)
+    ref = _untiled(vae, z)
+    for window, overlap in (((20, 28), (8, 8)), ((20, 28), (4, 4))):
+        plan = _plan("kl", 32, 48, 1, 1, window, overlap)
+        err = seam_error(decode_local(vae, z, plan), ref, plan)
+        print(f"\nkl plain tiles {plan.window}@{plan.overlap}: {err}")  # reported, not asserted (synthetic weights)
+        assert err["max_abs"] >= err["mean_abs"] >= 0.0
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+def test_refusals():
+    vae = build_vae("kl")
+    z = _latent("kl", 32, 48)
+    plan = _plan("kl", 32, 48, 1, 2, (20, 28), (8, 8))
+    with pytest.raises(ValueError, match="plan was made for"):
+        decode_local(vae, z[..., :24, :], plan)
+    with pytest.raises(ValueError, match="4-D"):
+        decode_local(vae, z[0], plan)
+    with pytest.raises(ValueError, match="plan for world_size=1"):
+        decode_tile_runs(vae, z, plan, ParallelContext.single())
+    wrong_ratio = exact_plan("ltx2", 32 * 32, 48 * 32, 1, 1, (20 * 32, 28 * 32), (8 * 32, 8 * 32), min_tile_latent=8)
+    with pytest.raises(ValueError, match="does not match the VAE"):
+        decode_local(vae, z, wrong_ratio)
