@@ -200,7 +200,8 @@ def build_vae(
         # a small deterministic perturbation makes every parameter matter in the exactness tests.
         for p in vae.parameters():
             p.data.add_(torch.randn_like(p) * 0.02)
-    return vae.to(device=device, dtype=dtype).eval()
+    # nn.Module.to: ModelMixin.to warns about modules "to keep in float32", which none of these VAEs has
+    return torch.nn.Module.to(vae, device=device, dtype=dtype).eval()
 
 
 def latent_shape(family: str, height: int, width: int, frames: int = 1, batch: int = 1, size: str = "full") -> tuple:

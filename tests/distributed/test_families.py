@@ -1,0 +1,82 @@
+"""The family table: every row resolves, builds deterministically, and reports shapes the VAEs produce."""
+
+import inspect
+
+import pytest
+import torch
+
+from patchray.distributed.vae.families import FAMILIES, build_vae, family_of, get_family, latent_shape, resolve_class
+
+SEVEN = ("kl", "flux2", "qwen_image", "wan", "hunyuan_video", "hunyuan_video_15", "ltx2")
+
+
+def test_the_seven_families_are_listed():
+    assert set(FAMILIES) == set(SEVEN)
+    for name, spec in FAMILIES.items():
+        assert spec.name == name
+        assert spec.spatial_ratio in (8, 16, 32) and spec.temporal_ratio >= 1
+        assert spec.is_video == (spec.temporal_ratio > 1)
+
+
+@pytest.mark.parametrize("family", SEVEN)
+def test_configs_name_real_constructor_arguments(family):
+    spec = FAMILIES[family]
+    params = inspect.signature(resolve_class(family).__init__).parameters
+    for config in (spec.tiny_config, spec.full_config):
+        unknown = set(config) - set(params)
+        assert not unknown, f"{family}: {unknown} are not arguments of {spec.diffusers_class}"
+
+
+def test_kl_full_config_is_the_sd_flux1_layout():
+    full = FAMILIES["kl"].full_config
+    assert full["block_out_channels"] == (128, 256, 512, 512) and full["layers_per_block"] == 2
+    assert full["latent_channels"] == 16 and not full["use_quant_conv"] and not full["use_post_quant_conv"]
+    assert full["sample_size"] == 1024
+
+
+def test_build_vae_is_deterministic_and_seeded():
+    a, b, c = build_vae("kl"), build_vae("kl"), build_vae("kl", seed=1)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa)
+    state = torch.random.get_rng_state()
+    build_vae("kl")
+    assert torch.equal(state, torch.random.get_rng_state()), "build_vae must not move the global RNG"
+
+
+def test_build_vae_dtype_and_errors():
+    assert next(build_vae("kl", dtype=torch.bfloat16).parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="size must be"):
+        build_vae("kl", size="medium")
+
+
+@pytest.mark.parametrize(
+    "family, args, want",
+    [
+        ("kl", (1024, 1024), (1, 16, 128, 128)),
+        ("flux2", (2048, 2048), (1, 32, 256, 256)),
+        ("qwen_image", (1024, 1024), (1, 16, 1, 128, 128)),
+        ("wan", (480, 832, 81), (1, 16, 21, 60, 104)),
+        ("hunyuan_video", (720, 1280, 129), (1, 16, 33, 90, 160)),
+        ("hunyuan_video_15", (480, 832, 129), (1, 32, 33, 30, 52)),
+        ("ltx2", (1280, 1920, 121), (1, 128, 16, 40, 60)),
+    ],
+)
+def test_latent_shape_of_canonical_sizes(family, args, want):
+    assert latent_shape(family, *args) == want
+
+
+def test_latent_shape_refuses_sizes_the_vae_cannot_take():
+    with pytest.raises(ValueError, match="divisible by 8"):
+        latent_shape("kl", 1000, 1001)
+    with pytest.raises(ValueError, match="frames"):
+        latent_shape("wan", 480, 832, frames=80)
+
+
+def test_family_of_and_unknown_families():
+    for family in SEVEN:
+        assert family_of(build_vae(family)) == family
+    for call in (lambda: family_of(torch.nn.Conv2d(1, 1, 1)), lambda: get_family("sd3"), lambda: build_vae("sd3")):
+        with pytest.raises(ValueError, match="known families") as info:
+            call()
+        assert "kl" in str(info.value) and "ltx2" in str(info.value)
