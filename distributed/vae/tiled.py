@@ -32,11 +32,13 @@ Design decisions:
   downstream). Families whose decoders have no
   ``GroupNorm`` (Wan, Qwen-Image, HunyuanVideo-1.5 and LTX-2 use per-position RMS norms, which have no
   spatial statistics to drift) skip the extra pass: their output equals plain tiles. Attention in the
-  mid-block stays per tile either way. The hooks are installed for the call and always removed.
+  mid-block stays per tile either way. The replacement forwards are installed for the call and always
+  removed (parameters are used by reference, nothing is copied).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -52,8 +54,8 @@ __all__ = ["decode_local", "decode_tile_runs", "decode_row_tiled", "seam_error",
 
 logger = logging.getLogger(__name__)
 
-GN_SYNC_HOOK = "patchray_gn_sync"
-"""Name under which the GroupNorm-sync hooks are registered (kept on the module while installed)."""
+GN_SYNC_HOOK = "_patchray_gn_sync"
+"""Marker attribute set on a GroupNorm while its forward is temporarily replaced by the GN-sync one."""
 
 Rect = Tuple[int, int, int, int]
 
@@ -189,7 +191,7 @@ def _merge_all(parts: Sequence[_Stats]) -> _Stats:
 
 
 class _GroupNormSync:
-    """Forward hooks on every ``nn.GroupNorm``: ``collect`` core statistics, or ``apply`` image-wide ones.
+    """A temporary forward on every ``nn.GroupNorm``: collect core statistics, or apply image-wide ones.
 
     GroupNorm calls are keyed by (module name, call index within one tile's decode), so a module called
     several times per decode (framewise video loops) gets one statistic per call.
@@ -197,7 +199,7 @@ class _GroupNormSync:
 
     def __init__(self, vae: nn.Module):
         self.norms = [(name, m) for name, m in vae.named_modules() if isinstance(m, nn.GroupNorm)]
-        self.handles: List = []
+        self.installed: List[nn.Module] = []
         self.collecting = False  # record core statistics at every call
         self.tile_hw: Tuple[int, int] = (0, 0)
         self.core: Rect = (0, 0, 0, 0)
@@ -212,17 +214,21 @@ class _GroupNormSync:
     # ---- install / remove
     def install(self) -> None:
         for name, module in self.norms:
-            handle = module.register_forward_hook(self._hook(name))
-            self.handles.append(handle)
-            setattr(module, GN_SYNC_HOOK, handle)
+            if "forward" in module.__dict__:
+                raise RuntimeError(
+                    f"{name} already has an instance-level forward (another adapter is applied); remove it before gn_sync"
+                )
+            # a temporary replacement of the instance's forward (not a post-hook): the apply pass then normalizes
+            # once instead of running GroupNorm and overwriting its output
+            module.forward = functools.partial(self._forward, name, module)
+            setattr(module, GN_SYNC_HOOK, True)
+            self.installed.append(module)
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-        for _, module in self.norms:
-            if hasattr(module, GN_SYNC_HOOK):
-                delattr(module, GN_SYNC_HOOK)
+        for module in self.installed:
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop(GN_SYNC_HOOK, None)
+        self.installed.clear()
 
     def __enter__(self):
         self.install()
@@ -248,7 +254,7 @@ class _GroupNormSync:
             # backstop, not the guard: a decoder's GroupNorm calls depend on its structure and frames only
             raise RuntimeError(f"a tile made {count} GroupNorm calls, another {self.call_count}; cannot sync them")
 
-    # ---- the hook
+    # ---- the replacement forward
     def _core_view(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         th, tw = self.tile_hw
         if x.dim() == 3:  # attention's group_norm on [B, C, h*w]
@@ -277,32 +283,30 @@ class _GroupNormSync:
         n = torch.full_like(mean, xs.shape[-1], dtype=torch.float64)
         return _Stats(n, mean.double(), m2.double(), torch.zeros_like(n))
 
-    def _hook(self, name: str):
-        def hook(module: nn.GroupNorm, args, output):
-            idx = self.calls.get(name, 0)
-            self.calls[name] = idx + 1
-            key = (name, idx)
-            x = args[0]
-            b, g = x.shape[0], module.num_groups
-            if self.collecting:
-                now = self._core_stats(x, b, g)
-                self.current[key] = self.current[key].merge(now) if key in self.current else now
-                return None  # the collection pass: each tile normalizes with its own statistics
-            stats = self.image.get(key)
-            if stats is None:
-                raise RuntimeError(f"no image-wide statistics for GroupNorm call {key}")  # backstop, not the guard
-            if bool((stats.invalid > 0).any()):
-                return None  # this call could not be mapped onto tile cores: keep per-tile statistics
-            # nn.GroupNorm's biased variance, image-wide; normalized in fp32 like GroupNorm does
-            mean = stats.mean.to(torch.float32)[..., None]
-            inv = torch.rsqrt(stats.m2 / stats.n + module.eps).to(torch.float32)[..., None]
-            y = ((x.reshape(b, g, -1).float() - mean) * inv).reshape(x.shape)
-            if module.affine:
-                shape = (1, -1) + (1,) * (x.dim() - 2)
-                y = y * module.weight.float().view(shape) + module.bias.float().view(shape)
-            return y.to(output.dtype)
-
-        return hook
+    def _forward(self, name: str, module: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
+        idx = self.calls.get(name, 0)
+        self.calls[name] = idx + 1
+        key = (name, idx)
+        b, c, g = x.shape[0], x.shape[1], module.num_groups
+        if self.collecting:
+            now = self._core_stats(x, b, g)
+            self.current[key] = self.current[key].merge(now) if key in self.current else now
+            return type(module).forward(module, x)  # the collection pass: each tile uses its own statistics
+        stats = self.image.get(key)
+        if stats is None:
+            raise RuntimeError(f"no image-wide statistics for GroupNorm call {key}")  # backstop, not the guard
+        if bool((stats.invalid > 0).any()):
+            return type(module).forward(module, x)  # not mappable onto tile cores: keep per-tile statistics
+        # nn.GroupNorm's biased variance, image-wide, folded with the affine into one per-channel scale and shift
+        inv = torch.rsqrt(stats.m2 / stats.n + module.eps).to(torch.float32).repeat_interleave(c // g, dim=1)
+        mean = stats.mean.to(torch.float32).repeat_interleave(c // g, dim=1)
+        scale = inv * module.weight.float() if module.affine else inv
+        shift = (module.bias.float() if module.affine else 0.0) - mean * scale
+        view = (b, c) + (1,) * (x.dim() - 2)
+        scale, shift = scale.view(view), shift.view(view)
+        if x.dtype == torch.float32:
+            return torch.addcmul(shift, x, scale)
+        return x.float().mul_(scale).add_(shift).to(x.dtype)  # fp32 arithmetic like GroupNorm's kernels
 
     # ---- statistics transport
     def take_run(self) -> Dict[tuple, _Stats]:

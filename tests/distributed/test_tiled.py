@@ -52,6 +52,11 @@ def _plan(family, lat_h, lat_w, frames, ranks, window, overlap):
     )
 
 
+def _gn_patched(vae):
+    """Whether any GroupNorm still carries the GN-sync forward or its marker."""
+    return any("forward" in m.__dict__ or hasattr(m, GN_SYNC_HOOK) for m in vae.modules() if isinstance(m, nn.GroupNorm))
+
+
 def _untiled(vae, z):
     with torch.no_grad():
         return vae.decode(z).sample
@@ -78,7 +83,7 @@ def _tile_runs_task(ctx, cases, row_tiled):
         plan = _plan(family, lat_h, lat_w, frames, ctx.world_size, window, overlap)
         with log_comm() as log:
             out = decode_tile_runs(vae, z, plan, ctx, gn_sync=gn)
-        hooks_left = any(len(m._forward_hooks) or hasattr(m, GN_SYNC_HOOK) for m in vae.modules() if isinstance(m, nn.GroupNorm))
+        hooks_left = _gn_patched(vae)
         entry = {"calls": dict(log.calls), "none": out is None, "hooks_left": hooks_left, "tiles": plan.tile_count}
         if ctx.rank == 0:
             local = decode_local(vae, z, plan, gn_sync=gn)
@@ -165,7 +170,7 @@ def test_gn_sync_is_closer_to_the_untiled_decode(family):
     plain_err = seam_error(plain, ref, plan)
     synced_err = seam_error(synced, ref, plan)
     print(f"\n{family}: tiles {plan.grid} plain {plain_err} | gn_sync {synced_err}")
-    assert not any(len(m._forward_hooks) for m in vae.modules() if isinstance(m, nn.GroupNorm))
+    assert not _gn_patched(vae)
     if has_gn:
         assert synced_err["mean_abs"] < plain_err["mean_abs"]
     else:
@@ -200,3 +205,26 @@ def test_refusals():
     wrong_ratio = exact_plan("ltx2", 32 * 32, 48 * 32, 1, 1, (20 * 32, 28 * 32), (8 * 32, 8 * 32), min_tile_latent=8)
     with pytest.raises(ValueError, match="does not match the VAE"):
         decode_local(vae, z, wrong_ratio)
+
+
+def test_gn_sync_forwards_are_removed_after_a_failure():
+    vae = build_vae("kl")
+    z = _latent("kl", 32, 48)
+    plan = _plan("kl", 32, 48, 1, 1, (20, 28), (8, 8))
+    calls = {"n": 0}
+    real_decode = vae.decode
+
+    def failing_decode(x):  # fails in the second (apply) pass, with every replacement installed
+        calls["n"] += 1
+        if calls["n"] > plan.tile_count:
+            raise RuntimeError("boom")
+        return real_decode(x)
+
+    vae.decode = failing_decode
+    with pytest.raises(RuntimeError, match="boom"):
+        decode_local(vae, z, plan, gn_sync=True)
+    assert calls["n"] == plan.tile_count + 1
+    assert not _gn_patched(vae)
+    del vae.decode
+    ref = decode_local(vae, z, plan)
+    assert torch.equal(ref, decode_local(build_vae("kl"), z, plan))  # the VAE decodes as before
