@@ -5,7 +5,8 @@ Design decisions:
 * **Local queries, gathered K/V.** Each rank projects only its own tokens; keys and values are gathered with one
   ``all_gather`` each (``comm.all_gather_padded``, extents from the band table) and the rank's queries attend to
   all of them. Softmax over keys does not depend on the keys' order, so the gathered order (rank by rank) needs
-  no reordering; where a mask depends on position (frame-causal video attention) it is built for that order.
+  no reordering; frame-causal video attention puts the gathered keys in frame order once and lets each
+  frame's queries attend to the frames up to their own (no ``[L_q, L_k]`` mask is built).
 * **One adapter class per attention layer type**: diffusers ``Attention`` (KL/Flux.2 mid-block, HunyuanVideo's
   frame-causal mid-block), Wan/Qwen-Image's per-frame ``*AttentionBlock`` and HunyuanVideo-1.5's frame-causal
   ``AttnBlock``. Each reuses the module's projections by reference and refuses configurations it does not
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from ..comm import all_gather_padded
 from .plan import Applied, RowState, Style, set_forward
 
-__all__ = ["GatheredAttention", "RecordVideoLayout", "GatheredFrameAttention", "GatheredCausalAttnBlock", "frame_causal_mask"]
+__all__ = ["GatheredAttention", "RecordVideoLayout", "GatheredFrameAttention", "GatheredCausalAttnBlock", "frame_causal_attention"]
 
 
 def _token_sizes(state: RowState, local_rows: int, per_row: int, frames: int = 1) -> list:
@@ -32,22 +33,33 @@ def _token_sizes(state: RowState, local_rows: int, per_row: int, frames: int = 1
     return [frames * (b[i + 1] - b[i]) * per_row for i in range(len(b) - 1)]
 
 
-def frame_causal_mask(
-    frames: int, rows_local: int, row_bounds: Sequence[int], width: int, rank: int, device
+def frame_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, frames: int, token_sizes: Sequence[int]
 ) -> torch.Tensor:
-    """Boolean ``[L_q, L_k]`` mask: a query of frame t sees keys of frames <= t (True = attend).
+    """Frame-causal attention of local queries over gathered keys: a query of frame t sees keys of frames <= t.
 
-    Queries are this rank's tokens in ``(frame, row, column)`` order; keys are every rank's tokens, rank after
-    rank, each in the same order (the layout ``all_gather`` along the token dimension produces).
+    Args:
+        query: ``[B, heads, T * n_local, d]``, this rank's tokens in ``(frame, row, column)`` order.
+        key, value: ``[B, heads, sum(token_sizes), d]``, every rank's tokens rank after rank, each in that order.
+        frames: ``T``.
+        token_sizes: tokens per rank (``T * rows_r * W``).
+
+    Rather than a ``[L_q, L_k]`` mask (as large as the band's activations at video sizes), keys are put in frame
+    order once and each frame's queries attend to the prefix of frames ``<= t``: the same softmax, no mask.
     """
-    q_frame = torch.arange(frames, device=device).repeat_interleave(rows_local * width)
-    k_frame = torch.cat(
-        [
-            torch.arange(frames, device=device).repeat_interleave((row_bounds[i + 1] - row_bounds[i]) * width)
-            for i in range(len(row_bounds) - 1)
-        ]
-    )
-    return k_frame.unsqueeze(0) <= q_frame.unsqueeze(1)
+    b, h, _, d = key.shape
+
+    def frame_major(t):
+        parts = [p.unflatten(2, (frames, -1)) for p in t.split(list(token_sizes), dim=2)]
+        return torch.cat(parts, dim=3)  # [B, heads, T, H*W, d]
+
+    key, value = frame_major(key), frame_major(value)
+    query = query.unflatten(2, (frames, -1))
+    out = [
+        F.scaled_dot_product_attention(query[:, :, t], key[:, :, : t + 1].flatten(2, 3), value[:, :, : t + 1].flatten(2, 3))
+        for t in range(frames)
+    ]
+    return torch.stack(out, dim=2).flatten(2, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +128,10 @@ class GatheredAttention(Style):
             query = query.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
             key = key.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
             value = value.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
-            mask = None
             if frame_causal and attention_mask is not None:
-                mask = frame_causal_mask(frames, rows, state.bounds_at(rows), per_row, ctx.rank, query.device)
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False)
+                out = frame_causal_attention(query, key, value, frames, sizes)
+            else:
+                out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
             out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
             out = attn.to_out[1](attn.to_out[0](out))
             if residual.dim() == 4:
@@ -177,8 +189,7 @@ class GatheredCausalAttnBlock(Style):
             sizes = _token_sizes(state, height, width, frames)
             key = all_gather_padded(tokens(key), ctx, 2, sizes)
             value = all_gather_padded(tokens(value), ctx, 2, sizes)
-            mask = frame_causal_mask(frames, height, state.bounds_at(height), width, ctx.rank, query.device)
-            out = F.scaled_dot_product_attention(tokens(query), key, value, attn_mask=mask)
+            out = frame_causal_attention(tokens(query), key, value, frames, sizes)
             out = out.squeeze(1).reshape(batch, frames, height, width, channels).permute(0, 4, 1, 2, 3)
             return module.proj_out(out) + identity
 
