@@ -1,0 +1,57 @@
+"""The one place the node pack touches ComfyUI.
+
+Everything ComfyUI-specific the nodes need is imported or reached from here: the V3 schema API
+(``comfy_api.latest``), the progress bar, the interrupt check and the output folder. The schema API is
+imported eagerly (a node module cannot be defined without it); the rest is looked up when called, so the
+node bodies also run outside a ComfyUI server (the CI tests, scripts), where there is no progress UI and
+no cancel button.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Callable, Optional
+
+from comfy_api.latest import ComfyExtension, io, ui  # noqa: F401  (re-exported for the node modules)
+
+__all__ = ["ComfyExtension", "io", "ui", "progress_callback", "interrupt_check", "output_directory"]
+
+
+def progress_callback(total: int, node_id: Optional[str] = None) -> Optional[Callable[[int, int], None]]:
+    """A ``fn(done, total)`` that drives ComfyUI's progress bar for the running node (None outside ComfyUI)."""
+    try:
+        import comfy.utils
+    except ImportError:
+        return None
+    bar = comfy.utils.ProgressBar(max(1, int(total)), node_id=node_id)
+
+    def update(done: int, total_now: Optional[int] = None) -> None:
+        bar.update_absolute(int(done), int(total_now) if total_now else None)
+
+    return update
+
+
+def interrupt_check() -> Optional[Callable[[], None]]:
+    """ComfyUI's cancel check: raises when the user pressed Cancel (None outside ComfyUI).
+
+    The cluster calls it about twice a second while the ranks work; when it raises, the cluster stops
+    every rank and re-raises, so ComfyUI reports an interrupted prompt and the next one rebuilds the ranks.
+    """
+    try:
+        import comfy.model_management as mm
+    except ImportError:
+        return None
+    return mm.throw_exception_if_processing_interrupted
+
+
+def output_directory() -> str:
+    """ComfyUI's output folder; outside ComfyUI ``$PATCHRAY_OUTPUT_DIR`` or a temp folder."""
+    try:
+        import folder_paths
+
+        return folder_paths.get_output_directory()
+    except ImportError:
+        path = os.environ.get("PATCHRAY_OUTPUT_DIR") or os.path.join(tempfile.gettempdir(), "patchray-output")
+        os.makedirs(path, exist_ok=True)
+        return path

@@ -1,0 +1,128 @@
+"""Conversions between ComfyUI's objects and what ``distributed/`` takes. No algorithm lives here.
+
+* ComfyUI VAE (``comfy.sd.VAE``) -> ``VaeSpec`` via ``distributed.vae.convert`` (pure state-dict work).
+* LATENT dict <-> latent tensor, IMAGE ``[B, H, W, C]`` in 0..1 <-> sample ``[B, 3, (T,) H, W]`` in -1..1,
+  exactly as the stock VAE Decode / VAE Encode do it (``comfy/sd.py``: ``process_output`` =
+  ``clamp((x + 1) / 2, 0, 1)``, ``process_input`` = ``x * 2 - 1``, the centre crop to the compression ratio,
+  video frames as the batch dimension of IMAGE).
+
+ComfyUI's LATENT holds what the VAE takes: samplers undo the model's latent scaling (``latent_format``)
+before they return, and ``VAE.decode`` feeds ``samples`` to ``first_stage_model.decode`` unscaled. diffusers'
+``decode`` takes the same unscaled latent (its pipelines apply ``scaling_factor`` outside the model), so the
+latent passes through untouched.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+__all__ = ["DTYPES", "vae_spec", "decoded_to_image", "image_to_sample", "latent_tensor", "stock_decode"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# one spec per live ComfyUI VAE object: converting is cheap, but hashing the key every prompt is not free
+_SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _first_stage(vae):
+    model = getattr(vae, "first_stage_model", None)
+    if model is None or not hasattr(model, "state_dict"):
+        raise TypeError(f"expected ComfyUI's VAE (from the VAE Loader), got {type(vae).__name__}")
+    return model
+
+
+def vae_spec(vae):
+    """The ``VaeSpec`` for a ComfyUI VAE (cached per VAE object). Raises ``UnsupportedVaeError`` with the reason."""
+    from ..distributed.vae.api import VaeSpec
+    from ..distributed.vae.convert import convert_comfy_vae, state_dict_key
+
+    try:
+        cached = _SPECS.get(vae)
+    except TypeError:  # not weak-referenceable
+        cached = None
+    if cached is not None:
+        return cached
+    sd = {k: v.detach().to("cpu") for k, v in _first_stage(vae).state_dict().items()}
+    conv = convert_comfy_vae(sd)
+    spec = VaeSpec(family=conv.family, config=conv.config, state_dict=conv.state_dict, key=state_dict_key(sd, conv.family))
+    try:
+        _SPECS[vae] = spec
+    except TypeError:
+        pass
+    return spec
+
+
+def latent_tensor(samples) -> torch.Tensor:
+    """The tensor of a LATENT dict, checked."""
+    if not isinstance(samples, dict) or "samples" not in samples:
+        raise TypeError(f"expected a LATENT (a dict with 'samples'), got {type(samples).__name__}")
+    z = samples["samples"]
+    if not torch.is_tensor(z) or z.ndim not in (4, 5):
+        raise ValueError(f"LATENT samples must be a 4-D or 5-D tensor, got {getattr(z, 'shape', type(z))}")
+    return z
+
+
+def decoded_to_image(x: torch.Tensor) -> torch.Tensor:
+    """Decoded sample ``[B, 3, H, W]`` / ``[B, 3, T, H, W]`` in -1..1 -> IMAGE ``[N, H, W, 3]`` in 0..1.
+
+    Video frames become images in batch-major order, as the stock VAE Decode's "combine batches" reshape.
+    """
+    img = torch.clamp((x.float() + 1.0) / 2.0, min=0.0, max=1.0).movedim(1, -1)
+    if img.ndim == 5:
+        img = img.reshape(-1, img.shape[-3], img.shape[-2], img.shape[-1])
+    return img.contiguous()
+
+
+def image_to_sample(pixels: torch.Tensor, ratio: int, video: bool) -> torch.Tensor:
+    """IMAGE ``[B, H, W, C]`` in 0..1 -> sample in -1..1, centre-cropped to multiples of ``ratio`` like ComfyUI.
+
+    For video VAEs the IMAGE batch is the frame axis: ``[T, H, W, 3]`` -> ``[1, 3, T, H, W]``.
+    """
+    if not torch.is_tensor(pixels) or pixels.ndim != 4:
+        raise ValueError(f"IMAGE must be a [B, H, W, C] tensor, got {getattr(pixels, 'shape', type(pixels))}")
+    pixels = pixels[..., :3]
+    for d in (1, 2):
+        n = pixels.shape[d]
+        keep = (n // ratio) * ratio
+        if keep == 0:
+            raise ValueError(f"IMAGE is {pixels.shape[2]}x{pixels.shape[1]}: smaller than the VAE's {ratio}x compression")
+        if keep != n:
+            pixels = pixels.narrow(d, (n % ratio) // 2, keep)
+    x = pixels.movedim(-1, 1).float() * 2.0 - 1.0
+    if video:
+        x = x.movedim(1, 0).unsqueeze(0)
+    return x.contiguous()
+
+
+def stock_decode(vae, samples) -> torch.Tensor:
+    """ComfyUI's own decode, as the stock VAE Decode node does it (the fallback for families PatchRay cannot shard)."""
+    images = vae.decode(latent_tensor(samples))
+    if images.ndim == 5:
+        images = images.reshape(-1, images.shape[-3], images.shape[-2], images.shape[-1])
+    return images
+
+
+def stock_encode(vae, pixels) -> torch.Tensor:
+    return vae.encode(pixels[:, :, :, :3])
+
+
+def resolve_dtype(name: str, vae=None) -> torch.dtype:
+    """``auto`` -> the dtype ComfyUI itself decodes this VAE in (``vae.vae_dtype``), else fp32."""
+    if name == "auto":
+        dt = getattr(vae, "vae_dtype", None)
+        return dt if isinstance(dt, torch.dtype) else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"precision must be auto, fp32, bf16 or fp16 (got {name!r})") from None
+
+
+def plan_dict(plan) -> Optional[dict]:
+    if plan is None:
+        return None
+    if not isinstance(plan, dict) or "latent_window" not in plan or "runs" not in plan:
+        raise TypeError(f"the plan input must come from PatchRay Tile Planner (got {type(plan).__name__})")
+    return plan

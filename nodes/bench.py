@@ -1,0 +1,77 @@
+"""Benchmark: run PatchRay's VAE benchmark for a family, shape and rank count; report JSON, chart and summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from ._comfy import interrupt_check, io, output_directory, progress_callback
+from ._images import png_to_image
+from .planner import FAMILY_NAMES
+from .types import CATEGORY, CLUSTER
+
+__all__ = ["PatchRayBenchmark"]
+
+
+class PatchRayBenchmark(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PatchRayBenchmark",
+            display_name="PatchRay Benchmark",
+            category=f"{CATEGORY}/diagnostics",
+            description=(
+                "Benchmarks distributed VAE decoding on the cluster for one family, shape and the cluster's rank count: the "
+                "single-device reference, row mode and the tile plans, with latency, peak memory, bytes exchanged and the "
+                "error against the single-device decode. The report JSON and its chart are saved to output/patchray/."
+            ),
+            is_experimental=True,
+            is_output_node=True,
+            not_idempotent=True,
+            inputs=[
+                CLUSTER.Input("cluster", tooltip="The rank cluster to benchmark on (its rank count is the benchmark's)."),
+                io.Combo.Input("family", options=FAMILY_NAMES, default="kl", tooltip="VAE family to benchmark (random weights of its architecture)."),
+                io.String.Input("shape", default="1024x1024", tooltip="Output shape HEIGHTxWIDTH, or HEIGHTxWIDTHxFRAMES for video families (e.g. 480x832x81)."),
+                io.Combo.Input("size", options=["full", "tiny"], default="full", tooltip="full: the released model's widths. tiny: a reduced-width model of the same architecture (quick CPU checks)."),
+                io.Combo.Input("half", options=["decoder", "encoder"], default="decoder", tooltip="Which VAE half to benchmark (tile modes are decode-only)."),
+                io.Int.Input("iters", default=3, min=1, max=100, tooltip="Timed invocations per mode (the latency is their median), after one warm-up."),
+            ],
+            outputs=[
+                io.String.Output(display_name="report_json", tooltip="The benchmark report as JSON (also saved to output/patchray/)."),
+                io.Image.Output(display_name="chart", tooltip="The report's chart: latency and memory per mode."),
+                io.String.Output(display_name="summary", tooltip="The report as a table: one row per mode and shape."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, cluster, family, shape, size="full", half="decoder", iters=3) -> io.NodeOutput:
+        from ..distributed.bench.report import format_table
+        from ..distributed.bench.vae_bench import SetupError, run_bench
+        from ..distributed.cluster import get_cluster
+
+        folder = os.path.join(output_directory(), "patchray")
+        os.makedirs(folder, exist_ok=True)
+        clean = shape.strip().replace(" ", "")
+        out = os.path.join(folder, f"bench_{family}_{clean}_{cluster.num_ranks}r_{time.strftime('%Y%m%d-%H%M%S')}.json")
+        argv = ["--family", family, "--shape", clean, "--size", size, "--half", half, "--warmup", "1", "--iters", str(int(iters)), "--out", out]
+        cancel = interrupt_check()
+        if cancel is not None:
+            cancel()
+        progress = progress_callback(1)
+        try:
+            result = run_bench(argv, cluster=get_cluster(cluster))
+        except SetupError as exc:
+            raise ValueError(f"benchmark refused: {exc}") from None
+        if progress is not None:
+            progress(1)
+        with open(result.json_path) as fh:
+            data = json.load(fh)
+        if result.chart_path is None or not os.path.exists(result.chart_path):
+            raise RuntimeError(f"the benchmark wrote {result.json_path} but no chart")
+        summary = format_table(result.records)
+        if result.exit_code != 0:
+            summary = "FAILED (see the report's error fields)\n" + summary
+        records = data if isinstance(data, list) else [data]  # the JSON file's form: NaN/inf already made null
+        ui = {"text": [summary], "patchray_bench": [{"records": records, "file": os.path.basename(result.json_path)}]}
+        return io.NodeOutput(json.dumps(data, indent=1), png_to_image(result.chart_path), summary, ui=ui)

@@ -1,0 +1,69 @@
+"""Tile Planner: the geometric planner's coarse / balanced / fine plans, a preview, and a plan wire."""
+
+from __future__ import annotations
+
+from ._comfy import io, ui
+from ._preview import draw_plan
+from .types import CATEGORY, TILE_PLAN
+
+__all__ = ["PatchRayTilePlanner", "FAMILY_NAMES"]
+
+
+def _family_names():
+    from ..distributed.vae.families import FAMILIES
+
+    return list(FAMILIES)
+
+
+FAMILY_NAMES = _family_names()
+
+
+def _describe(p: dict) -> str:
+    o = p["objectives"]
+    return (
+        f"{p['name']:>8}: window {p['window'][0]}x{p['window'][1]} px, overlap {p['overlap'][0]}x{p['overlap'][1]}, "
+        f"{o['tile_count']} tiles ({p['grid'][0]}x{p['grid'][1]}), decoded area x{o['coverage']:.2f}, "
+        f"imbalance {o['imbalance']:.1%}, runs {[tuple(r) for r in p['runs']]}"
+    )
+
+
+class PatchRayTilePlanner(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PatchRayTilePlanner",
+            display_name="PatchRay Tile Planner",
+            category=f"{CATEGORY}/vae",
+            description=(
+                "Plans tiles for a tiled distributed decode: the coarse (fewest, largest tiles), balanced and fine plans of "
+                "the planner's Pareto frontier, a preview of the chosen plan (each rank's tiles in its colour) and a plan wire "
+                "for PatchRay Distributed VAE Decode."
+            ),
+            inputs=[
+                io.Combo.Input("family", options=FAMILY_NAMES, default="kl", tooltip="VAE family: sets the spatial compression ratio (kl: SD/SDXL/FLUX.1, wan: Wan 2.1, ...)."),
+                io.Int.Input("width", default=1024, min=64, max=16384, step=8, tooltip="Output image width in pixels (a multiple of the family's ratio)."),
+                io.Int.Input("height", default=1024, min=64, max=16384, step=8, tooltip="Output image height in pixels (a multiple of the family's ratio)."),
+                io.Int.Input("frames", default=1, min=1, max=4096, tooltip="Output frames (video families); every tile carries all frames."),
+                io.Int.Input("ranks", default=2, min=1, max=64, tooltip="Number of ranks the tiles are shared by."),
+                io.Combo.Input("choice", options=["coarse", "balanced", "fine"], default="balanced", tooltip="Which plan goes out on the plan wire and into the preview."),
+                io.Image.Input("image", optional=True, tooltip="Optional image to draw the tiles over (e.g. a previous decode); grey canvas otherwise."),
+            ],
+            outputs=[
+                TILE_PLAN.Output(display_name="plan", tooltip="The chosen tile plan, for the decode node's plan input."),
+                io.Image.Output(display_name="preview", tooltip="The chosen plan drawn over the image area: tile cores tinted per rank, tile windows outlined."),
+                io.String.Output(display_name="plans", tooltip="The coarse, balanced and fine plans as text: window, overlap, tile count, extra area, imbalance."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, family, width, height, frames=1, ranks=2, choice="balanced", image=None) -> io.NodeOutput:
+        from ..distributed.vae.planner import plan_tiles
+
+        report = plan_tiles(family, int(height), int(width), frames=int(frames), world_size=int(ranks))
+        chosen = getattr(report, choice) or report.coarse  # balanced is None when the frontier has two windows
+        plan = chosen.to_dict()
+        lines = [_describe(p.to_dict()) for p in report.plans]
+        if getattr(report, choice) is None:
+            lines.append(f"(no distinct {choice} plan for this shape: using coarse)")
+        text = "\n".join(lines)
+        return io.NodeOutput(plan, draw_plan(plan, image), text, ui=ui.PreviewText(text))
