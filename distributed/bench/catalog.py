@@ -1,0 +1,104 @@
+"""Canonical benchmark shapes, one table, versioned with the architectures they were chosen for.
+
+Design decisions:
+
+* **One order everywhere: height x width x frames.** Seed 000's ``--shape`` examples (``720x1280x81``),
+  its ``--case`` windows (``WINDOW_HxW``), its JSON (``[height, width]``) and the H200 baselines
+  (``480x832x81``) are all height first. Only the seed's canonical-shapes *table* writes video sizes the way
+  resolutions are usually named (``832x480`` for 480p, ``1920x1280`` for LTX-2's landscape case). PatchRay
+  stores every shape as an explicit ``(height, width, frames)`` and prints ``HxWxF``, so the wan 480p case
+  is ``480x832x81`` here, on stdout and in the JSON. The geometry is the seed's: the same pixels, named
+  height first.
+* **Versioned with the architectures.** A shape is canonical *for* an architecture: LTX-2 uses larger frames
+  because 32x compression must leave sixteen latent units on a tile's narrow axis. ``CATALOG_VERSION`` goes
+  into every record beside a digest of the family's full config, so two reports compare only when both match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Dict, NamedTuple, Tuple
+
+__all__ = [
+    "CATALOG_VERSION",
+    "Shape",
+    "CANONICAL_SHAPES",
+    "CPU_DEFAULT",
+    "canonical_shapes",
+    "parse_shape",
+    "format_shape",
+    "architecture_digest",
+]
+
+#: bump when a shape below or a family's full architecture changes
+CATALOG_VERSION = 1
+
+
+class Shape(NamedTuple):
+    """An input size in pixels (and frames; 1 for images)."""
+
+    height: int
+    width: int
+    frames: int = 1
+
+    def __str__(self) -> str:  # noqa: D105 - HxWxF, the project's one notation
+        return format_shape(self)
+
+
+CANONICAL_SHAPES: Dict[str, Tuple[Shape, ...]] = {
+    "flux2": (Shape(1024, 1024), Shape(2048, 2048)),
+    "kl": (Shape(1024, 1024), Shape(2048, 2048)),
+    "qwen_image": (Shape(1024, 1024, 1), Shape(2048, 2048, 1)),
+    # the seed's 832x480x81 and 1280x720x81 (width first), stored height first
+    "wan": (Shape(480, 832, 81), Shape(720, 1280, 81)),
+    "hunyuan_video": (Shape(480, 832, 129), Shape(720, 1280, 129)),
+    "hunyuan_video_15": (Shape(480, 832, 129), Shape(720, 1280, 129)),
+    # the seed's 1536x1024x121 and 1920x1280x121 (landscape, width first), stored height first
+    "ltx2": (Shape(1024, 1536, 121), Shape(1280, 1920, 121)),
+}
+
+#: What ``python -m patchray bench`` runs with no arguments where there is no GPU: the full-size kl
+#: architecture at a small shape on two CPU ranks. 256x256 is the smallest square at which the planner
+#: still finds two tile plans (sixteen latent units on a tile's narrow axis), so the default suite keeps
+#: its tiled cases; one warm-up and two timed iterations keep it under five minutes on two cores.
+CPU_DEFAULT = dict(family="kl", height=256, width=256, frames=1, ranks=2, dtype="fp32", warmup=1, iters=2, size="full")
+
+_SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?$")
+
+
+def canonical_shapes(family: str) -> Tuple[Shape, ...]:
+    """The canonical shapes of ``family`` (``ValueError`` naming the known families otherwise)."""
+    try:
+        return CANONICAL_SHAPES[family]
+    except KeyError:
+        raise ValueError(f"no canonical shapes for family {family!r}; known: {', '.join(sorted(CANONICAL_SHAPES))}") from None
+
+
+def parse_shape(text: str) -> Shape:
+    """Parse ``HEIGHTxWIDTH`` or ``HEIGHTxWIDTHxFRAMES``.
+
+    Example:
+        >>> parse_shape("720x1280x81")
+        Shape(height=720, width=1280, frames=81)
+    """
+    m = _SHAPE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"a shape is HEIGHTxWIDTH or HEIGHTxWIDTHxFRAMES, e.g. 1024x1024 or 720x1280x81 (got {text!r})")
+    h, w, f = int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)
+    if min(h, w, f) < 1:
+        raise ValueError(f"shape sizes must be positive (got {text!r})")
+    return Shape(h, w, f)
+
+
+def format_shape(shape) -> str:
+    """``HxWxF`` (``HxW`` is never printed: the frame count is always explicit)."""
+    h, w, f = shape
+    return f"{h}x{w}x{f}"
+
+
+def architecture_digest(config: dict) -> str:
+    """A short digest of a family's architecture config (what the canonical shapes are versioned with)."""
+    text = json.dumps(config, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
