@@ -136,6 +136,7 @@ def conv_rows(
     pad_top: int,
     pad_bottom: int,
     row_mode: str = "zeros",
+    prepadded: bool = False,
 ) -> torch.Tensor:
     """Run ``conv`` on this rank's band ``x`` as if on the whole image, rows padded by ``pad_top``/``pad_bottom``.
 
@@ -145,12 +146,19 @@ def conv_rows(
         state: the shared band table.
         pad_top, pad_bottom: global row padding of the layer (image edges only).
         row_mode: ``"zeros"``, ``"replicate"`` or ``"reflect"``: how the image edge rows are padded.
+        prepadded: ``x`` already carries ``pad_top``/``pad_bottom`` rows of ``row_mode`` padding at both ends of the
+            band (what a wrapper's own ``F.pad`` makes); only the rows next to inner boundaries are recomputed.
+            This keeps a wrapper's single padded copy instead of adding a second one.
 
     Returns:
         this rank's band of the layer's output.
     """
     ctx = state.ctx
     rows_dim = x.dim() - 2
+    padded = None
+    if prepadded:
+        padded = x
+        x = x.narrow(rows_dim, pad_top, x.shape[rows_dim] - pad_top - pad_bottom)
     k, s = conv.kernel_size[-2], conv.stride[-2]
     in_bounds = state.bounds_at(x.shape[rows_dim])
     out_height = (in_bounds[-1] + pad_top + pad_bottom - k) // s + 1
@@ -165,7 +173,8 @@ def conv_rows(
     stride_one = s == 1 and pad_top + pad_bottom == k - 1 and rows >= k - 1
     if stride_one:
         # whole band with its own (edge-mode) padding, then recompute the rows next to inner boundaries
-        out = _conv(x, conv, pad_top, pad_bottom, row_mode)
+        out = _conv(padded, conv, 0, 0, row_mode) if prepadded else _conv(x, conv, pad_top, pad_bottom, row_mode)
+        del padded
         if halo.before is not None and pad_top:
             strip = torch.cat([halo.before, x.narrow(rows_dim, 0, k - 1)], dim=rows_dim)
             out.narrow(rows_dim, 0, pad_top).copy_(_conv(strip, conv, 0, 0, row_mode))
@@ -173,6 +182,7 @@ def conv_rows(
             strip = torch.cat([x.narrow(rows_dim, rows - (k - 1), k - 1), halo.after], dim=rows_dim)
             out.narrow(rows_dim, out.shape[rows_dim] - pad_bottom, pad_bottom).copy_(_conv(strip, conv, 0, 0, row_mode))
     else:
+        del padded
         parts = [p for p in (halo.before,) if p is not None]
         parts.append(x.narrow(rows_dim, trim_top, rows - trim_top - trim_bottom))
         parts += [p for p in (halo.after,) if p is not None]
@@ -251,8 +261,9 @@ class HaloPaddedCausalConv(Style):
         row_mode = "zeros" if mode == "constant" else mode
 
         def forward(hidden_states):
-            hidden_states = F.pad(hidden_states, (w_left, w_right, 0, 0, t_front, t_back), mode=mode)
-            return conv_rows(hidden_states, conv, state, h_top, h_bottom, row_mode)
+            # diffusers' own single F.pad (rows too: the band ends get edge padding, inner ones are fixed after)
+            hidden_states = F.pad(hidden_states, module.time_causal_padding, mode=mode)
+            return conv_rows(hidden_states, conv, state, h_top, h_bottom, row_mode, prepadded=True)
 
         return Applied(set_forward(module, forward), claims=(conv,))
 
