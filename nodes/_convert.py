@@ -36,8 +36,7 @@ def _first_stage(vae):
 
 def vae_spec(vae):
     """The ``VaeSpec`` for a ComfyUI VAE (cached per VAE object). Raises ``UnsupportedVaeError`` with the reason."""
-    from ..distributed.vae.api import VaeSpec
-    from ..distributed.vae.convert import convert_comfy_vae, state_dict_key
+    from ..distributed.vae.api import spec_from_state_dict
 
     try:
         cached = _SPECS.get(vae)
@@ -46,8 +45,7 @@ def vae_spec(vae):
     if cached is not None:
         return cached
     sd = {k: v.detach().to("cpu") for k, v in _first_stage(vae).state_dict().items()}
-    conv = convert_comfy_vae(sd)
-    spec = VaeSpec(family=conv.family, config=conv.config, state_dict=conv.state_dict, key=state_dict_key(sd, conv.family))
+    spec = spec_from_state_dict(sd)
     try:
         _SPECS[vae] = spec
     except TypeError:

@@ -72,6 +72,7 @@ class PatchRayVAEDecode(io.ComfyNode):
         except UnsupportedVaeError as exc:
             note = _fallback_note(exc, "decode")
             return io.NodeOutput(cv.stock_decode(vae, samples), ui=ui.PreviewText(note))
+        progress = progress_callback(1)
         x = distributed_decode(
             get_cluster(cluster),
             spec,
@@ -80,9 +81,10 @@ class PatchRayVAEDecode(io.ComfyNode):
             plan=plan,
             dtype=cv.resolve_dtype(precision, vae),
             gn_sync=bool(gn_sync),
-            progress=progress_callback(z.shape[0]),
             cancel_check=interrupt_check(),
         )
+        if progress is not None:
+            progress(1)
         return io.NodeOutput(cv.decoded_to_image(x))
 
 

@@ -1,0 +1,184 @@
+"""Write workflows/<name>.json (UI format, what users drag in) and workflows/<name>.api.json (API format).
+
+Both forms come from one description per workflow below, so they agree by construction; the tests in
+tests/nodes/test_workflows.py check that independently (UI -> API conversion, link types, known node types).
+Run: ``python tests/comfyui/build_workflows.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workflow_tools import ROOT, node_info, widget_inputs  # noqa: E402
+
+OUT = ROOT / "workflows"
+
+CLUSTER = ("PatchRayCluster", {"num_ranks": 2, "device": "auto", "address": "", "gpu_ids": ""})
+
+
+def _nodes_sdxl():
+    return {
+        1: ("CheckpointLoaderSimple", {"ckpt_name": "sd_xl_base_1.0.safetensors"}),
+        2: ("CLIPTextEncode", {"text": "a lighthouse on a rocky coast at dawn, volumetric light, highly detailed", "clip": (1, 1)}),
+        3: ("CLIPTextEncode", {"text": "blurry, low quality", "clip": (1, 1)}),
+        4: ("EmptyLatentImage", {"width": 1024, "height": 1024, "batch_size": 1}),
+        5: ("KSampler", {"model": (1, 0), "seed": 42, "steps": 25, "cfg": 7.0, "sampler_name": "euler", "scheduler": "normal",
+                         "positive": (2, 0), "negative": (3, 0), "latent_image": (4, 0), "denoise": 1.0}),
+        6: ("VAELoader", {"vae_name": "sdxl_vae.safetensors"}),
+        7: CLUSTER,
+        8: ("PatchRayVAEDecode", {"samples": (5, 0), "vae": (6, 0), "cluster": (7, 0), "mode": "auto", "precision": "auto", "gn_sync": False}),
+        9: ("SaveImage", {"images": (8, 0), "filename_prefix": "PatchRay_sdxl"}),
+    }
+
+
+def _nodes_flux():
+    return {
+        1: ("LoadImage", {"image": "example.png"}),
+        2: ("ImageScale", {"image": (1, 0), "upscale_method": "lanczos", "width": 1024, "height": 1024, "crop": "center"}),
+        3: ("VAELoader", {"vae_name": "ae.safetensors"}),
+        4: ("VAEEncode", {"pixels": (2, 0), "vae": (3, 0)}),
+        5: CLUSTER,
+        6: ("PatchRayTilePlanner", {"family": "kl", "width": 1024, "height": 1024, "frames": 1, "ranks": 2, "choice": "balanced"}),
+        7: ("PatchRayVAEDecode", {"samples": (4, 0), "vae": (3, 0), "cluster": (5, 0), "mode": "tile-runs", "precision": "auto",
+                                  "gn_sync": True, "plan": (6, 0)}),
+        8: ("SaveImage", {"images": (7, 0), "filename_prefix": "PatchRay_flux"}),
+        9: ("PreviewImage", {"images": (6, 1)}),
+    }
+
+
+def _nodes_wan():
+    return {
+        1: ("LoadImage", {"image": "example.png"}),
+        2: ("ImageScale", {"image": (1, 0), "upscale_method": "lanczos", "width": 832, "height": 480, "crop": "center"}),
+        3: ("RepeatImageBatch", {"image": (2, 0), "amount": 17}),
+        4: ("VAELoader", {"vae_name": "wan_2.1_vae.safetensors"}),
+        5: CLUSTER,
+        6: ("PatchRayVAEEncode", {"pixels": (3, 0), "vae": (4, 0), "cluster": (5, 0), "precision": "auto"}),
+        7: ("PatchRayVAEDecode", {"samples": (6, 0), "vae": (4, 0), "cluster": (5, 0), "mode": "row", "precision": "auto", "gn_sync": False}),
+        8: ("SaveAnimatedWEBP", {"images": (7, 0), "filename_prefix": "PatchRay_wan", "fps": 16.0, "lossless": False, "quality": 85, "method": "default"}),
+    }
+
+
+def _nodes_topology():
+    return {
+        1: CLUSTER,
+        2: ("PatchRayTopologyProbe", {"measure": True, "cluster": (1, 0)}),
+        3: ("PreviewImage", {"images": (2, 0)}),
+    }
+
+
+def _nodes_bench():
+    return {
+        1: CLUSTER,
+        2: ("PatchRayBenchmark", {"cluster": (1, 0), "family": "kl", "shape": "1024x1024", "size": "full", "half": "decoder", "iters": 3}),
+        3: ("PreviewImage", {"images": (2, 1)}),
+    }
+
+
+NOTES = {
+    "sdxl_otil_txt2img": (
+        "## PatchRay: SDXL text-to-image with a distributed decode\n\n"
+        "Samples with the stock **KSampler** and decodes with **PatchRay Distributed VAE Decode** on the ranks of "
+        "**PatchRay Cluster** (one rank per GPU). Mode *auto* picks exact row decoding when the GPU links allow it, else tiles.\n\n"
+        "Files: `models/checkpoints/sd_xl_base_1.0.safetensors`, `models/vae/sdxl_vae.safetensors`.\n\n"
+        "The OTIL patch-parallel sampler node is not part of this release: sampling runs on ComfyUI's own device."
+    ),
+    "flux_distributed_decode": (
+        "## PatchRay: FLUX.1 VAE, tiled distributed decode\n\n"
+        "**Tile Planner** plans tiles for 1024x1024 on 2 ranks (preview: each rank's tiles in its colour) and feeds the plan "
+        "to **Distributed VAE Decode** in *tile-runs* mode with GroupNorm sync. Replace *Load Image -> VAE Encode* by your FLUX "
+        "sampler's LATENT.\n\nFile: `models/vae/ae.safetensors`."
+    ),
+    "wan_video_row_decode": (
+        "## PatchRay: Wan 2.1 video VAE, row-sharded encode and decode\n\n"
+        "17 frames at 832x480 are encoded and decoded in *row* mode: each rank holds a band of rows; halos, GroupNorm "
+        "statistics and attention are exchanged, so the result equals the single-GPU decode. Replace the encode by your Wan "
+        "sampler's LATENT.\n\nFile: `models/vae/wan_2.1_vae.safetensors`."
+    ),
+    "topology_probe": (
+        "## PatchRay: GPU topology probe\n\n"
+        "Shows how the GPUs are connected (NVLink / PCIe switch / host bridge / cross-socket), whether peer-to-peer works, "
+        "measured copy bandwidths, the cluster check, and advice (NCCL settings, decode mode, OTIL preset)."
+    ),
+    "vae_benchmark": (
+        "## PatchRay: VAE decode benchmark\n\n"
+        "Benchmarks the single-device decode, row mode and tile plans on the cluster's ranks. The report JSON and chart are "
+        "saved to `output/patchray/`; the table shows on the node."
+    ),
+}
+
+WORKFLOWS = {
+    "sdxl_otil_txt2img": _nodes_sdxl,
+    "flux_distributed_decode": _nodes_flux,
+    "wan_video_row_decode": _nodes_wan,
+    "topology_probe": _nodes_topology,
+    "vae_benchmark": _nodes_bench,
+}
+
+
+def build(name: str, nodes: dict, info: dict):
+    api, ui_nodes, links = {}, [], []
+    out_links = {}
+    note_id = max(nodes) + 1
+    for order, (nid, (t, values)) in enumerate(sorted(nodes.items())):
+        spec = info[t]
+        api_inputs, sockets, widgets = {}, [], []
+        for inp in spec["inputs"]:
+            v = values.get(inp["name"])
+            if isinstance(v, tuple):
+                src, slot = v
+                link_id = len(links) + 1
+                ltype = info[nodes[src][0]]["outputs"][slot]
+                links.append([link_id, src, slot, nid, None, ltype])
+                out_links.setdefault((src, slot), []).append(link_id)
+                api_inputs[inp["name"]] = [str(src), slot]
+            elif v is not None:
+                api_inputs[inp["name"]] = v
+            if inp["widget"]:
+                if inp["name"] not in values:
+                    raise KeyError(f"{name}: node {nid} ({t}) lacks a value for widget {inp['name']!r}")
+                widgets.append(v)
+                if inp["control_after_generate"]:
+                    widgets.append("fixed")
+                if inp["upload"]:
+                    widgets.append("image")
+            else:
+                link = links[-1][0] if isinstance(v, tuple) else None
+                if link is not None:
+                    links[-1][4] = len(sockets)
+                if link is not None or not inp["optional"] or t.startswith("PatchRay"):
+                    sockets.append({"name": inp["name"], "type": inp["type"], "link": link})
+        api[str(nid)] = {"class_type": t, "inputs": api_inputs, "_meta": {"title": t}}
+        col, row = order % 4, order // 4
+        ui_nodes.append({
+            "id": nid, "type": t, "pos": [40 + col * 380, 340 + row * 360], "size": [340, 260], "flags": {}, "order": order,
+            "mode": 0, "inputs": sockets,
+            "outputs": [{"name": o, "type": o, "links": [], "slot_index": s} for s, o in enumerate(spec["outputs"])],
+            "properties": {"Node name for S&R": t}, "widgets_values": widgets,
+        })
+    for n in ui_nodes:
+        for o in n["outputs"]:
+            o["links"] = out_links.get((n["id"], o["slot_index"]), [])
+    ui_nodes.append({"id": note_id, "type": "MarkdownNote", "pos": [40, 40], "size": [720, 260], "flags": {}, "order": len(ui_nodes),
+                     "mode": 0, "inputs": [], "outputs": [], "properties": {}, "widgets_values": [NOTES[name]],
+                     "color": "#432", "bgcolor": "#653"})
+    ui = {"id": f"patchray-{name}", "revision": 0, "last_node_id": note_id, "last_link_id": len(links), "nodes": ui_nodes,
+          "links": links, "groups": [], "config": {}, "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
+    return ui, api
+
+
+def main():
+    info = node_info()
+    OUT.mkdir(exist_ok=True)
+    for name, fn in WORKFLOWS.items():
+        ui, api = build(name, fn(), info)
+        (OUT / f"{name}.json").write_text(json.dumps(ui, indent=1) + "\n")
+        (OUT / f"{name}.api.json").write_text(json.dumps(api, indent=1) + "\n")
+        print(f"workflows/{name}.json, workflows/{name}.api.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Distributed VAE Decode / Encode nodes with ComfyUI-shaped inputs (LATENT dict, IMAGE [B,H,W,C], a VAE object
+holding ComfyUI's ldm-layout weights) on real CPU Ray ranks, compared with the stock nodes' maths."""
+
+import pytest
+import torch
+
+from .comfy_shapes import ComfyLikeVAE, kl_to_ldm, tiny_kl
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from patchray.nodes.cluster import PatchRayCluster
+
+    return PatchRayCluster.execute(num_ranks=2, device="cpu", address="", gpu_ids="").args[0]
+
+
+def _kl_vae(levels):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(3)
+    model = AutoencoderKL(
+        down_block_types=["DownEncoderBlock2D"] * levels,
+        up_block_types=["UpDecoderBlock2D"] * levels,
+        block_out_channels=[32] * levels,
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=32,
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return ComfyLikeVAE(model, kl_to_ldm(model.state_dict(), levels))
+
+
+@pytest.fixture(scope="module")
+def vae8():
+    return _kl_vae(4)  # spatial ratio 8, like every KL VAE ComfyUI loads
+
+
+def test_row_decode_matches_the_stock_decode(cluster, vae8):
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    z = torch.randn(2, 4, 12, 10)
+    out = PatchRayVAEDecode.execute(samples={"samples": z}, vae=vae8, cluster=cluster, mode="row", precision="fp32", gn_sync=False)
+    image = out.args[0]
+    stock = vae8.decode(z)
+    assert image.shape == stock.shape == (2, 96, 80, 3) and image.dtype == torch.float32
+    # the issue's bound for fp32: within 1/255 of the stock VAE Decode (row mode is exact up to fp32 reassociation)
+    assert (image - stock).abs().max() <= 1 / 255
+    assert out.ui is None  # no fallback warning
+
+
+def test_tile_runs_decode_with_a_planner_plan(cluster, vae8):
+    from patchray.nodes.planner import PatchRayTilePlanner
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    plan = PatchRayTilePlanner.execute(family="kl", width=128, height=256, frames=1, ranks=2, choice="coarse").args[0]
+    z = torch.randn(1, 4, 32, 16)
+    image = PatchRayVAEDecode.execute(samples={"samples": z}, vae=vae8, cluster=cluster, mode="tile-runs", precision="fp32",
+                                      gn_sync=True, plan=plan).args[0]
+    stock = vae8.decode(z)
+    assert image.shape == stock.shape == (1, 256, 128, 3)
+    assert 0.0 <= image.min() and image.max() <= 1.0
+    # tiles see less context than the full decode: close on average, not exact (random weights amplify seams)
+    assert (image - stock).abs().mean() < 0.1
+
+
+def test_a_plan_for_another_rank_count_is_refused(cluster, vae8):
+    from patchray.nodes.planner import PatchRayTilePlanner
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    plan = PatchRayTilePlanner.execute(family="kl", width=128, height=512, frames=1, ranks=3, choice="coarse").args[0]
+    with pytest.raises(ValueError, match="ranks"):
+        PatchRayVAEDecode.execute(samples={"samples": torch.randn(1, 4, 64, 16)}, vae=vae8, cluster=cluster, mode="tile-runs",
+                                  precision="fp32", gn_sync=False, plan=plan)
+
+
+def test_encode_matches_the_stock_encode(cluster, vae8):
+    from patchray.nodes.vae import PatchRayVAEEncode
+
+    pixels = torch.rand(1, 100, 84, 3)  # not multiples of 8: cropped to 96x80 about the centre, as ComfyUI does
+    latent = PatchRayVAEEncode.execute(pixels=pixels, vae=vae8, cluster=cluster, precision="fp32").args[0]
+    stock = vae8.encode(pixels[:, 2:98, 2:82, :])
+    assert set(latent) == {"samples"} and latent["samples"].shape == stock.shape == (1, 4, 12, 10)
+    # row-sharded encode is exact up to fp32 reassociation in the exchanged statistics
+    torch.testing.assert_close(latent["samples"], stock, rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_family_falls_back_to_the_stock_decode_with_a_warning(cluster):
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    vae = _kl_vae(2)
+    vae.first_stage_model._sd = {"taesd_decoder.1.weight": torch.zeros(64, 4, 3, 3)}  # a VAE PatchRay cannot shard
+    z = torch.randn(1, 4, 8, 8)
+    out = PatchRayVAEDecode.execute(samples={"samples": z}, vae=vae, cluster=cluster, mode="auto", precision="auto", gn_sync=False)
+    assert vae.decode_calls == 1 and torch.equal(out.args[0], vae.decode(z))
+    assert "cannot shard" in out.ui.value and "TAESD" in out.ui.value
+
+
+@pytest.mark.parametrize(
+    "samples, error",
+    [(torch.zeros(1, 4, 8, 8), TypeError), ({"samples": torch.zeros(4, 8, 8)}, ValueError), ({"noise": 1}, TypeError)],
+)
+def test_bad_latents_are_refused_before_the_ranks_run(cluster, vae8, samples, error):
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    with pytest.raises(error):
+        PatchRayVAEDecode.execute(samples=samples, vae=vae8, cluster=cluster, mode="row", precision="fp32", gn_sync=False)
+
+
+def test_a_non_vae_is_refused(cluster):
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    with pytest.raises(TypeError, match="VAE"):
+        PatchRayVAEDecode.execute(samples={"samples": torch.zeros(1, 4, 8, 8)}, vae="not a vae", cluster=cluster, mode="row",
+                                  precision="fp32", gn_sync=False)

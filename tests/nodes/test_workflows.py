@@ -1,0 +1,80 @@
+"""Shared workflows: they parse, use only known node types, link outputs to inputs of the same type, and the
+UI form (what users drag in) converts to exactly the API form (what /prompt takes)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "comfyui"))
+from workflow_tools import VIRTUAL, node_info, ui_to_api  # noqa: E402
+
+NAMES = ["sdxl_otil_txt2img", "flux_distributed_decode", "wan_video_row_decode", "topology_probe", "vae_benchmark"]
+MODEL_FILES = {"sd_xl_base_1.0.safetensors", "sdxl_vae.safetensors", "ae.safetensors", "wan_2.1_vae.safetensors"}
+
+
+@pytest.fixture(scope="module")
+def info():
+    return node_info()
+
+
+def _load(name):
+    ui = json.loads((ROOT / "workflows" / f"{name}.json").read_text())
+    api = json.loads((ROOT / "workflows" / f"{name}.api.json").read_text())
+    return ui, api
+
+
+def test_every_workflow_has_both_forms():
+    files = {p.name for p in (ROOT / "workflows").glob("*.json")}
+    assert files == {f"{n}.json" for n in NAMES} | {f"{n}.api.json" for n in NAMES}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ui_form_is_consistent(name, info):
+    ui, _ = _load(name)
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    assert len(nodes) == len(ui["nodes"]) and ui["last_node_id"] >= max(nodes)
+    assert any(n["type"] in VIRTUAL for n in ui["nodes"]), "a note explains the workflow"
+    for n in ui["nodes"]:
+        assert n["type"] in info or n["type"] in VIRTUAL, f"unknown node type {n['type']}"
+    assert any(info[n["type"]]["output_node"] for n in ui["nodes"] if n["type"] in info), "nothing would execute"
+    for link_id, src, slot, dst, dst_slot, ltype in ui["links"]:
+        src_type = info[nodes[src]["type"]]["outputs"][slot]
+        target = nodes[dst]["inputs"][dst_slot]
+        assert target["link"] == link_id
+        declared = {i["name"]: i["type"] for i in info[nodes[dst]["type"]]["inputs"]}
+        assert ltype == src_type == nodes[src]["outputs"][slot]["type"]
+        assert declared[target["name"]] in (src_type, "*"), f"{name}: {src_type} wired into {nodes[dst]['type']}.{target['name']}"
+        assert link_id in nodes[src]["outputs"][slot]["links"]
+    listed = sorted(l for n in ui["nodes"] for o in n.get("outputs", []) for l in o["links"])
+    assert listed == sorted(l[0] for l in ui["links"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_api_form_matches_the_ui_form(name, info):
+    ui, api = _load(name)
+    converted = ui_to_api(ui, info)
+    assert {k: (v["class_type"], v["inputs"]) for k, v in converted.items()} == {
+        k: (v["class_type"], v["inputs"]) for k, v in api.items()
+    }
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_api_form_is_complete(name, info):
+    _, api = _load(name)
+    for nid, node in api.items():
+        spec = info[node["class_type"]]
+        for inp in spec["inputs"]:
+            if not inp["optional"]:
+                assert inp["name"] in node["inputs"], f"{name}: node {nid} lacks {inp['name']}"
+            value = node["inputs"].get(inp["name"])
+            if isinstance(value, list):
+                src = api[value[0]]
+                assert info[src["class_type"]]["outputs"][value[1]] in (inp["type"], "*") or inp["type"] == "*"
+            elif "options" in inp and value is not None:
+                assert value in inp["options"], f"{name}: {node['class_type']}.{inp['name']}={value!r}"
+        for key in ("vae_name", "ckpt_name"):
+            if key in node["inputs"]:
+                assert node["inputs"][key] in MODEL_FILES
