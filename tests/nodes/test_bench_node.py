@@ -1,0 +1,26 @@
+"""The Benchmark node on real CPU Ray ranks: report JSON in the output folder, chart IMAGE, summary text."""
+
+import json
+
+import pytest
+
+from .test_nodes import RANKS, cluster  # noqa: F401  (the module's cluster fixture)
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def test_benchmark_node_writes_report_chart_and_summary(cluster, tmp_path, monkeypatch):
+    from patchray.nodes.bench import PatchRayBenchmark
+
+    monkeypatch.setenv("PATCHRAY_OUTPUT_DIR", str(tmp_path))
+    out = PatchRayBenchmark.execute(cluster=cluster, family="kl", shape="64x64", size="tiny", half="decoder", iters=1)
+    report_json, chart, summary = out.args
+    saved = list((tmp_path / "patchray").glob("bench_kl_64x64_2r_*.json"))
+    assert len(saved) == 1 and json.loads(saved[0].read_text()) == json.loads(report_json)
+    assert saved[0].with_suffix(".png").exists()
+    assert chart.ndim == 4 and chart.shape[-1] == 3 and chart.shape[1] > 100
+    assert "FAILED" not in summary and len(summary.splitlines()) >= 2
+    records = out.ui["patchray_bench"][0]["records"]
+    status = {r["name"]: r["status"] for r in records}
+    assert status["unsharded"] == "ok" and status["row"] == "ok"  # 64x64 is too small to tile: that case is skipped
+    assert "error" not in status.values()
