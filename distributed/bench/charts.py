@@ -3,7 +3,7 @@
 Design decision: one row of panels per shape, horizontal bars with the case names on the axis (long names stay
 readable), the measured value printed at the end of each bar, failed cases drawn as an empty hatched bar labelled
 with their error kind (an out-of-memory baseline is a result, not a gap), and a third panel with the link model
-for every profile on a log scale. matplotlib runs headless (Agg); nothing is shown.
+for every profile (measured latency marked for comparison). matplotlib runs headless (Agg); nothing is shown.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def write_chart(records: Sequence[dict], path: str) -> str:
         raise ValueError("no records to chart")
     first = records[0]
     rows = len(groups)
-    fig, axes = plt.subplots(rows, 3, figsize=(17, 1.2 + 0.45 * max(len(g) for g in groups.values()) * rows + 0.8 * rows),
+    fig, axes = plt.subplots(rows, 3, figsize=(18, 1.6 + (0.45 * max(len(g) for g in groups.values()) + 1.3) * rows),
                              squeeze=False)
     metric = next(((r.get("peak_memory") or {}).get("metric") for r in records if (r.get("peak_memory") or {}).get("metric")), None)
     mem_title = "peak accelerator memory, max over ranks (GiB)" if metric != "process_rss_peak" else \
@@ -76,15 +76,18 @@ def write_chart(records: Sequence[dict], path: str) -> str:
         for i, p in enumerate(profiles):
             vals = [(r.get("link_model") or {}).get(p) for r in recs]
             pos = [y + 0.4 - height * (i + 0.5) for y in ys]
-            ax.barh([y for y, v in zip(pos, vals) if v], [v for v in vals if v], height=height,
+            ax.barh([y for y, v in zip(pos, vals) if v is not None], [v for v in vals if v is not None], height=height,
                     color=colors(i / max(1, len(profiles) - 1)), label=p)
+        measured = [(y, v) for y, v in zip(ys, lat) if v is not None]
+        if measured:
+            ax.scatter([v for _, v in measured], [y for y, _ in measured], marker="|", s=400, color="black",
+                       label="measured here", zorder=3)
         ax.set_yticks(ys)
         ax.set_yticklabels(names, fontsize=8)
         if profiles:
-            ax.set_xscale("log")
-            ax.legend(fontsize=7, loc="lower right")
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
         ax.grid(axis="x", alpha=0.3)
-        ax.set_title(f"{label}: modelled latency per link (ms, log)", fontsize=10)
+        ax.set_title(f"{label}: modelled latency per link (ms; measured compute + link)", fontsize=10)
     fig.suptitle(
         f"PatchRay VAE benchmark: {first.get('family')} {first.get('half')} ({first.get('size')}), "
         f"{first.get('world_size')} ranks, {first.get('dtype')}, {first.get('device')}"

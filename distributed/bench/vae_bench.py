@@ -732,12 +732,13 @@ def bench_rank(ctx, payload: dict) -> List[dict]:
     torch.backends.cuda.matmul.allow_tf32 = opts.dtype != "fp32"
     spec = FAMILIES[opts.family]
     dtype = DTYPES[opts.dtype]
-    prov = provenance.collect(device) if ctx.rank == 0 else None
-    devices = _gather_objects(ctx, provenance.device_info(device).get("name"))
-    if ctx.rank == 0:
-        prov["device"]["names_by_rank"] = devices
-        prov["launcher"] = "torchrun" if opts.torchrun else opts.launcher
-        prov["backend"] = ctx.backend
+    # rank 0's provenance, with every rank's device name, goes into every rank's records
+    mine = provenance.collect(device) if ctx.rank == 0 else provenance.device_info(device).get("name")
+    gathered = _gather_objects(ctx, mine)
+    prov = gathered[0]
+    prov["device"]["names_by_rank"] = [prov["device"].get("name")] + gathered[1:]
+    prov["launcher"] = "torchrun" if opts.torchrun else opts.launcher
+    prov["backend"] = ctx.backend
 
     records: List[dict] = []
     with contextlib.ExitStack() as stack:
@@ -804,7 +805,10 @@ def _run_case(ctx, opts, spec, vae, inp, shape, case: _Case, prov, throttle, ref
     runner = _make_runner(case, vae, case_inp, ctx, opts)
     if ctx.rank == 0:
         log.info("  %-24s running (%d warm-up, 1 logged, %d timed)", case.name, opts.warmup, opts.iters)
+    slept_before = throttle["slept_ms"] if throttle is not None else 0.0
     mine, output = _measure(ctx, opts, runner, stem)
+    if throttle is not None:
+        mine["slept_ms"] = throttle["slept_ms"] - slept_before
     # rank 0 judges its output (the distributed modes deliver there); the verdict travels with its measurements
     if ctx.rank == 0 and mine["error"] is None:
         mine["check"] = _check_output(opts, spec, shape, case, output, ref)
@@ -830,19 +834,7 @@ def _run_case(ctx, opts, spec, vae, inp, shape, case: _Case, prov, throttle, ref
     rec["peak_memory"] = _peak_block(peaks, ctx.device)
     comms = [m["comm"] for m in per_rank]
     if all(c is not None for c in comms):
-        rec["comm"] = {
-            "total_calls": comms[0]["total_calls"],
-            "total_calls_max": max(c["total_calls"] for c in comms),
-            "total_calls_by_rank": [c["total_calls"] for c in comms],
-            "calls_by_op": comms[0]["calls"],
-            "batched_calls_by_op": comms[0]["batched_calls"],
-            "bytes": {
-                "by_op": comms[0]["bytes"],
-                "total": comms[0]["total_bytes"],
-                "total_max": max(c["total_bytes"] for c in comms),
-                "total_by_rank": [c["total_bytes"] for c in comms],
-            },
-        }
+        rec["comm"] = comm_block(comms)
     if rec["latency_ms"] is not None and rec["comm"] is not None:
         comm_ms = [m["comm_ms"] or 0.0 for m in per_rank]
         compute = [max(0.0, lat - c) for lat, c in zip(rec["latency_ms_by_rank"], comm_ms)]
@@ -853,7 +845,9 @@ def _run_case(ctx, opts, spec, vae, inp, shape, case: _Case, prov, throttle, ref
         rec["wire_bytes_by_rank"] = [wire_bytes(c["bytes"], world) for c in comms]
         rec["link_model"] = model_record(compute, [c["bytes"] for c in comms], [c["total_calls"] for c in comms], world)
     if throttle is not None:
-        rec["link"] = {"profile": throttle["profile"], "throttled": True}
+        slept = [m.get("slept_ms") for m in per_rank]
+        rec["link"] = {"profile": throttle["profile"], "throttled": True,
+                       "slept_ms_by_rank": [round(x, 3) if x is not None else None for x in slept]}
     if check:
         rec["agreement"] = check.get("agreement")
         rec["agreement_note"] = check.get("note")
@@ -875,6 +869,24 @@ def _run_case(ctx, opts, spec, vae, inp, shape, case: _Case, prov, throttle, ref
 
         log.info("%s", case_line(rec))
     return rec, keep
+
+
+def comm_block(comms: Sequence[dict]) -> dict:
+    """The record's ``comm`` from each rank's :meth:`CommLog.to_dict` (seed 000: rank 0's count, the busiest
+    rank's count and every rank's; bytes by operation and in total)."""
+    return {
+        "total_calls": comms[0]["total_calls"],
+        "total_calls_max": max(c["total_calls"] for c in comms),
+        "total_calls_by_rank": [c["total_calls"] for c in comms],
+        "calls_by_op": comms[0]["calls"],
+        "batched_calls_by_op": comms[0]["batched_calls"],
+        "bytes": {
+            "by_op": comms[0]["bytes"],
+            "total": comms[0]["total_bytes"],
+            "total_max": max(c["total_bytes"] for c in comms),
+            "total_by_rank": [c["total_bytes"] for c in comms],
+        },
+    }
 
 
 def _check_output(opts, spec, shape, case: _Case, output, ref: _Reference) -> dict:
