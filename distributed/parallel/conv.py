@@ -111,7 +111,9 @@ def _conv(x: torch.Tensor, conv: nn.Module, top: int, bottom: int, row_mode: str
         padding[-2] = top
         return conv_fn(x, conv.weight, conv.bias, conv.stride, tuple(padding), conv.dilation, conv.groups)
     if own_mode == row_mode or not any(conv.padding):
-        x = F.pad(x, _spatial_pad(x, conv, top, bottom), mode="constant" if row_mode == "zeros" else row_mode)
+        pads = _spatial_pad(x, conv, top, bottom)
+        if any(pads):  # F.pad copies even when it pads nothing
+            x = F.pad(x, pads, mode="constant" if row_mode == "zeros" else row_mode)
     else:
         x = F.pad(x, _spatial_pad(x, conv, 0, 0), mode="constant" if own_mode == "zeros" else own_mode)
         rows_only = [0] * (2 * (x.dim() - 2))
