@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="an existing Ray cluster (default: embedded local Ray)")
     p.add_argument("--launcher", choices=("ray", "spawn"), default="ray",
                    help="ray: the PatchRay cluster; spawn: local processes without Ray")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="torchrun/spawn process-group backend (auto: nccl on CUDA, gloo on CPU). gloo with CUDA lets "
+                        "several ranks share one GPU to measure per-rank memory (NCCL refuses two ranks on one device)")
     p.add_argument("--link", help="throttle every exchange to a link profile of linkmodel.py (e.g. pcie4_x16_no_p2p)")
     p.add_argument("--max-memory-mb", type=float,
                    help="cap per-rank memory: CUDA: the allocator's limit; CPU: a simulated cap on weights + one layer's input and output")
@@ -168,6 +171,7 @@ class Options:
     out: str
     chart: bool
     launcher: str
+    backend: str
     address: Optional[str]
     link: Optional[str]
     max_memory_mb: Optional[float]
@@ -330,7 +334,8 @@ def resolve_options(args: argparse.Namespace, cuda_available: Optional[bool] = N
         cases=cases, diagnostics=args.diagnostics, gn_sync=args.gn_sync, tile_shape_costs=args.tile_shape_costs,
         tile_shape_windows=windows, tile_shape_batch=args.tile_shape_batch, warmup=warmup, iters=iters,
         batch=args.batch, profile=args.profile, profile_trace=args.profile_trace, profile_memory=args.profile_memory,
-        profile_dir=profile_dir, out=out, chart=not args.no_chart, launcher=args.launcher, address=args.address,
+        profile_dir=profile_dir, out=out, chart=not args.no_chart, launcher=args.launcher, backend=args.backend,
+        address=args.address,
         link=args.link, max_memory_mb=args.max_memory_mb, reference_limit_mpix=args.reference_limit_mpix,
         row_tolerance=args.row_tolerance, threads=args.threads, timeout_s=args.timeout_s,
         defaults_used=defaults_used, torchrun=torchrun, hw_family=hw_family(),
@@ -1057,10 +1062,11 @@ def _run_torchrun(payload: dict) -> Tuple[List[dict], int]:
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if payload["device"] == "cuda":
-        # torchrun starts one process per local GPU and names it in LOCAL_RANK: that is its device
-        device = torch.device("cuda", local_rank)
+        # torchrun starts one process per local GPU and names it in LOCAL_RANK: that is its device (modulo the
+        # visible devices, so --backend gloo can put several ranks on one GPU)
+        device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "nccl" if payload["backend"] == "auto" else payload["backend"]
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
@@ -1100,9 +1106,15 @@ def run_bench(argv: Optional[Sequence[str]] = None, *, cluster=None) -> BenchRes
     import dataclasses
 
     args = build_parser().parse_args(list(argv or []))
-    opts = resolve_options(args)
     if cluster is not None:
+        # the cluster decides ranks and device: resolve the defaults for ITS device, not this process's
+        kind = getattr(cluster, "device_kind", None)
+        if args.device == "auto" and kind in ("cpu", "cuda"):
+            args.device = kind
+        opts = resolve_options(args, cuda_available=kind == "cuda" if kind else None)
         opts.ranks = cluster.config.num_ranks
+    else:
+        opts = resolve_options(args)
     payload = dataclasses.asdict(opts)
     _announce(opts)
     if opts.torchrun:
@@ -1114,7 +1126,7 @@ def run_bench(argv: Optional[Sequence[str]] = None, *, cluster=None) -> BenchRes
     elif opts.launcher == "spawn":
         from ..spawn import run_ranks
 
-        backend = "nccl" if opts.device == "cuda" else "gloo"
+        backend = opts.backend if opts.backend != "auto" else ("nccl" if opts.device == "cuda" else "gloo")
         records = run_ranks(bench_rank, opts.ranks, payload, backend=backend, device=opts.device, timeout_s=opts.timeout_s)[0]
     else:
         records = _run_ray(opts, payload)
@@ -1127,6 +1139,13 @@ def _announce(opts: Options) -> None:
     why = {"cpu": " (no GPU: the CPU default suite; see --help)", "gpu": " (the GPU default suite)"}.get(opts.defaults_used, "")
     print(f"patchray bench: {opts.family} {opts.half} ({opts.size}) {', '.join(format_shape(s) for s in opts.shapes)} "
           f"on {opts.ranks} {opts.device} rank(s), {opts.dtype}{why}", flush=True)
+    for shape in opts.shapes:
+        try:
+            names = [c.name + (" (skipped)" if c.skipped else "") for c in _plan_cases(opts, tuple(shape), opts.ranks)]
+        except ValueError:
+            continue
+        print(f"  {format_shape(shape)}: {', '.join(names)}; each: {opts.warmup} warm-up, 1 logged, {opts.iters} timed",
+              flush=True)
 
 
 def _finish(opts: Options, records: List[dict]) -> BenchResult:
