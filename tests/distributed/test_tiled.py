@@ -121,10 +121,11 @@ def test_tile_runs_equals_local(world_size):
             entry = results[i]
             assert entry["none"] == (rank != 0), "only the caller (group rank 0) receives the image"
             assert not entry["hooks_left"]
-            # one edge exchange and one gather to the caller; GN sync adds one all-gather for every layer's statistics
+            # one edge exchange and one gather to the caller; GN sync adds one all-gather (every layer's statistics)
+            # per statistics pass: one per resolution level, four for these 8x decoders (x1, x2, x4, x8)
             expected = {"batch_isend_irecv": 1, "gather": 1}
             if gn:
-                expected["all_gather"] = 1
+                expected["all_gather"] = 4
             assert entry["calls"] == expected, (rank, family, gn, entry["calls"])
 
 
@@ -228,3 +229,19 @@ def test_gn_sync_forwards_are_removed_after_a_failure():
     del vae.decode
     ref = decode_local(vae, z, plan)
     assert torch.equal(ref, decode_local(build_vae("kl"), z, plan))  # the VAE decodes as before
+
+
+def test_gn_sync_modes():
+    vae = build_vae("kl")
+    z = _latent("kl", 24, 32, seed=4)
+    plan = _plan("kl", 24, 32, 1, 1, (16, 20), (8, 8))
+    ref = _untiled(vae, z)
+    errors = {mode: seam_error(decode_local(vae, z, plan, gn_sync=mode), ref, plan)["mean_abs"] for mode in (False, "two-pass", True, "exact")}
+    print(f"\nkl gn_sync modes, tiles {plan.grid}: {errors}")
+    # lockstep statistics are the best estimate of the image-wide ones, per-level passes the next best
+    assert errors["exact"] < errors[True] < errors[False]
+    # "two-pass" is reported, not asserted: its estimate is biased by per-tile normalization upstream and can
+    # land above plain tiles (it does on this geometry), which is why it is not the default
+    assert not _gn_patched(vae)
+    with pytest.raises(ValueError, match="gn_sync must be"):
+        decode_local(vae, z, plan, gn_sync="always")
