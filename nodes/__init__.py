@@ -6,12 +6,16 @@ from ``distributed/`` and converts the result back. Node ids are prefixed ``Patc
 
 from __future__ import annotations
 
-from ._comfy import ComfyExtension
-from .bench import PatchRayBenchmark
-from .cluster import PatchRayCluster
-from .planner import PatchRayTilePlanner
-from .topology import PatchRayTopologyProbe
-from .vae import PatchRayVAEDecode, PatchRayVAEEncode
+from ._library import use_canonical_library
+
+use_canonical_library(__name__.rsplit(".", 1)[0])  # before any node module imports ..distributed
+
+from ._comfy import ComfyExtension  # noqa: E402
+from .bench import PatchRayBenchmark  # noqa: E402
+from .cluster import PatchRayCluster  # noqa: E402
+from .planner import PatchRayTilePlanner  # noqa: E402
+from .topology import PatchRayTopologyProbe  # noqa: E402
+from .vae import PatchRayVAEDecode, PatchRayVAEEncode  # noqa: E402
 
 __all__ = ["PatchRayExtension", "NODES"]
 

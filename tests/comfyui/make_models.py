@@ -1,0 +1,80 @@
+"""Write random-weight model files of the right architectures under the names the shared workflows use.
+
+Run with the Python that runs ComfyUI: ``python make_models.py <ComfyUI dir> <models dir>``. It uses ComfyUI's
+own model classes (and diffusers for the KL VAEs, which ComfyUI converts on load), so every file loads through
+the stock loaders exactly as a downloaded one would:
+
+* ``vae/sdxl_vae.safetensors``: SD/SDXL KL VAE (4 latent channels, quant convs), full size, diffusers layout.
+* ``vae/ae.safetensors``: FLUX.1 KL VAE (16 latent channels, no quant convs), full size, diffusers layout.
+* ``vae/wan_2.1_vae.safetensors``: Wan 2.1 VAE, full size, the released layout (``comfy.ldm.wan.vae.WanVAE``).
+* ``checkpoints/sd_xl_base_1.0.safetensors``: a checkpoint ComfyUI loads as an SD1.x model (a one-level 320-channel
+  UNet and the full CLIP-L text encoder): a full SDXL UNet (2.6 B parameters) is beyond a CPU test; the graph
+  (checkpoint -> CLIP encode -> KSampler -> decode) is the same.
+"""
+
+import os
+import sys
+
+
+def _init(module, seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.ndim > 1:
+                p.copy_(torch.randn(p.shape, generator=g) / max(1, p[0].numel()) ** 0.5)
+            elif name.endswith(("gamma",)) or ("norm" in name and name.endswith("weight")):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return module
+
+
+def main(comfy_dir, models_dir):
+    sys.path.insert(0, comfy_dir)
+    sys.argv = [sys.argv[0], "--cpu"]
+    import comfy.options
+
+    comfy.options.enable_args_parsing()
+    import torch
+    from diffusers import AutoencoderKL
+    from safetensors.torch import save_file
+
+    import comfy.ldm.wan.vae
+    import comfy.ops
+    import comfy.sd1_clip
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    vae_dir = os.path.join(models_dir, "vae")
+    ckpt_dir = os.path.join(models_dir, "checkpoints")
+    os.makedirs(vae_dir, exist_ok=True)
+    os.makedirs(ckpt_dir, exist_ok=True)
+
+    def save(sd, path):
+        if not os.path.exists(path):
+            save_file({k: v.detach().to(torch.float16).contiguous() for k, v in sd.items()}, path)
+
+    kl = dict(down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+              block_out_channels=[128, 256, 512, 512], layers_per_block=2)
+    save(_init(AutoencoderKL(latent_channels=4, **kl), 1).state_dict(), os.path.join(vae_dir, "sdxl_vae.safetensors"))
+    save(_init(AutoencoderKL(latent_channels=16, use_quant_conv=False, use_post_quant_conv=False, **kl), 2).state_dict(),
+         os.path.join(vae_dir, "ae.safetensors"))
+    wan = comfy.ldm.wan.vae.WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                                   temperal_downsample=[False, True, True], dropout=0.0)
+    save(_init(wan, 3).state_dict(), os.path.join(vae_dir, "wan_2.1_vae.safetensors"))
+
+    ckpt = os.path.join(ckpt_dir, "sd_xl_base_1.0.safetensors")
+    if not os.path.exists(ckpt):
+        unet = UNetModel(image_size=32, in_channels=4, model_channels=320, out_channels=4, num_res_blocks=1, channel_mult=(1,),
+                         num_heads=8, use_spatial_transformer=True, transformer_depth=[1], transformer_depth_output=[1, 1],
+                         transformer_depth_middle=1, context_dim=768, use_linear_in_transformer=False,
+                         operations=comfy.ops.disable_weight_init, dtype=torch.float32)
+        clip = comfy.sd1_clip.SDClipModel(device="cpu", dtype=torch.float32)
+        sd = {"model.diffusion_model." + k: v for k, v in _init(unet, 4).state_dict().items()}
+        sd.update({"cond_stage_model." + k: v for k, v in _init(clip, 5).state_dict().items()})
+        save(sd, ckpt)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,197 @@
+"""Opt-in: PatchRay inside a real ComfyUI server (runs only when COMFYUI_DIR points at a ComfyUI checkout).
+
+Starts ``main.py --cpu`` with a private ``--base-directory`` (the pack linked into its custom_nodes, random-weight
+model files of the right architectures under the names the workflows use), checks that every PatchRay node is in
+/object_info and the web extension is served where its relative import resolves, queues every shared API workflow
+(sized down for CPU) and checks each completes, and checks the distributed decode against the stock VAE Decode.
+
+    COMFYUI_DIR=/path/to/ComfyUI [COMFYUI_PYTHON=/path/to/its/python] pytest tests/comfyui -q
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
+pytestmark = [
+    pytest.mark.comfyui,
+    pytest.mark.skipif(not COMFYUI_DIR, reason="set COMFYUI_DIR to a ComfyUI checkout to run the real-server test"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
+WORKFLOWS = ["sdxl_otil_txt2img", "flux_distributed_decode", "wan_video_row_decode", "topology_probe", "vae_benchmark"]
+NODE_IDS = {"PatchRayCluster", "PatchRayVAEDecode", "PatchRayVAEEncode", "PatchRayTilePlanner", "PatchRayTopologyProbe", "PatchRayBenchmark"}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url, timeout=30):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+def _post(url, payload):
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = tmp_path_factory.mktemp("comfy_base")
+    (base / "custom_nodes").mkdir()
+    os.symlink(ROOT, base / "custom_nodes" / "PatchRay")
+    (base / "input").mkdir()
+    shutil.copy(Path(COMFYUI_DIR) / "input" / "example.png", base / "input" / "example.png")
+    subprocess.run([PYTHON, str(Path(__file__).with_name("make_models.py")), COMFYUI_DIR, str(base / "models")],
+                   check=True, timeout=900, cwd=str(base))
+    port = _free_port()
+    log = open(base / "server.log", "w")
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.Popen(
+        [PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
+         "--disable-auto-launch", "--dont-print-server", "--disable-api-nodes"],
+        cwd=COMFYUI_DIR, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if _get(url + "/system_stats", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ComfyUI did not start; log:\n{(base / 'server.log').read_text()[-4000:]}")
+            time.sleep(1)
+        yield url, base
+    finally:
+        proc.send_signal(signal.SIGINT)  # lets ComfyUI (and the embedded Ray it started) shut down
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the server's own session: Ray's workers it spawned
+        except ProcessLookupError:
+            pass
+        log.close()
+
+
+def test_every_node_is_listed_and_the_js_is_served(server):
+    url, _ = server
+    info = json.loads(_get(url + "/object_info")[1])
+    ours = {k for k, v in info.items() if v.get("python_module") == "custom_nodes.PatchRay"}
+    assert ours == NODE_IDS
+    for k in NODE_IDS:
+        assert info[k]["category"].startswith("PatchRay/")
+    extensions = json.loads(_get(url + "/extensions")[1])
+    assert "/extensions/PatchRay/patchray.js" in extensions
+    status, body = _get(url + "/extensions/PatchRay/patchray.js")
+    assert status == 200 and b'from "../../scripts/app.js"' in body
+    # the relative import resolves from /extensions/PatchRay/ to /scripts/app.js, which the server serves
+    assert _get(url + "/scripts/app.js")[0] == 200
+
+
+def _cpu_sized(api):
+    """Shrink a workflow for a CPU server: tiny images and videos, two sampling steps, CPU ranks, tiny benchmark."""
+    for node in api.values():
+        t, inp = node["class_type"], node["inputs"]
+        if t == "PatchRayCluster":
+            inp["device"] = "cpu"
+        elif t == "EmptyLatentImage":
+            inp.update(width=64, height=64)
+        elif t == "KSampler":
+            inp["steps"] = 2
+        elif t == "ImageScale":
+            inp.update(width=256, height=256) if inp["width"] == inp["height"] else inp.update(width=64, height=64)
+        elif t == "PatchRayTilePlanner":
+            inp.update(width=256, height=256)
+        elif t == "RepeatImageBatch":
+            inp["amount"] = 5
+        elif t == "PatchRayBenchmark":
+            inp.update(shape="64x64", size="tiny", iters=1)
+    return api
+
+
+def _run(url, api, timeout_s=900):
+    status, body = _post(url + "/prompt", {"prompt": api, "client_id": uuid.uuid4().hex})
+    assert status == 200 and not body.get("node_errors"), body
+    pid = body["prompt_id"]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        hist = json.loads(_get(f"{url}/history/{pid}")[1])
+        if pid in hist and hist[pid].get("status", {}).get("completed") is not None:
+            entry = hist[pid]
+            if entry["status"].get("status_str") == "success":
+                return entry
+            raise AssertionError(json.dumps(entry["status"].get("messages"), indent=1)[-4000:])
+        time.sleep(1)
+    raise AssertionError(f"prompt {pid} did not finish within {timeout_s} s")
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_workflow_completes(server, name):
+    url, _ = server
+    api = _cpu_sized(json.loads((ROOT / "workflows" / f"{name}.api.json").read_text()))
+    entry = _run(url, api)
+    outputs = entry["outputs"]
+    for nid, node in api.items():
+        if node["class_type"] in ("SaveImage", "PreviewImage", "SaveAnimatedWEBP"):
+            assert outputs.get(nid, {}).get("images"), f"{name}: node {nid} produced no image"
+    if name == "topology_probe":
+        probe = next(n for n, v in api.items() if v["class_type"] == "PatchRayTopologyProbe")
+        assert outputs[probe]["patchray_topology"][0]["schema"] == 1
+    if name == "vae_benchmark":
+        bench = next(n for n, v in api.items() if v["class_type"] == "PatchRayBenchmark")
+        assert outputs[bench]["patchray_bench"][0]["records"]
+
+
+def test_distributed_decode_matches_the_stock_decode(server):
+    """fp32 row decode vs the stock VAE Decode on the same latent, both saved as 8-bit PNGs by SaveImage."""
+    import numpy as np
+    from PIL import Image
+
+    url, base = server
+    api = {
+        "1": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
+        "2": {"class_type": "ImageScale", "inputs": {"image": ["1", 0], "upscale_method": "bilinear", "width": 96, "height": 64, "crop": "center"}},
+        "3": {"class_type": "VAELoader", "inputs": {"vae_name": "sdxl_vae.safetensors"}},
+        "4": {"class_type": "VAEEncode", "inputs": {"pixels": ["2", 0], "vae": ["3", 0]}},
+        "5": {"class_type": "VAEDecode", "inputs": {"samples": ["4", 0], "vae": ["3", 0]}},
+        "6": {"class_type": "PatchRayCluster", "inputs": {"num_ranks": 2, "device": "cpu", "address": "", "gpu_ids": ""}},
+        "7": {"class_type": "PatchRayVAEDecode", "inputs": {"samples": ["4", 0], "vae": ["3", 0], "cluster": ["6", 0],
+                                                            "mode": "row", "precision": "fp32", "gn_sync": False}},
+        "8": {"class_type": "SaveImage", "inputs": {"images": ["5", 0], "filename_prefix": "stock"}},
+        "9": {"class_type": "SaveImage", "inputs": {"images": ["7", 0], "filename_prefix": "patchray"}},
+    }
+    out = _run(url, api)["outputs"]
+
+    def load(nid):
+        img = out[nid]["images"][0]
+        return np.asarray(Image.open(base / "output" / img["subfolder"] / img["filename"]), dtype=np.int16)
+
+    stock, ours = load("8"), load("9")
+    assert stock.shape == ours.shape == (64, 96, 3)
+    # SaveImage truncates 255*x to uint8: a float difference <= 1/255 moves a pixel by at most one level
+    assert np.abs(stock - ours).max() <= 1

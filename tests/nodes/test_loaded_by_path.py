@@ -1,0 +1,39 @@
+"""The pack loaded the way ComfyUI loads custom nodes (module name = the folder's path) still runs its ranks."""
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_nodes_use_the_canonical_library_and_start_ranks(tmp_path):
+    link = tmp_path / "custom_nodes" / "PatchRay"
+    link.parent.mkdir()
+    link.symlink_to(ROOT)
+    name = str(link)  # ComfyUI: importlib.util.spec_from_file_location(<full path>, <dir>/__init__.py)
+    spec = importlib.util.spec_from_file_location(name, str(link / "__init__.py"), submodule_search_locations=[str(link)])
+    pack = importlib.util.module_from_spec(spec)
+    sys.modules[name] = pack
+    try:
+        spec.loader.exec_module(pack)
+        ext = asyncio.run(pack.comfy_entrypoint())
+        nodes = asyncio.run(ext.get_node_list())
+        cluster_node = next(n for n in nodes if n.define_schema().node_id == "PatchRayCluster")
+        assert cluster_node.__module__ == f"{name}.nodes.cluster"
+        config = cluster_node.execute(num_ranks=2, device="cpu", address="", gpu_ids="").args[0]
+        # the library is one module object under its canonical name: Ray can pickle it by reference
+        import patchray.distributed.cluster as canonical
+
+        assert sys.modules[f"{name}.distributed.cluster"] is canonical
+        assert type(config) is canonical.ClusterConfig
+        check = canonical.check_cluster(config)  # a real all_reduce and neighbour exchange on the ranks
+        assert check["ready_ranks"] == 2 and check["all_reduce_ok"] and check["p2p_ok"]
+    finally:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
