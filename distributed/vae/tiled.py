@@ -153,12 +153,14 @@ def _decode(vae, z: torch.Tensor) -> torch.Tensor:
 
 def _decode_tile(vae, z: torch.Tensor, plan: TilePlan, geo: _Geometry, index: int, gn: "Optional[_GroupNormSync]"):
     y0, y1, x0, x1 = plan.tiles_latent[index]
+    param = next(vae.parameters(), None)
+    tile = z[..., y0:y1, x0:x1].to(dtype=param.dtype if param is not None else z.dtype).contiguous()
     if gn is None:
-        out = _decode(vae, z[..., y0:y1, x0:x1].contiguous())
+        out = _decode(vae, tile)
     else:
         gn.begin_tile(plan, index)
         try:
-            out = _decode(vae, z[..., y0:y1, x0:x1].contiguous())
+            out = _decode(vae, tile)
         except _StopTile:
             return None  # a statistics pass stopped after the level it collects
         gn.end_tile()
@@ -204,6 +206,11 @@ def _merge_all(parts: Sequence[_Stats]) -> _Stats:
     for p in parts[1:]:
         total = total.merge(p)
     return total
+
+
+def _group_chunk(groups: int) -> int:
+    """Groups handled per step where fp32 temporaries are made: an eighth of the layer, at least one."""
+    return max(1, groups // 8)
 
 
 class _StopTile(Exception):
@@ -303,11 +310,17 @@ class _GroupNormSync:
         if core is None:
             zeros = torch.zeros(b, g, dtype=torch.float64, device=x.device)
             return _Stats(zeros, zeros, zeros, zeros + 1)
-        xs = core.reshape(b, g, -1).float()
-        mean = xs.mean(-1)
-        m2 = ((xs - mean[..., None]) ** 2).sum(-1)
-        n = torch.full_like(mean, xs.shape[-1], dtype=torch.float64)
-        return _Stats(n, mean.double(), m2.double(), torch.zeros_like(n))
+        cpg = x.shape[1] // g
+        means, m2s = [], []
+        for g0 in range(0, g, _group_chunk(g)):  # fp32 copies of a few groups at a time, not of the whole core
+            g1 = min(g, g0 + _group_chunk(g))
+            xs = core[:, g0 * cpg : g1 * cpg].reshape(b, g1 - g0, -1).float()
+            var, mean = torch.var_mean(xs, dim=-1, correction=0)
+            means.append(mean)
+            m2s.append(var * xs.shape[-1])
+        mean, m2 = torch.cat(means, 1).double(), torch.cat(m2s, 1).double()
+        n = torch.full_like(mean, xs.shape[-1])
+        return _Stats(n, mean, m2, torch.zeros_like(n))
 
     def _forward(self, name: str, module: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
         idx = self.calls.get(name, 0)
@@ -342,7 +355,13 @@ class _GroupNormSync:
         scale, shift = scale.view(view), shift.view(view)
         if x.dtype == torch.float32:
             return torch.addcmul(shift, x, scale)
-        return x.float().mul_(scale).add_(shift).to(x.dtype)  # fp32 arithmetic like GroupNorm's kernels
+        # fp32 arithmetic like GroupNorm's kernels, a few groups at a time (no whole-activation fp32 copy)
+        out = torch.empty_like(x)
+        step = _group_chunk(g) * (c // g)
+        for c0 in range(0, c, step):
+            sl = slice(c0, c0 + step)
+            out[:, sl] = torch.addcmul(shift[:, sl], x[:, sl].float(), scale[:, sl]).to(x.dtype)
+        return out
 
     # ---- statistics transport
     def take_run(self) -> Dict[tuple, _Stats]:
