@@ -60,10 +60,11 @@ CANONICAL_SHAPES: Dict[str, Tuple[Shape, ...]] = {
 }
 
 #: What ``python -m patchray bench`` runs with no arguments where there is no GPU: the full-size kl
-#: architecture at a small shape on two CPU ranks. 256x256 is the smallest square at which the planner
-#: still finds two tile plans (sixteen latent units on a tile's narrow axis), so the default suite keeps
-#: its tiled cases; one warm-up and two timed iterations keep it under five minutes on two cores.
-CPU_DEFAULT = dict(family="kl", height=256, width=256, frames=1, ranks=2, dtype="fp32", warmup=1, iters=2, size="full")
+#: architecture on two CPU ranks at 192x192 (24x24 latent), the smallest square at which the planner still finds
+#: two tile plans at two ranks (sixteen latent units on a tile's narrow axis), so the default suite keeps its tiled
+#: cases (unsharded, row, tile-runs coarse and fine). One warm-up and two timed iterations per case; measured in
+#: results/README.md to finish well under five minutes on two cores (256x256 took about 2.6x as long).
+CPU_DEFAULT = dict(family="kl", height=192, width=192, frames=1, ranks=2, dtype="fp32", warmup=1, iters=2, size="full")
 
 _SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?$")
 

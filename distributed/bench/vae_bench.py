@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m patchray bench",
         description=(
             "Benchmark PatchRay's distributed VAE modes (seed 000's harness). With no options: a short default "
-            "suite (CPU: kl at 256x256 on 2 CPU ranks; GPU: kl at 1024x1024 on every GPU), JSON + PNG in "
+            "suite (CPU: the full kl decoder at 192x192 on 2 CPU ranks; GPU: kl at 1024x1024 on every GPU), JSON + PNG in "
             f"./{DEFAULT_REPORT_DIR}/. Shapes are HEIGHTxWIDTH[xFRAMES]."
         ),
     )
@@ -609,6 +609,9 @@ def _measure(ctx, opts: Options, fn: Callable[[], Any], stem: str) -> Tuple[dict
                 sync()
         m["comm"] = comm_log.to_dict()
         m["comm_ms"] = comm_time["ms"]
+        # keep the logged output on the host: held on the device it would add to every later invocation's peak
+        if isinstance(output, torch.Tensor) and output.device.type != "cpu":
+            output = output.cpu()
         for _ in range(opts.iters):
             _barrier(ctx)
             sync()
@@ -639,7 +642,7 @@ def _agreement(out: torch.Tensor, ref: torch.Tensor) -> dict:
     lo, hi = math.inf, -math.inf
     step = 1 << 24
     for i in range(0, n, step):
-        x, y = a[i:i + step].float(), b[i:i + step].float()
+        x, y = a[i:i + step].float().cpu(), b[i:i + step].float().cpu()
         d = (x - y).abs()
         max_abs = max(max_abs, float(d.max()))
         abs_sum += float(d.double().sum())
@@ -904,7 +907,10 @@ def _check_output(opts, spec, shape, case: _Case, output, ref: _Reference) -> di
         return check
     reference = ref.output
     want = _expected_shape(opts, shape, spec, case)
-    if want is not None and tuple(output.shape) != tuple(want) and not (reference is not None and output.shape == reference.shape):
+    # batch and spatial size are certain; the frame count of a video decode is the family's business, so frames
+    # (and channels) are only compared against the unsharded reference
+    if want is not None and (output.dim() != len(want) or output.shape[0] != want[0]
+                             or tuple(output.shape[-2:]) != tuple(want[-2:])):
         check["structural"] = f"{case.mode} output has shape {tuple(output.shape)}, expected {tuple(want)}"
         return check
     if reference is not None and output.shape != reference.shape:

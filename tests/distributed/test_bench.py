@@ -80,7 +80,12 @@ def _rank_checks(ctx, payloads):
 
 
 @pytest.fixture(scope="module")
-def ranks(monkeypatch_module):
+def profile_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def ranks(monkeypatch_module, profile_dir):
     monkeypatch_module.delenv("HW_FAMILY", raising=False)
     payloads = {
         # default suite + diagnostics: unsharded, row, tile-runs x3, local x3, row-tiled
@@ -92,7 +97,8 @@ def ranks(monkeypatch_module):
                      "--max-memory-mb", f"{_oom_cap_mb(256, 192):.4f}"),
         "costs": _opts("--height", "256", "--width", "192", "--tile-shape-costs", "--tile-shape-windows", "16x16,24x16",
                        "--tile-shape-batch", "2"),
-        "link": _opts("--height", "128", "--width", "128", "--case", "row", "--link", "10gbe"),
+        "link": _opts("--height", "128", "--width", "128", "--case", "row", "--link", "10gbe",
+                      "--profile", "--profile-trace", "--profile-memory", "--profile-dir", str(profile_dir)),
     }
     results = run_ranks(_rank_checks, 2, payloads, timeout_s=400)
     return results
@@ -261,6 +267,17 @@ def test_link_throttle_really_slows_the_exchange(ranks):
     assert len(rec["link"]["slept_ms_by_rank"]) == 2 and all(s >= 0 for s in rec["link"]["slept_ms_by_rank"])
 
 
+def test_profiler_artifacts(ranks, profile_dir):
+    files = ranks[0]["link"][0]["profile"]["files"]
+    names = sorted(os.path.basename(f) for f in files)
+    stem = "kl-decoder-128x128x1-row-rank"
+    assert names == sorted(f"{stem}{r}{ext}" for r in (0, 1) for ext in (".txt", ".trace.json", ".memory.txt"))
+    assert all(os.path.getsize(f) > 0 for f in files)
+    # a repeated name gets a numeric suffix before its extension
+    again = vb._unique_path(str(profile_dir / f"{stem}0.trace.json"))
+    assert os.path.basename(again) == f"{stem}0-1.trace.json"
+
+
 # --------------------------------------------------------------------------------------------------
 # options, exit statuses, output form (driver side: no ranks)
 
@@ -304,10 +321,10 @@ def test_defaults_options_and_catalog(monkeypatch):
     monkeypatch.setenv("HW_FAMILY", "h200-pod")
     args = vb.build_parser().parse_args([])
     opts = vb.resolve_options(args, cuda_available=False)
-    # the no-argument CPU default: kl, full architecture, 256x256 on two ranks, fp32, 1 warm-up + 2 iterations
+    # the no-argument CPU default: kl, full architecture, 192x192 on two ranks, fp32, 1 warm-up + 2 iterations
     assert (opts.family, opts.size, opts.shapes, opts.ranks, opts.dtype, opts.warmup, opts.iters) == (
-        "kl", "full", [(256, 256, 1)], 2, "fp32", 1, 2)
-    assert opts.out.endswith(os.path.join("patchray-report", "kl-decoder-256x256x1-2r-fp32.json"))
+        "kl", "full", [(192, 192, 1)], 2, "fp32", 1, 2)
+    assert opts.out.endswith(os.path.join("patchray-report", "kl-decoder-192x192x1-2r-fp32.json"))
     assert opts.defaults_used == "cpu" and opts.hw_family == "h200-pod"
     matrix = vb.resolve_options(vb.build_parser().parse_args(["--family", "wan", "--matrix"]), cuda_available=False)
     assert matrix.shapes == [(480, 832, 81), (720, 1280, 81)]  # height x width x frames everywhere
