@@ -417,10 +417,14 @@ def _sync_statistics(vae, z, plan, geo, gn: _GroupNormSync, ctx: Optional[Parall
             mine = _collect_pass(vae, z, plan, geo, gn, plan.run_of(ctx.rank))
             keys = list(mine)
             packed = torch.stack([mine[k].pack() for k in keys])  # [K, 4, B, G]: one collective for all layers
-            gathered = all_gather_padded(packed.unsqueeze(0), ctx, dim=0, sizes=[1] * ctx.world_size)
+            # plus one row saying whether this rank saw a later level: whether to go on is decided from shared data
+            flag = torch.full_like(packed[:1], float(gn.beyond))
+            gathered = all_gather_padded(torch.cat([packed, flag]).unsqueeze(0), ctx, dim=0, sizes=[1] * ctx.world_size)
             parts = [{k: _Stats.unpack(gathered[r, i]) for i, k in enumerate(keys)} for r in range(ctx.world_size)]
+            gn.beyond = bool((gathered[:, -1] > 0).any())
         gn.set_image(parts)
         if not gn.beyond:
+            logger.debug("gn_sync %s: %d statistics pass(es)", mode, level + 1)
             return
         level += 1
 
