@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..context import ParallelContext
 
-__all__ = ["Style", "RowLocal", "ClaimedOnly", "RowState", "Applied", "apply_plan", "check_coverage", "set_forward"]
+__all__ = ["Style", "RowLocal", "ClaimedOnly", "RowState", "Applied", "apply_plan", "undo_all", "check_coverage", "set_forward"]
 
 
 class RowState:
