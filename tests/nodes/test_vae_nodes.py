@@ -116,3 +116,18 @@ def test_a_non_vae_is_refused(cluster):
     with pytest.raises(TypeError, match="VAE"):
         PatchRayVAEDecode.execute(samples={"samples": torch.zeros(1, 4, 8, 8)}, vae="not a vae", cluster=cluster, mode="row",
                                   precision="fp32", gn_sync=False)
+
+
+def test_a_dead_rank_fails_the_prompt_clearly_and_the_next_prompt_works(cluster, vae8):
+    import ray
+
+    from patchray.distributed.cluster import RankFailure, get_cluster
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    z = torch.randn(1, 4, 8, 8)
+    run = lambda: PatchRayVAEDecode.execute(samples={"samples": z}, vae=vae8, cluster=cluster, mode="row", precision="fp32", gn_sync=False)
+    ray.kill(get_cluster(cluster)._actors[1], no_restart=True)  # a rank process dies between prompts
+    with pytest.raises(RankFailure, match="rank 1"):
+        run()
+    image = run().args[0]  # the next prompt rebuilds the ranks and resends the weights
+    assert (image - vae8.decode(z)).abs().max() <= 1 / 255
