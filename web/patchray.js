@@ -76,7 +76,7 @@ export function renderTopology(box, report) {
       `cluster: ${c.ranks} rank(s) ${c.backend}, all_reduce ${c.all_reduce_ok ? "ok" : "FAILED"}, exchange ${c.p2p_ok ? "ok" : "FAILED"}`));
   }
   for (const a of report.advice || []) {
-    box.appendChild(el("div", "margin-top:2px", `• ${a.message || a.title || JSON.stringify(a)}`));
+    box.appendChild(el("div", "margin-top:2px;white-space:normal", `• ${a.message || a.title || JSON.stringify(a)}`));
   }
 }
 
@@ -89,7 +89,7 @@ export function renderBench(box, payload) {
     ["case", (r) => r.name],
     ["status", (r) => r.status || (r.error ? "error" : "ok")],
     ["ms", (r) => fmt(r.latency_ms)],
-    ["peak GiB", (r) => fmt(((r.peak_memory || {}).bytes || 0) / 2 ** 30, 3)],
+    ["peak GiB", (r) => ((r.peak_memory || {}).bytes == null ? "-" : fmt(r.peak_memory.bytes / 2 ** 30, 3))],
     ["MiB sent", (r) => (r.wire_bytes_by_rank ? fmt(Math.max(...r.wire_bytes_by_rank) / 2 ** 20, 2) : "-")],
   ];
   const table = el("table", "border-collapse:collapse;margin:4px 0");

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -165,7 +166,7 @@ def build(name: str, nodes: dict, info: dict):
     ui_nodes.append({"id": note_id, "type": "MarkdownNote", "pos": [40, 40], "size": [720, 260], "flags": {}, "order": len(ui_nodes),
                      "mode": 0, "inputs": [], "outputs": [], "properties": {}, "widgets_values": [NOTES[name]],
                      "color": "#432", "bgcolor": "#653"})
-    ui = {"id": f"patchray-{name}", "revision": 0, "last_node_id": note_id, "last_link_id": len(links), "nodes": ui_nodes,
+    ui = {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"patchray/workflows/{name}")), "revision": 0, "last_node_id": note_id, "last_link_id": len(links), "nodes": ui_nodes,
           "links": links, "groups": [], "config": {}, "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
     return ui, api
 
