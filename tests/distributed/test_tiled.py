@@ -254,3 +254,13 @@ def test_gn_sync_modes():
     assert not _gn_patched(vae)
     with pytest.raises(ValueError, match="gn_sync must be"):
         decode_local(vae, z, plan, gn_sync="always")
+
+
+def test_tile_runs_on_one_rank_is_local():
+    vae = build_vae("kl")
+    z = _latent("kl", 32, 48, seed=5)
+    plan = _plan("kl", 32, 48, 1, 1, (20, 28), (8, 8))
+    with log_comm() as log:
+        out = decode_tile_runs(vae, z, plan, ParallelContext.single())
+    assert log.total_calls == 0  # one rank: no exchange, no gather
+    assert torch.equal(out, decode_local(vae, z, plan))
