@@ -446,6 +446,7 @@ class PlanReport(NamedTuple):
             "candidate_limit": self.candidate_limit,
             "frontier_size": self.frontier_size,
             "candidates_considered": self.candidates_considered,
+            "frames": "spatial tiles only: every tile carries all frames (the family's decode keeps control of time)",
         }
 
 
