@@ -25,7 +25,13 @@ import torch.nn.functional as F
 from ..comm import all_gather_padded
 from .plan import Applied, RowState, Style, set_forward
 
-__all__ = ["GatheredAttention", "RecordVideoLayout", "GatheredFrameAttention", "GatheredCausalAttnBlock", "frame_causal_attention"]
+__all__ = [
+    "GatheredAttention",
+    "RecordVideoLayout",
+    "GatheredFrameAttention",
+    "GatheredCausalAttnBlock",
+    "frame_causal_attention",
+]
 
 
 def _token_sizes(state: RowState, local_rows: int, per_row: int, frames: int = 1) -> list:
@@ -55,10 +61,11 @@ def frame_causal_attention(
 
     key, value = frame_major(key), frame_major(value)
     query = query.unflatten(2, (frames, -1))
-    out = [
-        F.scaled_dot_product_attention(query[:, :, t], key[:, :, : t + 1].flatten(2, 3), value[:, :, : t + 1].flatten(2, 3))
-        for t in range(frames)
-    ]
+    out = []
+    for t in range(frames):
+        seen = slice(0, t + 1)
+        keys, values = key[:, :, seen].flatten(2, 3), value[:, :, seen].flatten(2, 3)
+        out.append(F.scaled_dot_product_attention(query[:, :, t], keys, values))
     return torch.stack(out, dim=2).flatten(2, 3)
 
 
@@ -95,7 +102,8 @@ class GatheredAttention(Style):
 
         processor = getattr(module, "processor", None)
         if not isinstance(processor, (AttnProcessor, AttnProcessor2_0)):
-            raise NotImplementedError(f"{path}: attention processor {type(processor).__name__} is not supported in row mode")
+            name = type(processor).__name__
+            raise NotImplementedError(f"{path}: attention processor {name} is not supported in row mode")
         for attr in ("spatial_norm", "norm_q", "norm_k", "norm_cross"):
             if getattr(module, attr, None):
                 raise NotImplementedError(f"{path}: Attention with {attr} is not supported in row mode")
@@ -115,7 +123,8 @@ class GatheredAttention(Style):
                 frames, rows, per_row = state.video_layout
                 batch = hidden_states.shape[0]
                 if frames * rows * per_row != hidden_states.shape[1]:
-                    raise RuntimeError(f"{path}: {hidden_states.shape[1]} tokens do not match layout {state.video_layout}")
+                    # backstop, not the guard: the layout hook saw this very tensor
+                    raise RuntimeError(f"{path}: {hidden_states.shape[1]} tokens do not match {state.video_layout}")
             if attention_mask is not None and not frame_causal:
                 raise NotImplementedError(f"{path}: an attention mask is only supported for frame-causal attention")
             if attn.group_norm is not None:

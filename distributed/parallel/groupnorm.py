@@ -1,10 +1,10 @@
 """Exact GroupNorm over a row-sharded tensor, in one collective per call.
 
-Design decision: each rank reduces its band to per-(sample, group) ``(count, mean, M2)`` in fp32, one
-``all_gather`` exchanges those ``3 x B x G`` numbers, and every rank merges them with Chan et al.'s parallel
-update (``M2 = sum M2_r + sum n_r (mean_r - mean)^2``), which is exact up to rounding and does not cancel
-catastrophically the way ``E[x^2] - E[x]^2`` does. The variance is the biased one ``nn.GroupNorm`` uses.
-Normalisation is one fused ``x * a + b`` with per-(sample, channel) coefficients. Low-precision inputs are
+Design decision: each rank reduces its band to per-(sample, group) ``(count, mean, M2)`` (in fp64: a handful
+of numbers), one ``all_gather`` exchanges those ``3 x B x G`` numbers, and every rank merges them with Chan et
+al.'s parallel update (``M2 = sum M2_r + sum n_r (mean_r - mean)^2``), which is exact up to rounding and does
+not cancel catastrophically the way ``E[x^2] - E[x]^2`` does. The variance is the biased one ``nn.GroupNorm``
+uses. Normalisation is one fused ``x * a + b`` with per-(sample, channel) coefficients. Low-precision inputs are
 upcast to fp32 a few groups at a time (for the statistics and for the normalisation), so the result is as exact
 as ``nn.GroupNorm``'s fp32-internal kernels without a whole-activation fp32 copy.
 """
@@ -36,7 +36,10 @@ def _group_chunks(num_groups: int, dtype: torch.dtype):
 
 
 def group_stats(x: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """This rank's ``[3, B, G]`` fp32 stack of (count, mean, M2) over everything but the batch and the group."""
+    """This rank's ``[3, B, G]`` fp64 stack of (count, mean, M2) over everything but the batch and the group.
+
+    fp64 for the few numbers that travel: counts of video bands exceed fp32's 2**24 exact integers.
+    """
     b = x.shape[0]
     xg = x.reshape(b, num_groups, -1)
     means, variances = [], []
@@ -44,7 +47,7 @@ def group_stats(x: torch.Tensor, num_groups: int) -> torch.Tensor:
         var, mean = torch.var_mean(xg[:, start:stop].float(), dim=-1, correction=0)
         means.append(mean)
         variances.append(var)
-    mean, var = torch.cat(means, dim=1), torch.cat(variances, dim=1)
+    mean, var = torch.cat(means, dim=1).double(), torch.cat(variances, dim=1).double()
     count = xg.shape[-1]
     return torch.stack([torch.full_like(mean, float(count)), mean, var * count])
 
@@ -72,7 +75,7 @@ def exact_group_norm(x: torch.Tensor, norm: nn.GroupNorm, ctx: ParallelContext) 
     else:
         stats = stats.unsqueeze(0)
     mean, var = merge_group_stats(stats)
-    rstd = torch.rsqrt(var + norm.eps)
+    mean, rstd = mean.float(), torch.rsqrt(var + norm.eps).float()
     # per (sample, channel): y = x * scale + shift, with the affine parameters folded in
     per_group = c // g
     scale = rstd.repeat_interleave(per_group, dim=1)

@@ -30,7 +30,17 @@ import torch.nn as nn
 
 from ..context import ParallelContext
 
-__all__ = ["Style", "RowLocal", "ClaimedOnly", "RowState", "Applied", "apply_plan", "undo_all", "check_coverage", "set_forward"]
+__all__ = [
+    "Style",
+    "RowLocal",
+    "ClaimedOnly",
+    "RowState",
+    "Applied",
+    "apply_plan",
+    "undo_all",
+    "check_coverage",
+    "set_forward",
+]
 
 
 class RowState:
@@ -113,7 +123,8 @@ class RowLocal(Style):
     def _apply(self, module, path, state):
         for attr in self.refuse:
             if getattr(module, attr, None) not in (None, False):
-                raise NotImplementedError(f"{path}: {type(module).__name__} with {attr} set is not supported in row mode")
+                name = type(module).__name__
+                raise NotImplementedError(f"{path}: {name} with {attr} set is not supported in row mode")
         return Applied()
 
 

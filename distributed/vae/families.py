@@ -210,10 +210,11 @@ def latent_shape(family: str, height: int, width: int, frames: int = 1, batch: i
     Video families (and qwen_image, a video-shaped VAE used with one frame) give 5-D ``[B, C, T, h, w]``.
     """
     spec = get_family(family)
-    if height % spec.spatial_ratio or width % spec.spatial_ratio:
+    r = spec.spatial_ratio
+    if height % r or width % r:
         raise ValueError(
-            f"{family} needs height and width divisible by {spec.spatial_ratio} (got {height}x{width}); "
-            f"round to {height // spec.spatial_ratio * spec.spatial_ratio}x{width // spec.spatial_ratio * spec.spatial_ratio}"
+            f"{family} needs height and width divisible by {r} (got {height}x{width}); "
+            f"round to {height // r * r}x{width // r * r}"
         )
     channels = spec.latent_channels if size == "full" else _tiny_latent_channels(spec)
     h, w = height // spec.spatial_ratio, width // spec.spatial_ratio

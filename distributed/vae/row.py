@@ -54,7 +54,15 @@ def _local(*names: str) -> dict:
 
 _KL_PLAN = {
     **_TORCH_COMMON,
-    **_local("Decoder", "Encoder", "UNetMidBlock2D", "UpDecoderBlock2D", "DownEncoderBlock2D", "ResnetBlock2D", "Upsample2D"),
+    **_local(
+        "Decoder",
+        "Encoder",
+        "UNetMidBlock2D",
+        "UpDecoderBlock2D",
+        "DownEncoderBlock2D",
+        "ResnetBlock2D",
+        "Upsample2D",
+    ),
     "Downsample2D": HaloPadThenConv(),
     "Attention": GatheredAttention(),
 }
@@ -133,7 +141,8 @@ ROW_PLANS: Dict[str, dict] = {
         "LTX2VideoResnetBlock3d": RowLocal(refuse=("per_channel_scale1", "per_channel_scale2")),
     },
 }
-assert set(ROW_PLANS) == set(FAMILIES), "every family needs a row plan"  # backstop, not the guard: import-time table check
+# backstop, not the guard: an import-time check of the two tables
+assert set(ROW_PLANS) == set(FAMILIES), "every family needs a row plan"
 
 
 # --------------------------------------------------------------------------------------------------
