@@ -31,12 +31,26 @@ __all__ = [
     "GatheredFrameAttention",
     "GatheredCausalAttnBlock",
     "frame_causal_attention",
+    "chunked_attention",
 ]
 
 
 def _token_sizes(state: RowState, local_rows: int, per_row: int, frames: int = 1) -> list:
     b = state.bounds_at(local_rows)
     return [frames * (b[i + 1] - b[i]) * per_row for i in range(len(b) - 1)]
+
+
+def chunked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with the queries in ``chunks`` pieces (each query row is independent).
+
+    With K/V gathered from N ranks, one call would hold an ``L_local x N * L_local`` score matrix where a kernel
+    falls back to the math path (head dims above the fused kernels' limit, as in the VAEs' single-head
+    attention): N times what a band decode holds. N query chunks keep it at the band's ``L_local^2``.
+    """
+    if chunks <= 1 or query.shape[-2] < 2 * chunks:
+        return F.scaled_dot_product_attention(query, key, value)
+    step = -(-query.shape[-2] // chunks)
+    return torch.cat([F.scaled_dot_product_attention(q, key, value) for q in query.split(step, dim=-2)], dim=-2)
 
 
 def frame_causal_attention(
@@ -140,7 +154,7 @@ class GatheredAttention(Style):
             if frame_causal and attention_mask is not None:
                 out = frame_causal_attention(query, key, value, frames, sizes)
             else:
-                out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+                out = chunked_attention(query, key, value, ctx.world_size)
             out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
             out = attn.to_out[1](attn.to_out[0](out))
             if residual.dim() == 4:
@@ -170,7 +184,7 @@ class GatheredFrameAttention(Style):
             sizes = _token_sizes(state, height, width)
             k = all_gather_padded(k.contiguous(), ctx, 2, sizes)
             v = all_gather_padded(v.contiguous(), ctx, 2, sizes)
-            x = F.scaled_dot_product_attention(q, k, v)
+            x = chunked_attention(q, k, v, ctx.world_size)
             x = x.squeeze(1).permute(0, 2, 1).reshape(batch * time, channels, height, width)
             x = module.proj(x)
             x = x.view(batch, time, channels, height, width).permute(0, 2, 1, 3, 4)
