@@ -300,6 +300,7 @@ class GroupNormStats(_Adapter):
 
     def __init__(self, module: nn.GroupNorm, key: str, state: PatchState):
         super().__init__(module, key, state)
+        self._counts: dict = {}
         module.forward = self._forward
 
     def remove(self) -> None:
@@ -321,7 +322,10 @@ class GroupNormStats(_Adapter):
         mean = xf.mean(-1)
         m2 = (xf - mean.unsqueeze(-1)).pow(2).sum(-1)
         fresh = torch.stack([mean, m2], -1)  # (B, G, 2) fp32
-        counts = torch.tensor(st.scaled(n_local), dtype=torch.float32, device=x.device)
+        ckey = (n_local, st.rows, x.device)
+        counts = self._counts.get(ckey)
+        if counts is None:  # built once per shape: a host-to-device copy every call would be a sync point
+            counts = self._counts[ckey] = torch.tensor(st.scaled(n_local), dtype=torch.float32, device=x.device)
         streamed = st.config.groupnorm in (GroupNormMode.STALE, GroupNormMode.CORRECTED_ASYNC)
         me = ctx.rank
         if mode is GroupNormMode.SYNC:

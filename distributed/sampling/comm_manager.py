@@ -46,18 +46,23 @@ class Traffic:
 
     bytes: Dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
     collectives: Dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
+    #: the part of ``bytes`` sent by asynchronous collectives (overlappable with compute)
+    async_bytes: Dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
 
-    def add(self, kind: str, nbytes: int, collectives: int = 0) -> None:
+    def add(self, kind: str, nbytes: int, collectives: int = 0, asynchronous: bool = False) -> None:
         self.bytes[kind] = self.bytes.get(kind, 0) + int(nbytes)
         self.collectives[kind] = self.collectives.get(kind, 0) + int(collectives)
+        if asynchronous:
+            self.async_bytes[kind] = self.async_bytes.get(kind, 0) + int(nbytes)
 
     def snapshot(self) -> dict:
-        return {"bytes": dict(self.bytes), "collectives": dict(self.collectives)}
+        return {"bytes": dict(self.bytes), "collectives": dict(self.collectives), "async_bytes": dict(self.async_bytes)}
 
     @staticmethod
     def diff(after: dict, before: dict) -> dict:
         return {
-            part: {k: after[part].get(k, 0) - before[part].get(k, 0) for k in after[part]} for part in ("bytes", "collectives")
+            part: {k: after[part].get(k, 0) - before[part].get(k, 0) for k in after[part]}
+            for part in ("bytes", "collectives", "async_bytes")
         }
 
 
@@ -204,7 +209,7 @@ class CommManager:
             raise RuntimeError(f"slot {s.key!r} enqueued before the layout was built or without streamed=True")
         n = fresh.numel()
         self._send[s.dtype][s.offset : s.offset + n].copy_(fresh.reshape(-1))
-        self.traffic.add(s.kind, n * fresh.element_size() * (self.ctx.world_size - 1))
+        self.traffic.add(s.kind, n * fresh.element_size() * (self.ctx.world_size - 1), asynchronous=True)
         dtype, c = self._slot_chunk[sid]
         self._pending[(dtype, c)] -= 1
         if self._pending[(dtype, c)] == 0:

@@ -1,0 +1,497 @@
+"""``python -m patchray sample-bench``: patch-parallel / OTIL sampling benchmark (JSON + PNG chart).
+
+For one world size N it runs a single-rank reference and every preset (full_sync, displaced, guide, otil,
+balanced, plus the two "beyond both papers" variants otil_c4 = OTIL + 4-bit residuals with error feedback and
+otil_adaptive = OTIL with k chosen from the measured link bandwidth), with split_batch on and off where N is even,
+on the SDXL UNet architecture with synthetic (seeded random) weights, sampling with a plain Euler + CFG loop.
+
+Per case it records: per-step latency (the slowest rank's), bytes per step by kind (halo, kv, groupnorm,
+latent_blocks, output, cfg) and the asynchronous share, host synchronisation points per step (calls of
+``Tensor.item/tolist/__bool__/__int__/__float__`` counted by wrapping them, the reference's count included for
+comparison), agreement with the reference of the same seed (relative L2 of the final latent; PSNR of the latent
+mapped to RGB with SDXL's latent-preview factors, peak = the reference preview's range) and a link-modelled
+latency and speed-up for every profile of :mod:`patchray.distributed.bench.linkmodel`:
+
+    step_ms = compute_ms + messages * latency + sync_bytes / bandwidth + max(0, async_bytes / bandwidth - compute_ms)
+
+where compute_ms is the measured step time minus the time inside communication calls, and async bytes (displaced
+mode's halos/K/V/GroupNorm) overlap with compute as DistriFusion intends. Speed-up = reference step time (one
+rank, no communication) / modelled step time.
+
+Runs on the Ray cluster by default (``--launcher ray``); ``--launcher spawn`` uses torch.multiprocessing ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+__all__ = ["sample_bench_main", "run_sample_bench", "ALL_CASES"]
+
+logger = logging.getLogger(__name__)
+
+#: case name -> (preset, overrides)
+ALL_CASES = {
+    "full_sync": ("full_sync", {}),
+    "displaced": ("displaced", {}),
+    "guide": ("guide", {}),
+    "otil": ("otil", {}),
+    "balanced": ("balanced", {}),
+    "otil_c4": ("otil", {"compress_bits": 4}),
+    "otil_adaptive": ("otil", {"adaptive_k": True, "comm_budget_ms": 0.5}),
+}
+
+# SDXL's latent -> RGB preview factors (rows: latent channels; columns: R, G, B) and bias
+_SDXL_RGB = [[0.3651, 0.4232, 0.4341], [-0.2533, -0.0042, 0.1068], [0.1076, 0.1111, -0.0362], [-0.3165, -0.2492, -0.2188]]
+_SDXL_RGB_BIAS = [0.1084, -0.0175, -0.0011]
+
+
+def latent_preview(latent: torch.Tensor) -> torch.Tensor:
+    """(B, 4, h, w) latent -> (B, 3, h, w) RGB preview (SDXL's linear preview map)."""
+    f = torch.tensor(_SDXL_RGB, dtype=torch.float32)
+    b = torch.tensor(_SDXL_RGB_BIAS, dtype=torch.float32)
+    return torch.einsum("bchw,cr->brhw", latent.float(), f) + b.view(1, 3, 1, 1)
+
+
+def agreement(x: torch.Tensor, ref: torch.Tensor) -> dict:
+    x, ref = x.float(), ref.float()
+    rel = ((x - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    px, pr = latent_preview(x), latent_preview(ref)
+    peak = (pr.max() - pr.min()).item()
+    mse = ((px - pr) ** 2).mean().item()
+    psnr = float("inf") if mse == 0 else 10 * math.log10(peak * peak / mse)
+    return {"rel_l2": rel, "psnr_db": psnr, "max_abs": (x - ref).abs().max().item()}
+
+
+class _HostSyncCounter:
+    """Counts calls that force a host synchronisation on CUDA tensors (and would on any device)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__")
+
+    def __enter__(self):
+        self.count = 0
+        self._orig = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        for n, f in self._orig.items():
+
+            def wrapper(*a, _f=f, **k):
+                self.count += 1
+                return _f(*a, **k)
+
+            setattr(torch.Tensor, n, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self._orig.items():
+            setattr(torch.Tensor, n, f)
+
+
+# ------------------------------------------------------------------------------------------------ rank side
+
+
+def _model(tiny: bool, dtype, device):
+    from ..sampling import sdxl
+
+    key = ("sample_bench_unet", tiny, str(dtype), str(device))
+    cache = None
+    try:
+        from ..cluster import rank_cache
+
+        cache = rank_cache()
+    except Exception:  # the spawn launcher has no actor cache
+        cache = None
+    if cache is not None and key in cache:
+        return cache[key]
+    unet = sdxl.build_unet(tiny, seed=0, dtype=dtype, device=device)
+    if cache is not None:
+        cache[key] = unet
+    return unet
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_case(ctx, unet, plan, case: Optional[str]) -> dict:
+    """Sample once; ``case=None`` is the single-rank reference (unpatched model)."""
+    from ..comm import log_comm
+    from ..sampling import sdxl
+    from ..sampling.config import preset
+    from ..sampling.denoiser import PatchParallelDenoiser
+
+    device = ctx.device
+    dtype = unet.dtype
+    cond = sdxl.synthetic_cond(unet, plan["batch"], device=device, dtype=dtype)
+    h, w = plan["height"] // 8, plan["width"] // 8
+    lat = torch.randn(plan["batch"], 4, h, w, generator=torch.Generator().manual_seed(plan["seed"])).to(device=device, dtype=dtype)
+    den = None
+    model = sdxl.unet_denoiser(unet)
+    if case is not None:
+        name, over = ALL_CASES[case]
+        cfg = preset(name, split_batch=plan["split"], **over)
+        den = PatchParallelDenoiser(model, ctx, cfg, unet=unet)
+        model = den
+    step_ms: List[float] = []
+    comm_ms: List[float] = []
+    syncs: List[int] = []
+    traffic: List[dict] = []
+    try:
+        from .linkmodel import time_comm
+    except ImportError:  # the link model module is optional
+        time_comm = None
+    last = [time.perf_counter()]
+    state = {"comm": None, "snap": den.traffic.snapshot() if den else None, "counter": None}
+
+    def timed(x, t, **c):
+        counter = _HostSyncCounter()
+        with counter:
+            out = model(x, t, **c)
+        syncs.append(counter.count)
+        return out
+
+    def on_step(i):
+        _sync(device)
+        now = time.perf_counter()
+        step_ms.append((now - last[0]) * 1e3)
+        last[0] = now
+        if den is not None:
+            snap = den.traffic.snapshot()
+            from ..sampling.comm_manager import Traffic
+
+            traffic.append(Traffic.diff(snap, state["snap"]))
+            state["snap"] = snap
+        if state["comm"] is not None:
+            comm_ms.append(state["comm"]["ms"] - sum(comm_ms))
+
+    sync_fn = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    with torch.no_grad(), log_comm() as log:
+        import contextlib
+
+        cm = time_comm(sync_fn) if (time_comm is not None and case is not None) else contextlib.nullcontext({"ms": 0.0})
+        with cm as comm_stats:
+            state["comm"] = comm_stats
+            _sync(device)
+            last[0] = time.perf_counter()
+            x = sdxl.sample_euler_cfg(timed, lat, cond, plan["steps"], on_step=on_step)
+            if den is not None:
+                x = den.finalize(x)
+    if den is not None:
+        den.remove()
+    return {
+        "step_ms": step_ms,
+        "comm_ms": comm_ms or [0.0] * len(step_ms),
+        "host_syncs": syncs,
+        "traffic": traffic,
+        "comm_log": log.to_dict(),
+        "latent": x.float().cpu().numpy() if ctx.rank == 0 else None,
+    }
+
+
+def _bench_all(ctx, plan) -> dict:
+    """Every case of ``plan`` on this rank; the reference runs on rank 0 while the others wait."""
+    import torch.distributed as dist
+
+    from ..comm import all_reduce
+
+    device = ctx.device
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[plan["dtype"]]
+    torch.manual_seed(0)
+    unet = _model(plan["tiny"], dtype, device)
+    out = {"rank": ctx.rank, "cases": {}}
+    if ctx.rank == 0:
+        # warm-up (lazy init, autotuning), then the reference
+        _run_case(ctx, unet, dict(plan, steps=2), None)
+        out["reference"] = _run_case(ctx, unet, plan, None)
+    if ctx.world_size > 1:
+        flag = torch.zeros(1, device=device)
+        all_reduce(flag, ctx)  # everyone waits for the reference
+    for key in plan["cases"]:
+        case, split = key.rsplit("@", 1)
+        out["cases"][key] = _run_case(ctx, unet, dict(plan, split=split == "split"), case)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ driver side
+
+
+def _link_model():
+    try:
+        from . import linkmodel
+
+        return linkmodel.LINK_PROFILES, linkmodel.model_latency_ms, True
+    except ImportError:
+        return None, None, False
+
+
+def _modelled(step_compute_ms: float, sync_bytes: float, async_bytes: float, messages: float, profiles, model_fn) -> dict:
+    out = {}
+    for name, p in profiles.items():
+        if model_fn is not None:
+            base = model_fn(step_compute_ms, sync_bytes, messages, p)
+        else:  # inline fallback: time = compute + bytes / bandwidth + latency per message
+            base = step_compute_ms + messages * p.latency_us / 1e3 + sync_bytes / (p.bandwidth_gbps * 1e9) * 1e3 * (2 if p.via_host else 1)
+        async_ms = async_bytes / (p.bandwidth_gbps * 1e9) * 1e3 * (2 if p.via_host else 1)
+        out[name] = base + max(0.0, async_ms - step_compute_ms)
+    return out
+
+
+def _summarise(key: str, per_rank: List[dict], ref: dict, ref_latent, plan, profiles, model_fn) -> dict:
+    from ..sampling.comm_manager import KINDS
+
+    steps = len(per_rank[0]["step_ms"])
+    step_ms = [max(r["step_ms"][i] for r in per_rank) for i in range(steps)]
+    # per rank and step: bytes by kind; report the busiest rank's per-step bytes and the mean over ranks
+    bytes_by_kind = {k: [max(r["traffic"][i]["bytes"].get(k, 0) for r in per_rank) for i in range(steps)] for k in KINDS}
+    async_by_step = [max(sum(r["traffic"][i]["async_bytes"].values()) for r in per_rank) for i in range(steps)]
+    colls_by_step = [max(sum(r["traffic"][i]["collectives"].values()) for r in per_rank) for i in range(steps)]
+    total_by_step = [sum(bytes_by_kind[k][i] for k in KINDS) for i in range(steps)]
+    compute_by_step = [max(r["step_ms"][i] - r["comm_ms"][i] for r in per_rank) for i in range(steps)]
+    ref_step = sorted(ref["step_ms"])[len(ref["step_ms"]) // 2]
+    modelled_steps = [
+        _modelled(compute_by_step[i], total_by_step[i] - async_by_step[i], async_by_step[i], colls_by_step[i], profiles, model_fn)
+        for i in range(steps)
+    ] if profiles else []
+    modelled = {}
+    for name in (profiles or {}):
+        total = sum(m[name] for m in modelled_steps)
+        modelled[name] = {"latency_ms": total, "ref_ms": ref_step * steps, "speedup": ref_step * steps / total if total else None}
+    case, split = key.rsplit("@", 1)
+    from ..sampling.config import preset
+
+    name, over = ALL_CASES[case]
+    rec = {
+        "case": case,
+        "split_batch": split == "split",
+        "config": preset(name, split_batch=split == "split", **over).to_dict(),
+        "per_step_ms": step_ms,
+        "total_ms": sum(step_ms),
+        "median_step_ms": sorted(step_ms)[steps // 2],
+        "measured_speedup": (sum(ref["step_ms"]) / sum(step_ms)) if sum(step_ms) else None,
+        "compute_ms_per_step": compute_by_step,
+        "bytes_per_step": bytes_by_kind,
+        "bytes_per_step_total": total_by_step,
+        "mean_bytes_per_step": {k: sum(v) / steps for k, v in bytes_by_kind.items()},
+        "async_bytes_per_step": async_by_step,
+        "collectives_per_step": colls_by_step,
+        "host_syncs_per_step": [max(r["host_syncs"][i] for r in per_rank) for i in range(steps)],
+        "comm_log_rank0": per_rank[0]["comm_log"],
+        "modelled": modelled,
+    }
+    latent = per_rank[0]["latent"]
+    rec.update(agreement(torch.from_numpy(latent), torch.from_numpy(ref_latent)))
+    return rec
+
+
+def _cases_for(n: int, presets: Optional[List[str]], split_mode: str) -> List[str]:
+    names = presets or list(ALL_CASES)
+    splits = []
+    if split_mode in ("both", "on") and n % 2 == 0:
+        splits.append("split")
+    if split_mode in ("both", "off") or n % 2:
+        splits.append("nosplit")
+    return [f"{c}@{s}" for c in names for s in splits]
+
+
+def run_sample_bench(
+    ranks: int = 2,
+    device: str = "cpu",
+    presets: Optional[List[str]] = None,
+    steps: int = 12,
+    tiny: bool = True,
+    height: int = 256,
+    width: int = 256,
+    batch: int = 1,
+    dtype: Optional[str] = None,
+    split: str = "both",
+    launcher: str = "ray",
+    seed: int = 42,
+) -> dict:
+    """Run the benchmark and return the report dict (see the module docstring)."""
+    for p in presets or []:
+        if p not in ALL_CASES:
+            raise ValueError(f"unknown preset/case {p!r}; choose from {sorted(ALL_CASES)}")
+    if ranks < 2:
+        raise ValueError(f"--ranks must be >= 2 (got {ranks}); the reference is the single-rank run")
+    dtype = dtype or ("fp32" if device == "cpu" else "fp16")
+    cases = _cases_for(ranks, presets, split)
+    plan = dict(tiny=tiny, height=height, width=width, batch=batch, steps=steps, dtype=dtype, seed=seed, cases=cases)
+    started = time.time()
+    if launcher == "ray":
+        from ..cluster import ClusterConfig, get_cluster
+
+        results = get_cluster(ClusterConfig(num_ranks=ranks, device=device)).run(_bench_all, plan)
+    elif launcher == "spawn":
+        from ..spawn import run_ranks
+
+        kind = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+        results = run_ranks(_bench_all, ranks, plan, device=kind, backend="nccl" if kind == "cuda" else "gloo", timeout_s=900)
+    else:
+        raise ValueError(f"--launcher must be 'ray' or 'spawn' (got {launcher!r})")
+    profiles, model_fn, have_linkmodel = _link_model()
+    if profiles is None:
+        from collections import namedtuple
+
+        P = namedtuple("LinkProfile", "name bandwidth_gbps latency_us via_host")
+        profiles = {"pcie4_x16_no_p2p": P("pcie4_x16_no_p2p", 27.6, 20.0, True), "nvlink": P("nvlink", 360.0, 5.0, False)}
+    ref = results[0]["reference"]
+    ref_latent = ref["latent"]
+    records = [_summarise(key, [r["cases"][key] for r in results], ref, ref_latent, plan, profiles, model_fn) for key in cases]
+    report = {
+        "benchmark": "sample-bench",
+        "ranks": ranks,
+        "device": device,
+        "launcher": launcher,
+        "model": "SDXL UNet2DConditionModel, synthetic weights" + (" (tiny width, same block types)" if tiny else ""),
+        "height": height,
+        "width": width,
+        "latent": [batch, 4, height // 8, width // 8],
+        "steps": steps,
+        "dtype": dtype,
+        "seed": seed,
+        "sampler": "Euler (eps), CFG 5.0, batched [uncond, cond]",
+        "link_model": "patchray.distributed.bench.linkmodel" if have_linkmodel else "inline fallback (linkmodel absent)",
+        "link_model_formula": "compute + messages*latency + sync_bytes/bandwidth + max(0, async_bytes/bandwidth - compute)",
+        "host_syncs_note": "Tensor.item/tolist/__bool__/__int__/__float__ calls per model call, diffusers' own included",
+        "reference": {
+            "per_step_ms": ref["step_ms"],
+            "total_ms": sum(ref["step_ms"]),
+            "host_syncs_per_step": ref["host_syncs"],
+        },
+        "cases": records,
+        "wall_s": time.time() - started,
+    }
+    try:
+        from . import provenance
+
+        report["provenance"] = provenance.collect(torch.device(device if device != "auto" else "cpu"))
+    except Exception as exc:  # provenance is informative only
+        report["provenance"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return report
+
+
+def write_chart(report: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..sampling.comm_manager import KINDS
+
+    cases = report["cases"]
+    labels = [f"{c['case']}{'/split' if c['split_batch'] else ''}" for c in cases]
+    fig, axes = plt.subplots(2, 2, figsize=(15, 10))
+    ax = axes[0][0]
+    ax.plot(report["reference"]["per_step_ms"], "k--", label="1 rank (reference)")
+    for c, lab in zip(cases, labels):
+        ax.plot(c["per_step_ms"], label=lab)
+    ax.set_title("per-step latency (slowest rank)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=6)
+    ax = axes[0][1]
+    bottom = [0.0] * len(cases)
+    for kind in KINDS:
+        vals = [c["mean_bytes_per_step"][kind] / 1e6 for c in cases]
+        ax.bar(range(len(cases)), vals, bottom=bottom, label=kind)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_title("mean MB per step and rank, by kind")
+    ax.legend(fontsize=7)
+    ax = axes[1][0]
+    profiles = list(cases[0]["modelled"]) if cases else []
+    width = 0.8 / max(1, len(profiles))
+    for j, p in enumerate(profiles):
+        ax.bar([i + j * width for i in range(len(cases))], [c["modelled"][p]["speedup"] or 0 for c in cases], width, label=p)
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_title(f"link-modelled speed-up vs 1 rank, N={report['ranks']}")
+    ax.legend(fontsize=7)
+    ax = axes[1][1]
+    ax.bar(range(len(cases)), [min(c["psnr_db"], 99) for c in cases], color="tab:green")
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("PSNR dB (latent preview vs 1 rank)")
+    ax2 = ax.twinx()
+    ax2.plot(range(len(cases)), [c["rel_l2"] for c in cases], "ro", label="relative L2 (latent)")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("relative L2")
+    ax.set_title("agreement with the single-rank run")
+    fig.suptitle(
+        f"sample-bench: {report['model']}, {report['height']}x{report['width']}, {report['steps']} steps, "
+        f"{report['ranks']} ranks on {report['device']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"{'case':<22}{'ms/step':>9}{'meas x':>8}{'MB/step':>10}{'async MB':>10}{'rel L2':>10}{'PSNR':>7}  modelled speed-up",
+    ]
+    ref_ms = sorted(report["reference"]["per_step_ms"])[len(report["reference"]["per_step_ms"]) // 2]
+    lines.append(f"{'reference (1 rank)':<22}{ref_ms:>9.1f}")
+    for c in report["cases"]:
+        steps = len(c["per_step_ms"])
+        mb = sum(c["bytes_per_step_total"]) / steps / 1e6
+        amb = sum(c["async_bytes_per_step"]) / steps / 1e6
+        mod = " ".join(f"{k}={v['speedup']:.2f}" for k, v in c["modelled"].items())
+        lab = f"{c['case']}{'/split' if c['split_batch'] else ''}"
+        lines.append(
+            f"{lab:<22}{c['median_step_ms']:>9.1f}{c['measured_speedup']:>8.2f}{mb:>10.3f}{amb:>10.3f}"
+            f"{c['rel_l2']:>10.2e}{c['psnr_db']:>7.1f}  {mod}"
+        )
+    return "\n".join(lines)
+
+
+def sample_bench_main(argv: Optional[List[str]] = None) -> int:
+    """CLI entry: ``python -m patchray sample-bench [...] --out FILE``; returns the exit status."""
+    ap = argparse.ArgumentParser(prog="python -m patchray sample-bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=2, help="world size N (>= 2)")
+    ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
+    ap.add_argument("--preset", action="append", default=None, help=f"case(s) to run (repeatable); default all: {', '.join(ALL_CASES)}")
+    ap.add_argument("--steps", type=int, default=None, help="sampling steps (default 12 with --tiny, else 50)")
+    ap.add_argument("--tiny", action="store_true", help="reduced-width UNet of the SDXL block types (CPU-friendly)")
+    ap.add_argument("--height", type=int, default=None, help="image height in pixels (default 256 tiny, 1024 otherwise)")
+    ap.add_argument("--width", type=int, default=None, help="image width in pixels (default: height)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None, help="default fp32 on cpu, fp16 on cuda")
+    ap.add_argument("--split", choices=["both", "on", "off"], default="both", help="split_batch variants to run")
+    ap.add_argument("--launcher", choices=["ray", "spawn"], default="ray")
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--out", required=True, help="JSON report path; the chart goes next to it (.png)")
+    args = ap.parse_args(argv)
+    presets = None
+    if args.preset:
+        presets = [p for item in args.preset for p in item.split(",") if p]
+    height = args.height or (256 if args.tiny else 1024)
+    width = args.width or height
+    steps = args.steps or (12 if args.tiny else 50)
+    try:
+        report = run_sample_bench(
+            ranks=args.ranks, device=args.device, presets=presets, steps=steps, tiny=args.tiny, height=height, width=width,
+            batch=args.batch, dtype=args.dtype, split=args.split, launcher=args.launcher, seed=args.seed,
+        )
+    finally:
+        if args.launcher == "ray":
+            from ..cluster import shutdown_cluster
+
+            shutdown_cluster()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1, default=float)
+    png = os.path.splitext(args.out)[0] + ".png"
+    write_chart(report, png)
+    print(format_table(report))
+    print(f"wrote {args.out} and {png}")
+    return 0
