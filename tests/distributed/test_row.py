@@ -32,9 +32,13 @@ def _tiny_channels(family):
     return config.get("latent_channels", config.get("z_dim", FAMILIES[family].latent_channels))
 
 
-def _latent(family, batch=2, seed=1):
+#: longer videos: Wan's two-frame feature caches, HunyuanVideo's framewise (temporal-tile) decode beyond 4 frames
+LONG_VIDEO_FRAMES = {"wan": 3, "hunyuan_video": 6}
+
+
+def _latent(family, batch=2, seed=1, frames=2):
     spec = FAMILIES[family]
-    shape = (batch, _tiny_channels(family)) + ((2,) if spec.is_video else ()) + LATENT_HW
+    shape = (batch, _tiny_channels(family)) + ((frames,) if spec.is_video else ()) + LATENT_HW
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
@@ -63,6 +67,8 @@ def _references():
         for family in FAMILIES:
             vae = build_vae(family)
             refs[family] = (_decode_ref(vae, _latent(family)), _encode_ref(vae, _image(family)))
+        for family, frames in LONG_VIDEO_FRAMES.items():
+            refs["long", family] = _decode_ref(build_vae(family), _latent(family, batch=1, frames=frames))
     return refs
 
 
@@ -178,6 +184,11 @@ def _row_task(ctx, extras):
         for dtype in (torch.bfloat16, torch.float16):
             vae = build_vae("kl", dtype=dtype)
             result["low_precision"][str(dtype)] = row_decode(vae, _latent("kl"), ctx)
+    if "long_video" in extras:
+        result["long_video"] = {
+            family: row_decode(build_vae(family), _latent(family, batch=1, frames=frames), ctx)
+            for family, frames in LONG_VIDEO_FRAMES.items()
+        }
     if "errors" in extras:
         result["errors"] = _errors(ctx)
     if "memory" in extras:
@@ -204,7 +215,7 @@ def _from_numpy(obj):
     return obj
 
 
-_EXTRAS = {2: ("comm", "seams", "low_precision", "memory"), 3: (), 4: ("errors",)}
+_EXTRAS = {2: ("comm", "seams", "low_precision", "memory"), 3: ("long_video",), 4: ("errors",)}
 WORLD_SIZES = tuple(_EXTRAS)
 
 
@@ -252,6 +263,12 @@ def test_row_mode_matches_unsharded(world_size, half):
         assert diff <= TOL, f"{family} {half} at N={world_size}: max abs diff {diff:.3g}"
         for rank in range(1, world_size):
             assert results[rank][half][family] is None, f"{family}: rank {rank} got an output (only rank 0 should)"
+
+
+def test_long_videos_keep_temporal_caches_and_framewise_decoding_exact():
+    for family, got in _run(3)[0]["long_video"].items():
+        ref = _references()["long", family]
+        assert got.shape == ref.shape and (got - ref).abs().max() <= TOL, family
 
 
 def test_world_size_one_equals_diffusers():
