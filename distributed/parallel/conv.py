@@ -172,6 +172,7 @@ def conv_rows(
     rows = x.shape[rows_dim]
     out_rows = out_bounds[r + 1] - out_bounds[r]
 
+    # a rank-local choice of how to compute, made after the (shared) exchange: it never changes communication
     stride_one = s == 1 and pad_top + pad_bottom == k - 1 and rows >= k - 1
     if stride_one:
         # whole band with its own (edge-mode) padding, then recompute the rows next to inner boundaries

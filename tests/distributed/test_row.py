@@ -1,7 +1,8 @@
 """Row mode against the unsharded diffusers decode/encode, for every family, on real gloo ranks.
 
-One spawn per world size (N = 2, 3, 4) runs every family (decode and encode) plus that world size's extra checks,
-so process start-up is paid three times in all. References are computed once, in the test process.
+One 4-rank spawn runs every family (decode and encode) on sub-groups of N = 2, 3 and 4 ranks, plus each world
+size's extra checks, so process start-up (importing diffusers) is paid once. References are computed once, in the
+test process.
 
 Tolerance: 1e-4 absolute on outputs in about [-1, 1] (fp32). The sharded computation differs from the
 unsharded one only in summation order (GroupNorm statistics merged across ranks, attention over gathered
