@@ -23,9 +23,10 @@ from .plan import Applied, RowState, Style, set_forward
 __all__ = ["group_stats", "merge_group_stats", "exact_group_norm", "ExactGroupNorm"]
 
 
-#: low-precision inputs are upcast to fp32 this many group chunks at a time: the transient fp32 copy is 1/4 of
-#: the bf16 activation, below the output the norm allocates anyway, so the peak does not grow
-_LOW_PRECISION_CHUNKS = 8
+#: low-precision inputs are upcast to fp32 in this many group chunks: the transient fp32 chunk is 1/8 of the
+#: bf16 activation. In a resnet block the second norm runs while the block input, the conv output and the norm
+#: output are alive (3 activations, the block's peak), so the chunk adds at most ~4% there
+_LOW_PRECISION_CHUNKS = 16
 
 
 def _group_chunks(num_groups: int, dtype: torch.dtype):
