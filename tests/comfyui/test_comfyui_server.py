@@ -168,7 +168,8 @@ def test_workflow_completes(server, name):
         assert outputs[bench]["patchray_bench"][0]["records"]
 
 
-def test_distributed_decode_matches_the_stock_decode(server):
+@pytest.mark.parametrize("vae_name, frames", [("sdxl_vae.safetensors", 1), ("ae.safetensors", 1), ("wan_2.1_vae.safetensors", 5)])
+def test_distributed_decode_matches_the_stock_decode(server, vae_name, frames):
     """fp32 row decode vs the stock VAE Decode on the same latent, both saved as 8-bit PNGs by SaveImage."""
     import numpy as np
     from PIL import Image
@@ -177,8 +178,9 @@ def test_distributed_decode_matches_the_stock_decode(server):
     api = {
         "1": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
         "2": {"class_type": "ImageScale", "inputs": {"image": ["1", 0], "upscale_method": "bilinear", "width": 96, "height": 64, "crop": "center"}},
-        "3": {"class_type": "VAELoader", "inputs": {"vae_name": "sdxl_vae.safetensors"}},
-        "4": {"class_type": "VAEEncode", "inputs": {"pixels": ["2", 0], "vae": ["3", 0]}},
+        "10": {"class_type": "RepeatImageBatch", "inputs": {"image": ["2", 0], "amount": frames}},
+        "3": {"class_type": "VAELoader", "inputs": {"vae_name": vae_name}},
+        "4": {"class_type": "VAEEncode", "inputs": {"pixels": ["10", 0], "vae": ["3", 0]}},
         "5": {"class_type": "VAEDecode", "inputs": {"samples": ["4", 0], "vae": ["3", 0]}},
         "6": {"class_type": "PatchRayCluster", "inputs": {"num_ranks": 2, "device": "cpu", "address": "", "gpu_ids": ""}},
         "7": {"class_type": "PatchRayVAEDecode", "inputs": {"samples": ["4", 0], "vae": ["3", 0], "cluster": ["6", 0],
@@ -186,16 +188,19 @@ def test_distributed_decode_matches_the_stock_decode(server):
         "8": {"class_type": "SaveImage", "inputs": {"images": ["5", 0], "filename_prefix": "stock"}},
         "9": {"class_type": "SaveImage", "inputs": {"images": ["7", 0], "filename_prefix": "patchray"}},
     }
-    out = _run(url, api)["outputs"]
+    entry = _run(url, api)
+    out = entry["outputs"]
+    assert "7" not in out, "PatchRay fell back to the stock decode: " + json.dumps(out.get("7"))
 
     def load(nid):
-        img = out[nid]["images"][0]
-        return np.asarray(Image.open(base / "output" / img["subfolder"] / img["filename"]), dtype=np.int16)
+        return [np.asarray(Image.open(base / "output" / i["subfolder"] / i["filename"]), dtype=np.int16) for i in out[nid]["images"]]
 
     stock, ours = load("8"), load("9")
-    assert stock.shape == ours.shape == (64, 96, 3)
-    # SaveImage truncates 255*x to uint8: a float difference <= 1/255 moves a pixel by at most one level
-    assert np.abs(stock - ours).max() <= 1
+    assert len(stock) == len(ours) == frames
+    for a, b in zip(stock, ours):
+        assert a.shape == b.shape == (64, 96, 3)
+        # SaveImage truncates 255*x to uint8: a float difference <= 1/255 moves a pixel by at most one level
+        assert np.abs(a - b).max() <= 1
 
 
 def _decode_prompt(size, num_ranks=2):
