@@ -29,7 +29,7 @@ import functools
 import sys
 import threading
 import time
-from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Dict, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = [
     "LinkProfile",

@@ -36,12 +36,12 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .catalog import CATALOG_VERSION, CPU_DEFAULT, Shape, architecture_digest, canonical_shapes, format_shape, parse_shape
+from .catalog import CATALOG_VERSION, CPU_DEFAULT, architecture_digest, canonical_shapes, format_shape, parse_shape
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -597,6 +597,7 @@ def _measure(ctx, opts: Options, fn: Callable[[], Any], stem: str) -> Tuple[dict
     m: Dict[str, Any] = {"rank": ctx.rank, "error": None, "times_ms": [], "comm": None, "comm_ms": None,
                          "peak": {"metric": None, "bytes": None}, "profile": None, "device": str(ctx.device)}
     output = None
+    cpu_start = time.process_time()
     try:
         _reset_peak(ctx.device)
         for _ in range(opts.warmup):
@@ -627,6 +628,7 @@ def _measure(ctx, opts: Options, fn: Callable[[], Any], stem: str) -> Tuple[dict
         gc.collect()
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
+    m["cpu_s"] = time.process_time() - cpu_start
     return m, output
 
 
@@ -838,6 +840,9 @@ def _run_case(ctx, opts, spec, vae, inp, shape, case: _Case, prov, throttle, ref
         rec["latency_ms"] = round(statistics.median(slowest), 3)
         rec["latency_ms_iterations"] = [round(t, 3) for t in slowest]
         rec["latency_ms_by_rank"] = [round(statistics.median(t), 3) for t in times]
+    # CPU seconds each rank process spent on the whole case (warm-up, logged, timed, profiled): on CPU ranks this
+    # is the case's wall time on an otherwise idle machine, whatever else shared the cores during the run
+    rec["cpu_s_by_rank"] = [round(m.get("cpu_s", 0.0), 3) for m in per_rank]
     peaks = [m["peak"] for m in per_rank]
     rec["peak_memory"] = _peak_block(peaks, ctx.device)
     comms = [m["comm"] for m in per_rank]
@@ -1025,6 +1030,7 @@ def _base_record(opts: Options, spec, shape, case: _Case, world: int, prov) -> d
         "agreement_tolerance": tol if enforced else None,
         "agreement_ok": None,
         "finite": None,
+        "cpu_s_by_rank": None,
         "compute_ms_by_rank": None,
         "comm_ms_by_rank": None,
         "wire_bytes_by_rank": None,

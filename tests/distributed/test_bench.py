@@ -8,7 +8,6 @@ throttled exchange takes at least as long as the sleep the throttle added (a low
 
 import dataclasses
 import json
-import math
 import os
 import time
 
@@ -122,7 +121,7 @@ COMMON = {
 }
 MEASURED = {
     "latency_ms": float, "latency_ms_iterations": list, "latency_ms_by_rank": list, "peak_memory": dict, "comm": dict,
-    "link_model": dict, "compute_ms_by_rank": list, "wire_bytes_by_rank": list, "error": NoneType,
+    "link_model": dict, "compute_ms_by_rank": list, "wire_bytes_by_rank": list, "cpu_s_by_rank": list, "error": NoneType,
 }
 
 
