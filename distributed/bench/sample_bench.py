@@ -285,7 +285,7 @@ def _summarise(key: str, per_rank: List[dict], ref: dict, ref_latent, plan, prof
         "modelled": modelled,
     }
     latent = per_rank[0]["latent"]
-    rec.update(agreement(torch.from_numpy(latent), torch.from_numpy(ref_latent)))
+    rec.update(agreement(torch.tensor(latent), torch.tensor(ref_latent)))
     return rec
 
 

@@ -23,6 +23,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, List, NamedTuple, Optional
 
@@ -175,12 +176,25 @@ def _subgroup(ctx: ParallelContext, members: List[int]) -> ParallelContext:
     )
 
 
+# Process groups are expensive (connections, threads) and a ComfyUI process samples many times with the same
+# cluster, so one split layout is built per parent group and reused. Keyed by the parent group object (kept alive
+# by the entry), its members and backend; entries are only ever added, one per parent group.
+_SPLIT_LAYOUTS: dict = {}
+
+
 def _split_layout(ctx: ParallelContext) -> SplitLayout:
+    key = (id(ctx.group), ctx.global_ranks, ctx.backend, ctx.rank)
+    hit = _SPLIT_LAYOUTS.get(key)
+    if hit is not None and hit[0] is ctx.group:
+        return SplitLayout(hit[1].half, dataclasses.replace(hit[1].patch, device=ctx.device),
+                           dataclasses.replace(hit[1].pair, device=ctx.device))
     m = ctx.world_size // 2
     half, p = divmod(ctx.rank, m)
     patch = _subgroup(ctx, [half * m + q for q in range(m)])
     pair = _subgroup(ctx, [p, p + m])
-    return SplitLayout(half, patch, pair)
+    layout = SplitLayout(half, patch, pair)
+    _SPLIT_LAYOUTS[key] = (ctx.group, layout)
+    return layout
 
 
 def _as_tensor(out: Any) -> torch.Tensor:

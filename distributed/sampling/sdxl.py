@@ -68,9 +68,10 @@ def build_unet(tiny: bool, seed: int = 0, dtype: torch.dtype = torch.float32, de
     """A UNet2DConditionModel with seeded random weights (identical on every rank for the same seed)."""
     from diffusers import UNet2DConditionModel
 
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(**(tiny_sdxl_unet_config() if tiny else sdxl_unet_config()))
-    return unet.to(device=device, dtype=dtype).eval()
+    torch.manual_seed(seed)  # seeds every device's generator: identical weights on every rank of one GPU model
+    with torch.device(device):  # initialise on the device: the full SDXL UNet's 2.6 B random draws are slow on CPU
+        unet = UNet2DConditionModel(**(tiny_sdxl_unet_config() if tiny else sdxl_unet_config()))
+    return unet.to(dtype=dtype).eval()
 
 
 def synthetic_cond(unet, batch: int, seed: int = 1, tokens: int = 77, device="cpu", dtype=torch.float32) -> Dict:
