@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workflow_tools import ROOT, node_info, widget_inputs  # noqa: E402
+from workflow_tools import ROOT, node_info  # noqa: E402
 
 OUT = ROOT / "workflows"
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from .test_nodes import RANKS, cluster  # noqa: F401  (the module's cluster fixture)
+from .test_nodes import cluster  # noqa: F401  (the module's cluster fixture)
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -4,7 +4,7 @@ holding ComfyUI's ldm-layout weights) on real CPU Ray ranks, compared with the s
 import pytest
 import torch
 
-from .comfy_shapes import ComfyLikeVAE, kl_to_ldm, tiny_kl
+from .comfy_shapes import ComfyLikeVAE, kl_to_ldm
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
