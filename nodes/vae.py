@@ -12,12 +12,13 @@ __all__ = ["PatchRayVAEDecode", "PatchRayVAEEncode"]
 
 log = logging.getLogger(__name__)
 
-_PRECISION = io.Combo.Input(
-    "precision",
-    options=["auto", "fp32", "bf16", "fp16"],
-    default="auto",
-    tooltip="Compute dtype on the ranks. auto: the dtype ComfyUI itself would decode this VAE in. fp32 matches the stock node within 1/255.",
-)
+def _precision_input():
+    return io.Combo.Input(
+        "precision",
+        options=["auto", "fp32", "bf16", "fp16"],
+        default="auto",
+        tooltip="Compute dtype on the ranks. auto: the dtype ComfyUI itself would use for this VAE. fp32 matches the stock node within 1/255.",
+    )
 
 
 def _fallback_note(exc: Exception, what: str) -> str:
@@ -48,7 +49,7 @@ class PatchRayVAEDecode(io.ComfyNode):
                     default="auto",
                     tooltip="auto: row mode when the links allow it, else tiles. row: exact, needs fast links. tile-runs: whole tiles per rank, little traffic.",
                 ),
-                _PRECISION,
+                _precision_input(),
                 io.Boolean.Input(
                     "gn_sync",
                     default=False,
@@ -103,7 +104,7 @@ class PatchRayVAEEncode(io.ComfyNode):
                 io.Image.Input("pixels", tooltip="The image(s) to encode, [B, H, W, C] in 0..1; for video VAEs the batch is the frames."),
                 io.Vae.Input("vae", tooltip="ComfyUI's VAE, from the stock Load VAE or checkpoint loader."),
                 CLUSTER.Input("cluster", tooltip="The rank cluster, from PatchRay Cluster."),
-                _PRECISION,
+                _precision_input(),
             ],
             outputs=[io.Latent.Output(display_name="LATENT", tooltip="The latent, like the stock VAE Encode: {'samples': tensor}.")],
         )
