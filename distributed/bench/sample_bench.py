@@ -262,6 +262,22 @@ def _summarise(key: str, per_rank: List[dict], ref: dict, ref_latent, plan, prof
     for name in (profiles or {}):
         total = sum(m[name] for m in modelled_steps)
         modelled[name] = {"latency_ms": total, "ref_ms": ref_step * steps, "speedup": ref_step * steps / total if total else None}
+    # the same link model with ideal compute (the reference step times the busiest rank's share of the work), so
+    # the communication cost can be judged where measured compute is noise (oversubscribed CPU ranks)
+    n = len(per_rank)
+    split = key.endswith("@split") and n % 2 == 0
+    patch_n = n // 2 if split else n
+    h_lat = plan["height"] // 8
+    units = h_lat // 4
+    share = math.ceil(units / patch_n) * 4 / h_lat / (2 if split else 1)
+    ideal_steps = [
+        _modelled(ref_step * share, total_by_step[i] - async_by_step[i], async_by_step[i], colls_by_step[i], profiles, model_fn)
+        for i in range(steps)
+    ] if profiles else []
+    modelled_ideal = {}
+    for name in (profiles or {}):
+        total = sum(m[name] for m in ideal_steps)
+        modelled_ideal[name] = {"latency_ms": total, "speedup": ref_step * steps / total if total else None}
     case, split = key.rsplit("@", 1)
     from ..sampling.config import preset
 
@@ -283,6 +299,8 @@ def _summarise(key: str, per_rank: List[dict], ref: dict, ref_latent, plan, prof
         "host_syncs_per_step": [max(r["host_syncs"][i] for r in per_rank) for i in range(steps)],
         "comm_log_rank0": per_rank[0]["comm_log"],
         "modelled": modelled,
+        "modelled_ideal_compute": modelled_ideal,
+        "ideal_compute_share": share,
     }
     latent = per_rank[0]["latent"]
     rec.update(agreement(torch.tensor(latent), torch.tensor(ref_latent)))
@@ -358,6 +376,7 @@ def run_sample_bench(
         "sampler": "Euler (eps), CFG 5.0, batched [uncond, cond]",
         "link_model": "patchray.distributed.bench.linkmodel" if have_linkmodel else "inline fallback (linkmodel absent)",
         "link_model_formula": "compute + messages*latency + sync_bytes/bandwidth + max(0, async_bytes/bandwidth - compute)",
+        "ideal_compute_note": "modelled_ideal_compute: compute = reference step x the busiest rank's share of rows (and batch)",
         "host_syncs_note": "Tensor.item/tolist/__bool__/__int__/__float__ calls per model call, diffusers' own included",
         "reference": {
             "per_step_ms": ref["step_ms"],
@@ -409,11 +428,14 @@ def write_chart(report: dict, path: str) -> str:
     profiles = list(cases[0]["modelled"]) if cases else []
     width = 0.8 / max(1, len(profiles))
     for j, p in enumerate(profiles):
-        ax.bar([i + j * width for i in range(len(cases))], [c["modelled"][p]["speedup"] or 0 for c in cases], width, label=p)
+        xs = [i + j * width for i in range(len(cases))]
+        ax.bar(xs, [c["modelled"][p]["speedup"] or 0 for c in cases], width, label=p)
+        ax.plot(xs, [c["modelled_ideal_compute"][p]["speedup"] or 0 for c in cases], "kx", ms=4,
+                label="ideal compute" if j == 0 else None)
     ax.axhline(1.0, color="k", lw=0.5)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
-    ax.set_title(f"link-modelled speed-up vs 1 rank, N={report['ranks']}")
+    ax.set_title(f"link-modelled speed-up vs 1 rank, N={report['ranks']} (bars: measured compute, x: ideal)")
     ax.legend(fontsize=7)
     ax = axes[1][1]
     ax.bar(range(len(cases)), [min(c["psnr_db"], 99) for c in cases], color="tab:green")
@@ -437,7 +459,8 @@ def write_chart(report: dict, path: str) -> str:
 
 def format_table(report: dict) -> str:
     lines = [
-        f"{'case':<22}{'ms/step':>9}{'meas x':>8}{'MB/step':>10}{'async MB':>10}{'rel L2':>10}{'PSNR':>7}  modelled speed-up",
+        f"{'case':<22}{'ms/step':>9}{'meas x':>8}{'MB/step':>10}{'async MB':>10}{'rel L2':>10}{'PSNR':>7}  "
+        "modelled speed-up (measured compute | ideal compute)",
     ]
     ref_ms = sorted(report["reference"]["per_step_ms"])[len(report["reference"]["per_step_ms"]) // 2]
     lines.append(f"{'reference (1 rank)':<22}{ref_ms:>9.1f}")
@@ -445,7 +468,9 @@ def format_table(report: dict) -> str:
         steps = len(c["per_step_ms"])
         mb = sum(c["bytes_per_step_total"]) / steps / 1e6
         amb = sum(c["async_bytes_per_step"]) / steps / 1e6
-        mod = " ".join(f"{k}={v['speedup']:.2f}" for k, v in c["modelled"].items())
+        mod = " ".join(
+            f"{k}={v['speedup']:.2f}|{c['modelled_ideal_compute'][k]['speedup']:.2f}" for k, v in c["modelled"].items()
+        )
         lab = f"{c['case']}{'/split' if c['split_batch'] else ''}"
         lines.append(
             f"{lab:<22}{c['median_step_ms']:>9.1f}{c['measured_speedup']:>8.2f}{mb:>10.3f}{amb:>10.3f}"
