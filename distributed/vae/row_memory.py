@@ -8,6 +8,11 @@ the peak counter and decodes again. Rank 0 then also measures the baseline itsel
 first ``h // N`` latent rows, no adapters, no communication (what ``baselines-h200.md`` calls band_1/N), so the
 ratio is taken against a figure from the same PyTorch build; the recorded H200 figure is printed beside it.
 
+Ranks sharing one GPU also share its free memory: each rank's caching allocator may hold far more than it has
+allocated (HunyuanVideo-1.5 at N = 4 ran out of memory that way with ~23 GiB allocated per rank). The ranks
+therefore run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (unless the caller set it) and return
+their cached blocks after the warm-up. Neither changes ``max_memory_allocated``, the figure reported.
+
 Usage::
 
     python -m patchray.distributed.vae.row_memory --families kl flux2 --ranks 2 4 --out results/row_memory.json
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Dict, List
 
@@ -60,6 +66,7 @@ def _rank_task(ctx, family: str, dtype_name: str) -> dict:
     z = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(ctx.device, dtype)
     row_decode(vae, z, ctx)  # warm-up (allocator, kernels)
     torch.cuda.synchronize(ctx.device)
+    torch.cuda.empty_cache()  # give cached blocks back: the peers on this GPU need them
     torch.cuda.reset_peak_memory_stats(ctx.device)
     out = row_decode(vae, z, ctx)
     torch.cuda.synchronize(ctx.device)
@@ -82,6 +89,8 @@ def measure(family: str, world_size: int, dtype: str = "bfloat16") -> dict:
     """Run ``world_size`` gloo ranks on the one visible GPU; return per-rank peaks and the ratios."""
     from ..spawn import run_ranks
 
+    # read by each rank process when it initialises CUDA (spawned children inherit the environment)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     ranks = run_ranks(_rank_task, world_size, family, dtype, backend="gloo", device="cuda", timeout_s=1800.0)
     worst = max(r["peak_gib"] for r in ranks)
     band = ranks[0]["band_peak_gib"]
@@ -100,6 +109,7 @@ def measure(family: str, world_size: int, dtype: str = "bfloat16") -> dict:
         "band_recorded_gib": recorded,
         "ratio_to_recorded_band": round(worst / recorded, 3) if recorded else None,
         "output_shape": ranks[0]["output_shape"],
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0),
     }
