@@ -9,16 +9,16 @@ from patchray.distributed.bench.sample_bench import format_table, run_sample_ben
 
 
 def test_sample_bench_report_and_chart(tmp_path):
-    report = run_sample_bench(ranks=2, presets=["full_sync", "otil"], steps=5, tiny=True, height=64, width=64,
-                              split="off", launcher="spawn")
-    assert [c["case"] for c in report["cases"]] == ["full_sync", "otil"]
-    full, otil = report["cases"]
-    assert len(full["per_step_ms"]) == 5 and len(report["reference"]["per_step_ms"]) == 5
-    # full_sync reproduces the single-rank run up to fp32 reordering; otil's remote regions are approximate
-    assert full["rel_l2"] < 2e-5 < otil["rel_l2"]
-    # otil step 4 (after 4 warm-up steps) sends latent blocks, no K/V, no halos
-    assert otil["bytes_per_step"]["latent_blocks"][4] > 0 and otil["bytes_per_step"]["kv"][4] == 0
-    assert otil["bytes_per_step"]["halo"][4] == 0 and otil["bytes_per_step_total"][4] < full["bytes_per_step_total"][4]
+    report = run_sample_bench(ranks=2, presets=["otil"], steps=5, tiny=True, height=64, width=64, split="off", launcher="spawn")
+    [otil] = report["cases"]
+    assert otil["case"] == "otil" and len(otil["per_step_ms"]) == 5 and len(report["reference"]["per_step_ms"]) == 5
+    # 4 synchronous warm-up steps agree with the reference to rounding; the one OTIL step leaves a visible difference
+    assert 1e-6 < otil["rel_l2"] < 0.5 and otil["psnr_db"] > 20
+    # step 4 (after the warm-up) sends latent blocks, no K/V and no halos; warm-up steps send K/V and halos
+    by_kind = otil["bytes_per_step"]
+    assert by_kind["latent_blocks"][4] > 0 and by_kind["kv"][4] == 0 and by_kind["halo"][4] == 0
+    assert by_kind["kv"][0] > 0 and by_kind["halo"][0] > 0
+    assert otil["bytes_per_step_total"][4] < otil["bytes_per_step_total"][0] / 10
     assert otil["host_syncs_per_step"][4] == report["reference"]["host_syncs_per_step"][4]
     assert otil["modelled"] and all(v["speedup"] > 0 for v in otil["modelled"].values())
     png = write_chart(report, str(tmp_path / "s.png"))
