@@ -180,6 +180,7 @@ class Options:
     threads: Optional[int]
     timeout_s: float
     defaults_used: str = ""
+    progress_path: Optional[str] = None
     torchrun: bool = False
     hw_family: Optional[str] = None
 
@@ -344,6 +345,52 @@ def resolve_options(args: argparse.Namespace, cuda_available: Optional[bool] = N
 
 # --------------------------------------------------------------------------------------------------
 # the cases of one shape (the same on every rank: geometry only)
+
+
+def _progress(opts: "Options", line: str) -> None:
+    """Rank 0's progress: logged (torchrun prints it), and appended to ``progress_path`` when the driver tails one
+    (Ray actors and spawned ranks do not share the driver's stdout)."""
+    log.info("%s", line)
+    if opts.progress_path:
+        try:
+            with open(opts.progress_path, "a") as fh:
+                fh.write(line + "\n")
+        except OSError:  # progress is a courtesy; a remote rank may not see the driver's folder
+            pass
+
+
+@contextlib.contextmanager
+def _tail_progress(path: str):
+    """Print the lines rank 0 appends to ``path`` while the ranks run (local launchers only)."""
+    import threading
+
+    stop = threading.Event()
+
+    def tail():
+        pos = 0
+        while True:
+            done = stop.wait(1.0)
+            try:
+                with open(path) as fh:
+                    fh.seek(pos)
+                    text = fh.read()
+                    pos = fh.tell()
+            except OSError:
+                text = ""
+            if text:
+                print(text, end="", flush=True)
+            if done:
+                return
+
+    thread = threading.Thread(target=tail, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 class _Case(NamedTuple):
@@ -802,7 +849,7 @@ def _run_case(ctx, opts, spec, vae, inp, shape, case: _Case, prov, throttle, ref
         rec["status"] = "skipped"
         rec["error"] = _error("plan", case.skipped)
         if ctx.rank == 0:
-            log.info("  %-24s skipped: %s", case.name, case.skipped)
+            _progress(opts, f"  {case.name:<24} skipped: {case.skipped}")
         return rec, None
     case_inp = inp
     if case.mode == "tile-shape-cost":
@@ -814,7 +861,7 @@ def _run_case(ctx, opts, spec, vae, inp, shape, case: _Case, prov, throttle, ref
         case_inp = torch.randn(tuple(full[:-2]) + (a, b), generator=g).to(device=inp.device, dtype=inp.dtype)
     runner = _make_runner(case, vae, case_inp, ctx, opts)
     if ctx.rank == 0:
-        log.info("  %-24s running (%d warm-up, 1 logged, %d timed)", case.name, opts.warmup, opts.iters)
+        _progress(opts, f"  {format_shape(shape)} {case.name}: running ({opts.warmup} warm-up, 1 logged, {opts.iters} timed)")
     slept_before = throttle["slept_ms"] if throttle is not None else 0.0
     mine, output = _measure(ctx, opts, runner, stem)
     if throttle is not None:
@@ -880,7 +927,7 @@ def _run_case(ctx, opts, spec, vae, inp, shape, case: _Case, prov, throttle, ref
     if ctx.rank == 0:
         from .report import case_line
 
-        log.info("%s", case_line(rec))
+        _progress(opts, case_line(rec))
     return rec, keep
 
 
@@ -1127,22 +1174,34 @@ def run_bench(argv: Optional[Sequence[str]] = None, *, cluster=None) -> BenchRes
         opts.ranks = cluster.config.num_ranks
     else:
         opts = resolve_options(args)
+    local = not opts.torchrun and (opts.launcher == "spawn" or (cluster is None and opts.address is None))
+    if local:
+        os.makedirs(os.path.dirname(opts.out), exist_ok=True)
+        opts.progress_path = opts.out + ".progress"
+        with contextlib.suppress(OSError):
+            os.remove(opts.progress_path)
     payload = dataclasses.asdict(opts)
     _announce(opts)
+    with _tail_progress(opts.progress_path) if local else contextlib.nullcontext():
+        records, writer = _launch(opts, payload, cluster)
+    if not writer:  # a torchrun rank other than 0: same records, same exit status, no files
+        return BenchResult(records, exit_status(records), None, None)
+    return _finish(opts, records)
+
+
+def _launch(opts: Options, payload: dict, cluster) -> Tuple[List[dict], bool]:
+    """Start the ranks; return the records and whether this process writes the outputs."""
     if opts.torchrun:
         records, rank = _run_torchrun(payload)
-        if rank != 0:
-            return BenchResult(records, exit_status(records), None, None)
-    elif cluster is not None:
-        records = cluster.run(bench_rank, payload, timeout_s=opts.timeout_s)[0]
-    elif opts.launcher == "spawn":
+        return records, rank == 0
+    if cluster is not None:
+        return cluster.run(bench_rank, payload, timeout_s=opts.timeout_s)[0], True
+    if opts.launcher == "spawn":
         from ..spawn import run_ranks
 
         backend = opts.backend if opts.backend != "auto" else ("nccl" if opts.device == "cuda" else "gloo")
-        records = run_ranks(bench_rank, opts.ranks, payload, backend=backend, device=opts.device, timeout_s=opts.timeout_s)[0]
-    else:
-        records = _run_ray(opts, payload)
-    return _finish(opts, records)
+        return run_ranks(bench_rank, opts.ranks, payload, backend=backend, device=opts.device, timeout_s=opts.timeout_s)[0], True
+    return _run_ray(opts, payload), True
 
 
 def _announce(opts: Options) -> None:
