@@ -135,7 +135,7 @@ def _run_case(ctx, unet, plan, case: Optional[str]) -> dict:
     model = sdxl.unet_denoiser(unet)
     if case is not None:
         name, over = ALL_CASES[case]
-        cfg = preset(name, split_batch=plan["split"], **over)
+        cfg = preset(name, split_batch=plan["split"], **{**over, **plan.get("overrides", {})})
         den = PatchParallelDenoiser(model, ctx, cfg, unet=unet)
         model = den
     step_ms: List[float] = []
@@ -290,7 +290,7 @@ def _summarise(key: str, per_rank: List[dict], ref: dict, ref_latent, plan, prof
     rec = {
         "case": case,
         "split_batch": split == "split",
-        "config": preset(name, split_batch=split == "split", **over).to_dict(),
+        "config": preset(name, split_batch=split == "split", **{**over, **plan.get("overrides", {})}).to_dict(),
         "per_step_ms": step_ms,
         "total_ms": sum(step_ms),
         "median_step_ms": sorted(step_ms)[steps // 2],
@@ -335,6 +335,7 @@ def run_sample_bench(
     split: str = "both",
     launcher: str = "ray",
     seed: int = 42,
+    overrides: Optional[Dict[str, object]] = None,
 ) -> dict:
     """Run the benchmark and return the report dict (see the module docstring)."""
     for p in presets or []:
@@ -342,9 +343,15 @@ def run_sample_bench(
             raise ValueError(f"unknown preset/case {p!r}; choose from {sorted(ALL_CASES)}")
     if ranks < 2:
         raise ValueError(f"--ranks must be >= 2 (got {ranks}); the reference is the single-rank run")
+    from ..sampling.config import preset
     dtype = dtype or ("fp32" if device == "cpu" else "fp16")
     cases = _cases_for(ranks, presets, split)
-    plan = dict(tiny=tiny, height=height, width=width, batch=batch, steps=steps, dtype=dtype, seed=seed, cases=cases)
+    overrides = dict(overrides or {})
+    for name, (p, over) in ALL_CASES.items():  # validate every case's config on the driver, before any rank starts
+        if presets is None or name in presets:
+            preset(p, **{**over, **overrides})
+    plan = dict(tiny=tiny, height=height, width=width, batch=batch, steps=steps, dtype=dtype, seed=seed, cases=cases,
+                overrides=overrides)
     started = time.time()
     if launcher == "ray":
         from ..cluster import ClusterConfig, get_cluster
@@ -379,6 +386,7 @@ def run_sample_bench(
         "dtype": dtype,
         "seed": seed,
         "sampler": "Euler (eps), CFG 5.0, batched [uncond, cond]",
+        "overrides": overrides,
         "link_model": "patchray.distributed.bench.linkmodel" if have_linkmodel else "inline fallback (linkmodel absent)",
         "link_model_formula": "compute + messages*latency + sync_bytes/bandwidth + max(0, async_bytes/bandwidth - compute)",
         "ideal_compute_note": "modelled_ideal_compute: compute = reference step x the busiest rank's share of rows (and batch)",
@@ -499,11 +507,22 @@ def sample_bench_main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--split", choices=["both", "on", "off"], default="both", help="split_batch variants to run")
     ap.add_argument("--launcher", choices=["ray", "spawn"], default="ray")
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a PatchConfig field in every case, e.g. --set k_ratio=0.5 --set refresh_every=5")
     ap.add_argument("--out", required=True, help="JSON report path; the chart goes next to it (.png)")
     args = ap.parse_args(argv)
     presets = None
     if args.preset:
         presets = [p for item in args.preset for p in item.split(",") if p]
+    overrides = {}
+    for item in args.set:
+        field, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects FIELD=VALUE (got {item!r}), e.g. --set k_ratio=0.5")
+        try:
+            overrides[field] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[field] = value  # enum names such as groupnorm=stale
     height = args.height or (256 if args.tiny else 1024)
     width = args.width or height
     steps = args.steps or (12 if args.tiny else 50)
@@ -511,6 +530,7 @@ def sample_bench_main(argv: Optional[List[str]] = None) -> int:
         report = run_sample_bench(
             ranks=args.ranks, device=args.device, presets=presets, steps=steps, tiny=args.tiny, height=height, width=width,
             batch=args.batch, dtype=args.dtype, split=args.split, launcher=args.launcher, seed=args.seed,
+            overrides=overrides,
         )
     finally:
         if args.launcher == "ray":

@@ -32,5 +32,9 @@ def test_sample_bench_cli_refuses_bad_arguments(tmp_path):
 
     with pytest.raises(ValueError, match="unknown preset"):
         sample_bench_main(["--preset", "fastest", "--tiny", "--launcher", "spawn", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(TypeError, match="no field"):
+        sample_bench_main(["--set", "k_raito=0.5", "--tiny", "--launcher", "spawn", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(ValueError, match="k_ratio must be in"):
+        sample_bench_main(["--set", "k_ratio=2", "--preset", "otil", "--launcher", "spawn", "--out", str(tmp_path / "x.json")])
     with pytest.raises(ValueError, match="--ranks must be >= 2"):
         sample_bench_main(["--ranks", "1", "--tiny", "--launcher", "spawn", "--out", str(tmp_path / "x.json")])
