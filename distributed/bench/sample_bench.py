@@ -199,8 +199,6 @@ def _run_case(ctx, unet, plan, case: Optional[str]) -> dict:
 
 def _bench_all(ctx, plan) -> dict:
     """Every case of ``plan`` on this rank; the reference runs on rank 0 while the others wait."""
-    import torch.distributed as dist
-
     from ..comm import all_reduce
 
     device = ctx.device

@@ -13,7 +13,7 @@ other loop works the same way with :class:`PatchParallelDenoiser`.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
 

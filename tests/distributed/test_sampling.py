@@ -236,7 +236,7 @@ def _displaced_check(ctx):
 
 def _comfy_like_check(ctx):
     from patchray.distributed.sampling.config import preset
-    from patchray.distributed.sampling.denoiser import PatchParallelDenoiser, parallelize_unet
+    from patchray.distributed.sampling.denoiser import PatchParallelDenoiser
 
     torch.manual_seed(3)
     net = _ComfyLikeUNet()
