@@ -89,12 +89,13 @@ class PatchState:
         self.sync = True
         self.step = -1
 
-    def set_latent(self, height: int, width: int) -> None:
+    def set_latent(self, height: int, width: int, cm: Optional[CommManager] = None) -> None:
+        """Set the band table for a latent size; a new (empty) comm manager unless ``cm`` (a stream's) is given."""
         rows = split_rows(height, self.ctx.world_size, self.align)
         self.rows = rows
         self.bounds = tuple(sum(rows[:r]) for r in range(len(rows) + 1))
         self.height, self.width = height, width
-        self.cm = CommManager(self.ctx, rows, self.traffic, self.config.comm_checkpoint)
+        self.cm = cm if cm is not None else CommManager(self.ctx, rows, self.traffic, self.config.comm_checkpoint)
 
     @property
     def exchanging(self) -> bool:

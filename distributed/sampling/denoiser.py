@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, Hashable, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,34 +44,55 @@ logger = logging.getLogger(__name__)
 
 
 class UNetPatchHandle:
-    """What :func:`parallelize_unet` returns: the shared state, the adapters, and ``remove()``."""
+    """What :func:`parallelize_unet` returns: the shared state, the adapters, and ``remove()``.
+
+    Stale memories are kept per *stream*: a caller that evaluates cond and uncond in separate calls (ComfyUI
+    does when memory is short) passes a stream key per call so each keeps its own halos, K/V and statistics.
+    """
 
     def __init__(self, unet: nn.Module, state: PatchState, adapters: list):
         self.unet = unet
         self.state = state
         self.adapters = adapters
         self._removed = False
-        self._steps_done = 0
+        self._streams: dict = {}  # stream -> {"hw": (H, W), "cm": CommManager, "steps": int}
+        self._current: Optional[dict] = None
 
     @property
     def traffic(self) -> Traffic:
         return self.state.traffic
 
-    def prepare(self, height: int, width: int) -> bool:
-        """Set the latent size; returns True (and drops all stale memory) when it changed."""
-        if (self.state.height, self.state.width) == (height, width):
+    def prepare(self, height: int, width: int, stream: Any = None) -> bool:
+        """Select ``stream`` at latent size (height, width); True (fresh, empty memory) when new or resized."""
+        entry = self._streams.get(stream)
+        if entry is not None and entry["hw"] == (height, width):
+            self.state.set_latent(height, width, cm=entry["cm"])
+            self._current = entry
             return False
-        if self.state.cm is not None:
-            self.state.cm.wait()
+        if entry is not None:
+            entry["cm"].wait()
         self.state.set_latent(height, width)
-        self._steps_done = 0
+        self._current = self._streams[stream] = {"hw": (height, width), "cm": self.state.cm, "steps": 0}
         return True
+
+    _ALL = object()
+
+    def drop_streams(self, stream: Any = _ALL) -> None:
+        """Forget ``stream``'s memory, or every stream's (a new sampling run)."""
+        keys = list(self._streams) if stream is UNetPatchHandle._ALL else [stream]
+        for key in keys:
+            entry = self._streams.pop(key, None)
+            if entry is not None:
+                entry["cm"].wait()
+                if entry is self._current:
+                    self._current = None
+                    self.state.cm = None
 
     def begin_step(self, step: int, sync: bool) -> None:
         st = self.state
-        if st.cm is None:
+        if st.cm is None or self._current is None:
             raise RuntimeError("call prepare(height, width) before the first step")
-        if self._steps_done == 0 and not sync and st.ctx.world_size > 1 and st.config.layer_mode is not LayerMode.FULL_SYNC:
+        if self._current["steps"] == 0 and not sync and st.ctx.world_size > 1 and st.config.layer_mode is not LayerMode.FULL_SYNC:
             # backstop, not the guard: PatchConfig requires warmup_steps >= 1 for stale modes
             raise RuntimeError("the first step after prepare() must be synchronous: stale memories are empty")
         st.cm.wait()
@@ -84,14 +105,14 @@ class UNetPatchHandle:
             st.cm.build_layout()
         else:
             st.cm.flush()
-        self._steps_done += 1
+        self._current["steps"] += 1
 
     def remove(self) -> None:
         """Undo :func:`parallelize_unet` (idempotent)."""
         if self._removed:
             return
-        if self.state.cm is not None:
-            self.state.cm.wait()
+        for entry in self._streams.values():
+            entry["cm"].wait()
         for a in reversed(self.adapters):
             a.remove()
         self._removed = True
@@ -151,6 +172,16 @@ def parallelize_unet(unet: nn.Module, ctx: ParallelContext, config: PatchConfig,
 
 
 # ------------------------------------------------------------------------------------------------- denoiser
+
+
+@dataclasses.dataclass
+class _Stream:
+    """One stream's sampling state: its logical step, input shape, OTIL exchange, other-CFG-half memory."""
+
+    shape: tuple
+    step: int = 0
+    otil: Optional[OtilExchange] = None
+    other: Optional[torch.Tensor] = None
 
 
 class SplitLayout(NamedTuple):
@@ -266,10 +297,8 @@ class PatchParallelDenoiser:
         self.patch_ctx = self.split.patch if split else ctx
         self.handle = parallelize_unet(unet, self.patch_ctx, config, input_conv=input_conv)
         self.traffic = self.handle.traffic
-        self.step = 0
-        self._shape = None
-        self._otil: Optional[OtilExchange] = None
-        self._other: Optional[torch.Tensor] = None  # the other CFG half's output memory (split_batch)
+        self._streams: dict = {}  # stream key -> _Stream
+        self._cur: Optional[_Stream] = None
         self._bandwidth: Optional[float] = None
 
     # --------------------------------------------------------------------------------------------
@@ -282,28 +311,36 @@ class PatchParallelDenoiser:
     def rows(self):
         return self.handle.state.rows
 
+    @property
+    def step(self) -> int:
+        """The next logical step index of the default stream."""
+        s = self._streams.get(None)
+        return s.step if s is not None else 0
+
     def reset(self) -> None:
-        """Start a new sampling run: the next call is logical step 0 (synchronous), memories rebuilt."""
-        self.step = 0
-        self._shape = None
-        self._otil = None
-        self._other = None
-        self.handle.state.height = None
+        """Start a new sampling run: every stream's next call is logical step 0 (synchronous), memories rebuilt."""
+        self._streams.clear()
+        self._cur = None
+        self.handle.drop_streams()
 
     def remove(self) -> None:
         self.handle.remove()
 
-    def __call__(self, x: torch.Tensor, t: Any, **cond) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, t: Any, *, patch_stream: Hashable = None, patch_step: Optional[int] = None, **cond) -> torch.Tensor:
+        """One logical step of stream ``patch_stream`` (default: one stream; pass e.g. "cond"/"uncond" when the
+        caller evaluates them in separate calls). ``patch_step`` overrides the stream's own call count."""
         if x.dim() != 4:
             raise ValueError(f"x must be a (batch, channels, height, width) latent (got shape {tuple(x.shape)})")
         if self.split is not None and x.shape[0] % 2:
             raise ValueError(f"split_batch needs an even batch ([uncond, cond]); got batch {x.shape[0]}")
-        if self._shape != tuple(x.shape):
-            if self._shape is not None:
-                self.reset()
-            self._shape = tuple(x.shape)
-            self.handle.prepare(x.shape[-2], x.shape[-1])
-        step = self.step
+        st = self._streams.get(patch_stream)
+        if st is None or st.shape != tuple(x.shape):
+            if st is not None:
+                self.handle.drop_streams(patch_stream)  # a new run of this stream: memories are shaped by the batch
+            st = self._streams[patch_stream] = _Stream(shape=tuple(x.shape))
+        self._cur = st
+        self.handle.prepare(x.shape[-2], x.shape[-1], patch_stream)
+        step = st.step if patch_step is None else int(patch_step)
         sync = self.config.is_sync_step(step)
         x_in, t_in, cond_in = x, t, cond
         if self.split is not None:
@@ -317,7 +354,7 @@ class PatchParallelDenoiser:
             self.handle.end_step()
         own = self._complete(band, sync)
         out = self._join_halves(band, own, sync) if self.split is not None else own
-        self.step += 1
+        st.step = step + 1
         return out
 
     def _complete(self, band: torch.Tensor, sync: bool) -> torch.Tensor:
@@ -335,7 +372,7 @@ class PatchParallelDenoiser:
         return self._exchange(band).step(band)
 
     def _exchange(self, band: torch.Tensor) -> OtilExchange:
-        if self._otil is None:
+        if self._cur.otil is None:
             cfg = self.config
             b, c, _, w = band.shape
             from .otil import _num_blocks
@@ -348,10 +385,10 @@ class PatchParallelDenoiser:
                 ks = [choose_k(nb, block_bytes, self.patch_ctx.world_size - 1, self._bandwidth, cfg.comm_budget_ms) for nb in nbs]
             else:
                 ks = [cfg.k_for(nb) for nb in nbs]
-            self._otil = OtilExchange(
+            self._cur.otil = OtilExchange(
                 self.patch_ctx, self.rows, b, c, w, band.dtype, band.device, cfg.block_size, ks, cfg.compress_bits, self.traffic
             )
-        return self._otil
+        return self._cur.otil
 
     def _join_halves(self, band: torch.Tensor, own: torch.Tensor, sync: bool) -> torch.Tensor:
         """Both CFG halves on every rank (split_batch)."""
@@ -360,14 +397,14 @@ class PatchParallelDenoiser:
         if sync or self.config.output is OutputMode.GATHER:
             both = all_gather_padded(own, pair, dim=0, sizes=[b, b])
             self.traffic.add("cfg", own.numel() * own.element_size(), collectives=1)
-            self._other = both.chunk(2, dim=0)[1 - self.split.half].clone()
+            self._cur.other = both.chunk(2, dim=0)[1 - self.split.half].clone()
         elif self.config.cfg_repair:
             s, e = self.bounds[self.patch_ctx.rank], self.bounds[self.patch_ctx.rank + 1]
             both = all_gather_padded(band, pair, dim=0, sizes=[b, b])
             self.traffic.add("cfg", band.numel() * band.element_size(), collectives=1)
-            self._other[:, :, s:e] = both.chunk(2, dim=0)[1 - self.split.half]
+            self._cur.other[:, :, s:e] = both.chunk(2, dim=0)[1 - self.split.half]
         # else: the guide's behaviour, kept to reproduce the bug: the other half stays as of the last sync step
-        halves = [own, self._other] if self.split.half == 0 else [self._other, own]
+        halves = [own, self._cur.other] if self.split.half == 0 else [self._cur.other, own]
         return torch.cat(halves, dim=0)
 
     def finalize(self, latent: torch.Tensor) -> torch.Tensor:
@@ -375,9 +412,10 @@ class PatchParallelDenoiser:
         pctx = self.patch_ctx
         if pctx.world_size == 1:
             return latent
-        if self._shape is None or latent.shape[-2:] != self._shape[-2:]:
+        if self.bounds is None or latent.shape[-2] != self.bounds[-1]:
             raise ValueError(
-                f"finalize expects the sampled latent's size {self._shape[-2:] if self._shape else None}, got {tuple(latent.shape[-2:])}"
+                f"finalize expects a latent of the sampled height {self.bounds[-1] if self.bounds else None}, "
+                f"got shape {tuple(latent.shape)}"
             )
         s, e = self.bounds[pctx.rank], self.bounds[pctx.rank + 1]
         return all_gather_padded(latent[:, :, s:e].contiguous(), pctx, dim=2, sizes=list(self.rows))

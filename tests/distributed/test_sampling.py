@@ -184,6 +184,19 @@ def _refresh_check(ctx):
         "sync_flags": [cfg.is_sync_step(i) for i in range(4)],
     }
     den.remove()
+    # streams (cond and uncond evaluated in separate calls): each keeps its own step count and stale memories.
+    # Interleaved A0 B0 A1 B1 with a constant input per stream: the asynchronous A1/B1 reuse their own stream's
+    # context, which equals the fresh one, so they reproduce the unpatched model; shared memories would not.
+    den = PatchParallelDenoiser(sdxl.unet_denoiser(unet), ctx, preset("otil", warmup_steps=1, split_batch=False), unet=unet)
+    xa, xb = torch.randn(2, 4, H, W, generator=g), torch.randn(2, 4, H, W, generator=g)
+    with torch.no_grad():
+        den(xa, t, patch_stream="a", **cond)
+        den(xb, t, patch_stream="b", **cond)
+        outs = {k: den(x, t, patch_stream=k, **cond) for k, x in (("a", xa), ("b", xb))}
+        refs = {k: plain(x, t, return_dict=False, **cond)[0] for k, x in (("a", xa), ("b", xb))}
+    res["stream_rel"] = {k: ((outs[k] - refs[k]).norm() / refs[k].norm()).item() for k in outs}
+    res["stream_steps"] = {k: den._streams[k].step for k in ("a", "b")}
+    den.remove()
     return res
 
 
@@ -304,6 +317,8 @@ def test_patch_parallel_sampling(n, reference):
             # the stale steps really use stale halos/K/V: they differ from the reference by far more
             assert rf["rel"][1] > 1e-3 and rf["rel"][3] > 1e-3, rf["rel"]
             assert rf["kv_same_after_stale_step"] and rf["kv_changed_on_refresh"] and rf["kv_same_after_second_stale"]
+            # per-stream memories: fp32 reordering only (1e-5)
+            assert rf["stream_steps"] == {"a": 2, "b": 2} and max(rf["stream_rel"].values()) < 1e-5, rf
         for res in results:
             d = res["displaced"]
             # after an asynchronous all-gather every rank holds the same (one-step-stale) values of every rank
