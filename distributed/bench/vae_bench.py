@@ -774,11 +774,20 @@ def bench_rank(ctx, payload: dict) -> List[dict]:
         ctx: this rank's :class:`~patchray.distributed.context.ParallelContext`.
         payload: :class:`Options` as a dict (``dataclasses.asdict``).
     """
+    # a Ray actor outlives the run (ComfyUI reuses the cluster): put the process-wide settings back afterwards
+    saved = (torch.get_num_threads(), torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    try:
+        return _bench_rank(ctx, Options(**payload))
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved[1], saved[2]
+
+
+def _bench_rank(ctx, opts: Options) -> List[dict]:
     from ..vae.families import FAMILIES, build_vae
     from . import provenance
     from .linkmodel import throttle_link
 
-    opts = Options(**payload)
     device = ctx.device
     if device.type == "cpu":
         torch.set_num_threads(opts.threads or max(1, (os.cpu_count() or 1) // max(1, ctx.world_size)))
