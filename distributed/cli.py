@@ -19,6 +19,7 @@ COMMANDS = {
     "sample-bench": ("patchray.distributed.bench.sample_bench", "sample_bench_main", "patch-parallel / OTIL sampling benchmark"),
     "probe": ("patchray.distributed.topology.cli", "probe_main", "form the cluster, check collectives, P2P topology and advice"),
     "plan": ("patchray.distributed.vae.planner", "plan_main", "tile plans (coarse / balanced / fine) and the Pareto frontier"),
+    "row-memory": ("patchray.distributed.vae.row_memory", "main", "per-rank peak CUDA memory of row mode vs the band 1/N baseline"),
 }
 
 

@@ -208,11 +208,17 @@ def _staging_pythonpath() -> str:
     return root
 
 
+_ray_address: List[Optional[str]] = []  # the address this process's Ray was started/joined with
+
+
 def _ensure_ray(config: ClusterConfig):
     import ray
 
     if ray.is_initialized():
-        return ray
+        if not _ray_address or _ray_address[0] == config.address:
+            return ray
+        # another cluster was asked for (embedded <-> an address): leave the current one first
+        ray.shutdown()
     if config.address is None:
         _apply_embedded_env()
     t0 = time.perf_counter()
@@ -221,6 +227,7 @@ def _ensure_ray(config: ClusterConfig):
     except Exception as exc:
         where = f"the Ray cluster at {config.address!r}" if config.address else "an embedded local Ray"
         raise ClusterSetupError(f"could not start or reach {where}: {exc}") from exc
+    _ray_address[:] = [config.address]
     log.info("Ray ready in %.1f s", time.perf_counter() - t0)
     return ray
 
@@ -635,6 +642,7 @@ def shutdown_cluster(stop_ray: bool = False) -> None:
 
         if ray.is_initialized():
             ray.shutdown()
+        _ray_address.clear()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -248,7 +248,13 @@ class Halo(NamedTuple):
     after: Optional[torch.Tensor]
 
 
-def exchange_halo(x: torch.Tensor, ctx: ParallelContext, dim: int, halos: Sequence[Sequence[int]]) -> Halo:
+def exchange_halo(
+    x: torch.Tensor,
+    ctx: ParallelContext,
+    dim: int,
+    halos: Sequence[Sequence[int]],
+    buffers: Optional[Dict[tuple, torch.Tensor]] = None,
+) -> Halo:
     """Swap boundary slices with the neighbouring ranks along ``dim`` in one batched point-to-point.
 
     Args:
@@ -257,6 +263,10 @@ def exchange_halo(x: torch.Tensor, ctx: ParallelContext, dim: int, halos: Sequen
         dim: the sharded dimension (rows).
         halos: ``halos[r] == (before_r, after_r)``: how many slices rank r needs from rank r-1 and r+1.
             Every rank passes the same table (derived from global shapes), so no sizes travel.
+        buffers: a caller-owned dict in which receive buffers are kept and reused by
+            ``(side, shape, dtype, device)``. Only for callers that consume the halo before their next
+            exchange of the same shape (a row-sharded convolution does); callers that keep halos across
+            calls (stale halos in displaced sampling) must leave it ``None``.
 
     Returns:
         :class:`Halo` with the received slices (``None`` where nothing is needed or at the edge).
@@ -280,19 +290,26 @@ def exchange_halo(x: torch.Tensor, ctx: ParallelContext, dim: int, halos: Sequen
         t = t.contiguous()
         return t.to(host) if stage else t
 
-    def _recv_buf(count):
+    def _recv_buf(count, side):
         shape = list(x.shape)
         shape[dim] = count
-        return torch.empty(shape, dtype=x.dtype, device=host if stage else x.device)
+        device = host if stage else x.device
+        if buffers is None:
+            return torch.empty(shape, dtype=x.dtype, device=device)
+        key = (side, tuple(shape), x.dtype, device)
+        buf = buffers.get(key)
+        if buf is None:
+            buf = buffers[key] = torch.empty(shape, dtype=x.dtype, device=device)
+        return buf
 
     ops = []
     recv_before = recv_after = None
     g = ctx.global_ranks or tuple(range(n))
     if r > 0 and need_before:
-        recv_before = _recv_buf(need_before)
+        recv_before = _recv_buf(need_before, "before")
         ops.append(dist.P2POp(dist.irecv, recv_before, g[r - 1], ctx.group))
     if r < n - 1 and need_after:
-        recv_after = _recv_buf(need_after)
+        recv_after = _recv_buf(need_after, "after")
         ops.append(dist.P2POp(dist.irecv, recv_after, g[r + 1], ctx.group))
     if r > 0 and give_prev:
         ops.append(dist.P2POp(dist.isend, _send_buf(x.narrow(dim, 0, give_prev)), g[r - 1], ctx.group))

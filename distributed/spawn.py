@@ -9,6 +9,7 @@ exception, re-raised with the rank named) handed back to the caller.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import socket
 import traceback
@@ -47,7 +48,11 @@ def _worker(rank, world_size, port, backend, device_kind, fn, args, kwargs, queu
         device = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
         ctx = ParallelContext.from_group(None, device)
         result = fn(ctx, *args, **kwargs)
-        queue.put((rank, True, result))
+        # Tensors in a multiprocessing queue travel as shared-memory handles that die with this process;
+        # serialise the result so the parent can read it after the rank has exited.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException as exc:  # report every failure, then exit non-zero
         queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -105,4 +110,5 @@ def run_ranks(
     if errors:
         rank = min(errors)
         raise RankError(f"rank {rank} failed: {errors[rank]}")
-    return [results[r] for r in range(world_size)]
+    # our own rank processes' results (arbitrary Python values), never a file from elsewhere
+    return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]

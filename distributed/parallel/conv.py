@@ -167,7 +167,7 @@ def conv_rows(
     out_bounds = state.bounds_for_height(out_height)
     plan = halo_plan(in_bounds, out_bounds, k, s, pad_top)
     r = ctx.rank
-    halo = exchange_halo(x, ctx, rows_dim, plan.halos)
+    halo = exchange_halo(x, ctx, rows_dim, plan.halos, buffers=state.halo_buffers)
     (pad_before, pad_after), (trim_top, trim_bottom) = plan.pads[r], plan.trims[r]
     rows = x.shape[rows_dim]
     out_rows = out_bounds[r + 1] - out_bounds[r]

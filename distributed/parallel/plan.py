@@ -55,6 +55,8 @@ class RowState:
         self.latent_bounds: Optional[Tuple[int, ...]] = None
         # (T, h_local, W) of the last video tensor a layout-recording hook saw (frame-causal attention needs it)
         self.video_layout: Optional[Tuple[int, int, int]] = None
+        # halo receive buffers, reused across calls of the same shape (a convolution consumes its halo at once)
+        self.halo_buffers: dict = {}
 
     def _bounds(self) -> Tuple[int, ...]:
         if self.latent_bounds is None:
