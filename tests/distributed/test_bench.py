@@ -262,6 +262,11 @@ def test_link_throttle_really_slows_the_exchange(ranks):
         assert th["elapsed_ms"] >= modelled  # the throttle sleeps until the call took the modelled time
     rec = ranks[0]["link"][0]
     assert rec["link"]["profile"] == "10gbe" and rec["link"]["throttled"]
+    # the throttle sits under the accounting: the same row decode counts the same calls and bytes throttled or not
+    plain = ranks[0]["small"][1]
+    assert plain["mode"] == "row" and plain["shape"] == rec["shape"]
+    assert rec["comm"]["total_calls_by_rank"] == plain["comm"]["total_calls_by_rank"]
+    assert rec["comm"]["bytes"] == plain["comm"]["bytes"] and rec["comm"]["calls_by_op"] == plain["comm"]["calls_by_op"]
     # tiny messages may already take longer than the model on loopback gloo: the sleep is then zero
     assert len(rec["link"]["slept_ms_by_rank"]) == 2 and all(s >= 0 for s in rec["link"]["slept_ms_by_rank"])
 
