@@ -359,7 +359,10 @@ def run_sample_bench(
         from ..spawn import run_ranks
 
         kind = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
-        results = run_ranks(_bench_all, ranks, plan, device=kind, backend="nccl" if kind == "cuda" else "gloo", timeout_s=900)
+        # PATCHRAY_SPAWN_BACKEND=gloo lets several ranks share one GPU (NCCL refuses that) to count bytes and
+        # agreement on the real architecture; such times are not speed-ups.
+        backend = os.environ.get("PATCHRAY_SPAWN_BACKEND") or ("nccl" if kind == "cuda" else "gloo")
+        results = run_ranks(_bench_all, ranks, plan, device=kind, backend=backend, timeout_s=900)
     else:
         raise ValueError(f"--launcher must be 'ray' or 'spawn' (got {launcher!r})")
     profiles, model_fn, have_linkmodel = _link_model()
