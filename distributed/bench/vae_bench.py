@@ -54,6 +54,7 @@ __all__ = [
     "run_bench",
     "bench_main",
     "exit_status",
+    "comm_block",
 ]
 
 log = logging.getLogger(__name__)
