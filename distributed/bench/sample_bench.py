@@ -1,8 +1,9 @@
 """``python -m patchray sample-bench``: patch-parallel / OTIL sampling benchmark (JSON + PNG chart).
 
 For one world size N it runs a single-rank reference and every preset (full_sync, displaced, guide, otil,
-balanced, plus the two "beyond both papers" variants otil_c4 = OTIL + 4-bit residuals with error feedback and
-otil_adaptive = OTIL with k chosen from the measured link bandwidth), with split_batch on and off where N is even,
+balanced, plus the "beyond both papers" variants otil_c4 = OTIL + 4-bit residuals with error feedback,
+otil_adaptive = OTIL with k chosen from the measured link bandwidth, and otil_cfghalf = OTIL whose CFG repair swaps
+the whole completed half instead of the band), with split_batch on and off where N is even,
 on the SDXL UNet architecture with synthetic (seeded random) weights, sampling with a plain Euler + CFG loop.
 
 Per case it records: per-step latency (the slowest rank's), bytes per step by kind (halo, kv, groupnorm,
@@ -46,6 +47,7 @@ ALL_CASES = {
     "balanced": ("balanced", {}),
     "otil_c4": ("otil", {"compress_bits": 4}),
     "otil_adaptive": ("otil", {"adaptive_k": True, "comm_budget_ms": 0.5}),
+    "otil_cfghalf": ("otil", {"cfg_repair_half": True}),
 }
 
 # SDXL's latent -> RGB preview factors (rows: latent channels; columns: R, G, B) and bias

@@ -90,6 +90,9 @@ class PatchConfig:
             that batches [uncond, cond]); otherwise every rank patch-parallelises the whole batch.
         cfg_repair: with ``split_batch``, exchange each rank's fresh band with the rank holding the same band of
             the other CFG half (one all-gather over that pair) every step. Off reproduces the seed's CFG bug.
+        cfg_repair_half: exchange the whole completed half (own band fresh, remote bands as this rank's OTIL memory
+            holds them) instead of the band, so both CFG halves are equally fresh outside the band too; costs
+            (ranks per half) x the band's bytes. Beyond the seed.
         block_size: OTIL square sub-block side, in latent pixels (the paper: 8).
         k_ratio: OTIL blocks sent per step as a fraction of the band's blocks (the paper: 1/4).
         k_blocks: an absolute k instead of ``k_ratio`` (clipped to each band's block count).
@@ -114,6 +117,7 @@ class PatchConfig:
     refresh_every: int = 0
     split_batch: bool = True
     cfg_repair: bool = True
+    cfg_repair_half: bool = False
     block_size: int = 8
     k_ratio: float = 0.25
     k_blocks: Optional[int] = None
@@ -156,6 +160,8 @@ class PatchConfig:
             raise ValueError(f"k_ratio must be in (0, 1] (got {self.k_ratio!r}); the OTIL paper uses 0.25")
         if self.k_blocks is not None and (not isinstance(self.k_blocks, int) or self.k_blocks < 1):
             raise ValueError(f"k_blocks must be a positive int or None (got {self.k_blocks!r}); None uses k_ratio")
+        if self.cfg_repair_half and not self.cfg_repair:
+            raise ValueError("cfg_repair_half widens cfg_repair; set cfg_repair=True or cfg_repair_half=False")
         if self.compress_bits not in (0, 2, 4, 8):
             raise ValueError(f"compress_bits must be 0 (off), 8, 4 or 2 (got {self.compress_bits})")
         if self.compress_bits and self.output is not OutputMode.OTIL:

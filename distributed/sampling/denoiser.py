@@ -398,6 +398,10 @@ class PatchParallelDenoiser:
             both = all_gather_padded(own, pair, dim=0, sizes=[b, b])
             self.traffic.add("cfg", own.numel() * own.element_size(), collectives=1)
             self._cur.other = both.chunk(2, dim=0)[1 - self.split.half].clone()
+        elif self.config.cfg_repair_half:
+            both = all_gather_padded(own, pair, dim=0, sizes=[b, b])
+            self.traffic.add("cfg", own.numel() * own.element_size(), collectives=1)
+            self._cur.other = both.chunk(2, dim=0)[1 - self.split.half].clone()
         elif self.config.cfg_repair:
             s, e = self.bounds[self.patch_ctx.rank], self.bounds[self.patch_ctx.rank + 1]
             both = all_gather_padded(band, pair, dim=0, sizes=[b, b])

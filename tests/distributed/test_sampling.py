@@ -125,7 +125,8 @@ def _cfg_check(ctx, repair):
 
     unet = sdxl.build_unet(True)
     cond = sdxl.synthetic_cond(unet, 1)
-    den = PatchParallelDenoiser(sdxl.unet_denoiser(unet), ctx, preset("guide", warmup_steps=1, cfg_repair=repair), unet=unet)
+    over = {"cfg_repair": True, "cfg_repair_half": True} if repair == "half" else {"cfg_repair": repair}
+    den = PatchParallelDenoiser(sdxl.unet_denoiser(unet), ctx, preset("guide", warmup_steps=1, **over), unet=unet)
     g = torch.Generator().manual_seed(9)
     xs = [torch.randn(2, 4, H, W, generator=g) for _ in range(2)]
     t = torch.tensor([500.0, 500.0])
@@ -140,7 +141,10 @@ def _cfg_check(ctx, repair):
     both = all_gather_padded(mine, den.split.pair, dim=0, sizes=[1, 1])
     partner_fresh = both[other : other + 1]
     got = out1[other : other + 1, :, s:e]
+    # the partner's whole completed half (for cfg_repair_half: the other half must be exactly that)
+    whole = all_gather_padded(out1[half : half + 1].contiguous(), den.split.pair, dim=0, sizes=[1, 1])[other : other + 1]
     result = {
+        "other_equals_partner_whole": torch.equal(out1[other : other + 1], whole),
         "equals_partner_fresh": torch.equal(got, partner_fresh),
         "equals_stale": torch.equal(got, out0[other : other + 1, :, s:e]),
         "fresh_changed": not torch.equal(partner_fresh, out0[other : other + 1, :, s:e]),
@@ -279,6 +283,7 @@ def _all_checks(ctx):
     if ctx.world_size in (2, 4):
         res["cfg_on"] = _cfg_check(ctx, True)
         res["cfg_off"] = _cfg_check(ctx, False)
+        res["cfg_half"] = _cfg_check(ctx, "half")
     if ctx.world_size == 2:
         res["comfy"] = _comfy_like_check(ctx)
     return res
@@ -334,6 +339,11 @@ def test_patch_parallel_sampling(n, reference):
             assert on["equals_partner_fresh"] and not on["equals_stale"], f"rank {r}: repair on must give the fresh band"
             assert off["equals_stale"] and not off["equals_partner_fresh"], f"rank {r}: repair off must reproduce the bug"
             assert on["cfg_bytes"] > off["cfg_bytes"]
+            half = res["cfg_half"]
+            assert half["equals_partner_fresh"] and half["other_equals_partner_whole"], f"rank {r}: {half}"
+            assert half["cfg_bytes"] >= on["cfg_bytes"]
+            if n == 4:  # two bands per half: the band-only repair leaves the other half's remote band stale
+                assert not on["other_equals_partner_whole"] and half["cfg_bytes"] > on["cfg_bytes"]
     if "comfy" in results[0]:
         for res in results:
             c = res["comfy"]

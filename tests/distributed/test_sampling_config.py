@@ -26,6 +26,7 @@ from patchray.distributed.sampling.otil import _dequantize, _quantize, choose_k
         ({"k_ratio": 0.0}, "k_ratio", "uses 0.25"),
         ({"k_ratio": 1.5}, "k_ratio", "uses 0.25"),
         ({"k_blocks": 0}, "k_blocks", "None uses k_ratio"),
+        ({"cfg_repair": False, "cfg_repair_half": True}, "cfg_repair_half", "cfg_repair=True"),
         ({"compress_bits": 3}, "compress_bits", "8, 4 or 2"),
         ({"compress_bits": 4, "output": "gather"}, "compress_bits", "output='otil'"),
         ({"adaptive_k": True}, "adaptive_k", "output='otil'"),
