@@ -328,13 +328,16 @@ class PatchParallelDenoiser:
 
     def __call__(self, x: torch.Tensor, t: Any, *, patch_stream: Hashable = None, patch_step: Optional[int] = None, **cond) -> torch.Tensor:
         """One logical step of stream ``patch_stream`` (default: one stream; pass e.g. "cond"/"uncond" when the
-        caller evaluates them in separate calls). ``patch_step`` overrides the stream's own call count."""
+        caller evaluates them in separate calls). ``patch_step`` overrides the stream's own call count; passing
+        ``patch_step=0`` to a stream that already ran starts a new run of it (fresh memories). Without it, call
+        :meth:`reset` before each new sampling run of the same shape."""
         if x.dim() != 4:
             raise ValueError(f"x must be a (batch, channels, height, width) latent (got shape {tuple(x.shape)})")
         if self.split is not None and x.shape[0] % 2:
             raise ValueError(f"split_batch needs an even batch ([uncond, cond]); got batch {x.shape[0]}")
         st = self._streams.get(patch_stream)
-        if st is None or st.shape != tuple(x.shape):
+        restart = patch_step is not None and int(patch_step) == 0 and st is not None and st.step > 0
+        if st is None or st.shape != tuple(x.shape) or restart:  # a new run of this stream
             if st is not None:
                 self.handle.drop_streams(patch_stream)  # a new run of this stream: memories are shaped by the batch
             st = self._streams[patch_stream] = _Stream(shape=tuple(x.shape))

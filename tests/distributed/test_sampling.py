@@ -198,8 +198,12 @@ def _refresh_check(ctx):
         den(xb, t, patch_stream="b", **cond)
         outs = {k: den(x, t, patch_stream=k, **cond) for k, x in (("a", xa), ("b", xb))}
         refs = {k: plain(x, t, return_dict=False, **cond)[0] for k, x in (("a", xa), ("b", xb))}
+        res["stream_steps"] = {k: den._streams[k].step for k in ("a", "b")}
+        # patch_step=0 starts a new run of stream "a" on a new input: synchronous, hence exact (a continued run's
+        # asynchronous step on this input with xa's context would be far off)
+        outs["a_restart"] = den(xb, t, patch_stream="a", patch_step=0, **cond)
+        refs["a_restart"] = refs["b"]
     res["stream_rel"] = {k: ((outs[k] - refs[k]).norm() / refs[k].norm()).item() for k in outs}
-    res["stream_steps"] = {k: den._streams[k].step for k in ("a", "b")}
     den.remove()
     return res
 
