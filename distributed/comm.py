@@ -41,6 +41,7 @@ __all__ = [
     "gather_to",
     "broadcast",
     "Halo",
+    "tensor_bytes",
 ]
 
 COUNTED_OPS = (
@@ -96,12 +97,13 @@ class CommLog:
         }
 
 
-def _tensor_bytes(obj) -> int:
+def tensor_bytes(obj) -> int:
+    """Bytes of the tensors in ``obj`` (a tensor, or nested lists/tuples of them); anything else counts 0."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, (list, tuple)):
         # a P2POp list (batch_isend_irecv) is no tensor buffer: its sends and receives count as batched calls
-        return sum(_tensor_bytes(o) for o in obj)
+        return sum(tensor_bytes(o) for o in obj)
     return 0
 
 
@@ -116,7 +118,7 @@ def _make_wrapper(op: str, original):
         caller = sys._getframe(1).f_globals.get("__name__", "")
         batched = caller == _C10D_MODULE
         # Only positional tensor buffers count (seed 000: "Byte totals sum positional tensor buffers").
-        nbytes = sum(_tensor_bytes(a) for a in args)
+        nbytes = sum(tensor_bytes(a) for a in args)
         for log in _active_logs:
             log.record(op, nbytes, batched)
         return original(*args, **kwargs)

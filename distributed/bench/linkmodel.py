@@ -195,14 +195,7 @@ _lock = threading.Lock()
 
 
 def _op_wire_bytes(op: str, args, world_size: int) -> int:
-    import torch
-
-    def nbytes(o):
-        if isinstance(o, torch.Tensor):
-            return o.numel() * o.element_size()
-        if isinstance(o, (list, tuple)):
-            return sum(nbytes(x) for x in o)
-        return 0
+    from ..comm import tensor_bytes as nbytes
 
     if op == "batch_isend_irecv":
         ops = args[0] if args else []

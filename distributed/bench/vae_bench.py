@@ -566,12 +566,7 @@ def _memory_cap(device: torch.device, cap_mb: Optional[float]):
         return
     param_bytes = {}
 
-    def nbytes(o):
-        if isinstance(o, torch.Tensor):
-            return o.numel() * o.element_size()
-        if isinstance(o, (list, tuple)):
-            return sum(nbytes(x) for x in o)
-        return 0
+    from ..comm import tensor_bytes as nbytes
 
     def hook(module, inputs, output):
         if next(module.children(), None) is not None:
