@@ -95,6 +95,8 @@ class ClusterConfig:
         extra_pythonpath: extra import paths for the rank processes (e.g. a ComfyUI checkout).
         object_store_mb: embedded Ray's object store size; ``None`` sizes it from this machine's memory.
         dashboard: start Ray's dashboard (embedded mode only; off by default, bound to 127.0.0.1 when on).
+        gpu_ids: embedded mode only: the physical GPUs the ranks may use (one per rank, e.g. ``(1, 2)``);
+            empty lets Ray pick. The embedded Ray is started seeing only these GPUs.
 
     Example:
         >>> cfg = ClusterConfig(num_ranks=2, device="cpu")
@@ -109,6 +111,7 @@ class ClusterConfig:
     extra_pythonpath: tuple = ()
     object_store_mb: Optional[int] = None
     dashboard: bool = False
+    gpu_ids: tuple = ()
 
     def __post_init__(self):
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
@@ -120,6 +123,19 @@ class ClusterConfig:
         if self.init_timeout_s <= 0 or self.call_timeout_s <= 0:
             raise ValueError("init_timeout_s and call_timeout_s must be positive")
         object.__setattr__(self, "extra_pythonpath", tuple(self.extra_pythonpath))
+        object.__setattr__(self, "gpu_ids", tuple(self.gpu_ids))
+        if self.gpu_ids:
+            if any(not isinstance(g, int) or g < 0 for g in self.gpu_ids) or len(set(self.gpu_ids)) != len(self.gpu_ids):
+                raise ValueError(f"gpu_ids must be distinct GPU indices >= 0 (got {self.gpu_ids!r})")
+            if len(self.gpu_ids) != self.num_ranks:
+                raise ValueError(f"gpu_ids lists {len(self.gpu_ids)} GPU(s) for {self.num_ranks} ranks: list one GPU per rank")
+            if self.device == "cpu":
+                raise ValueError("gpu_ids pins GPUs, but device is 'cpu': drop gpu_ids or use device='cuda'")
+            if self.address is not None:
+                raise ValueError(
+                    "gpu_ids applies to the embedded cluster only; on an existing Ray cluster choose GPUs with "
+                    "Ray's own resources (CUDA_VISIBLE_DEVICES when starting its nodes)"
+                )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,26 +224,37 @@ def _staging_pythonpath() -> str:
     return root
 
 
-_ray_address: List[Optional[str]] = []  # the address this process's Ray was started/joined with
+_ray_started_with: List[tuple] = []  # (address, gpu_ids) this process's Ray was started/joined with
 
 
 def _ensure_ray(config: ClusterConfig):
     import ray
 
+    wanted = (config.address, config.gpu_ids)
     if ray.is_initialized():
-        if not _ray_address or _ray_address[0] == config.address:
+        if not _ray_started_with or _ray_started_with[0] == wanted:
             return ray
-        # another cluster was asked for (embedded <-> an address): leave the current one first
+        # another cluster was asked for (embedded <-> an address, other pinned GPUs): leave this one first
         ray.shutdown()
     if config.address is None:
         _apply_embedded_env()
     t0 = time.perf_counter()
+    saved_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if config.gpu_ids:
+        # Ray detects the GPUs it manages from CUDA_VISIBLE_DEVICES when it starts
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in config.gpu_ids)
     try:
         ray.init(**_ray_init_kwargs(config))
     except Exception as exc:
         where = f"the Ray cluster at {config.address!r}" if config.address else "an embedded local Ray"
         raise ClusterSetupError(f"could not start or reach {where}: {exc}") from exc
-    _ray_address[:] = [config.address]
+    finally:
+        if config.gpu_ids:
+            if saved_visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved_visible
+    _ray_started_with[:] = [wanted]
     log.info("Ray ready in %.1f s", time.perf_counter() - t0)
     return ray
 
@@ -642,7 +669,7 @@ def shutdown_cluster(stop_ray: bool = False) -> None:
 
         if ray.is_initialized():
             ray.shutdown()
-        _ray_address.clear()
+        _ray_started_with.clear()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ __all__ = [
     "broadcast",
     "Halo",
     "tensor_bytes",
+    "exchange_pieces",
 ]
 
 COUNTED_OPS = (
@@ -324,3 +325,52 @@ def exchange_halo(
         recv_before = recv_before.to(x.device) if recv_before is not None else None
         recv_after = recv_after.to(x.device) if recv_after is not None else None
     return Halo(recv_before, recv_after)
+
+
+def exchange_pieces(
+    ctx: ParallelContext,
+    sends: Dict[int, List[torch.Tensor]],
+    recv_shapes: Dict[int, List[torch.Size]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Dict[int, List[torch.Tensor]]:
+    """Send tensors to any peers and receive from any peers in one ``batch_isend_irecv``.
+
+    The general sibling of :func:`exchange_halo` (which only talks to the previous and next rank): a
+    tile's neighbour can belong to any rank. To each peer, its pieces travel flattened into one buffer;
+    the receiver knows the shapes from shared geometry (``recv_shapes``), so no sizes travel.
+
+    Args:
+        ctx: the parallel context.
+        sends: ``{peer: [tensor, ...]}`` (group ranks).
+        recv_shapes: ``{peer: [shape, ...]}``: what each peer sends this rank, in order.
+        dtype, device: of the received tensors.
+
+    Returns:
+        ``{peer: [tensor, ...]}`` with the received pieces in ``recv_shapes`` order.
+    """
+    stage = ctx.stages_p2p_through_host
+    host = torch.device("cpu")
+    g = ctx.global_ranks or tuple(range(ctx.world_size))
+    ops, recv_bufs = [], {}
+    for peer in sorted(recv_shapes):
+        numel = sum(int(torch.Size(s).numel()) for s in recv_shapes[peer])
+        buf = torch.empty(numel, dtype=dtype, device=host if stage else device)
+        recv_bufs[peer] = buf
+        ops.append(dist.P2POp(dist.irecv, buf, g[peer], ctx.group))
+    for peer in sorted(sends):
+        flat = torch.cat([p.reshape(-1) for p in sends[peer]])
+        ops.append(dist.P2POp(dist.isend, flat.to(host) if stage else flat, g[peer], ctx.group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    received = {}
+    for peer, buf in recv_bufs.items():
+        buf = buf.to(device) if stage else buf
+        pieces, offset = [], 0
+        for shape in recv_shapes[peer]:
+            n = int(torch.Size(shape).numel())
+            pieces.append(buf[offset : offset + n].view(shape))
+            offset += n
+        received[peer] = pieces
+    return received

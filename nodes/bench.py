@@ -60,7 +60,7 @@ class PatchRayBenchmark(io.ComfyNode):
             cancel()
         progress = progress_callback(1)
         try:
-            result = run_bench(argv, cluster=get_cluster(cluster))
+            result = run_bench(argv, cluster=get_cluster(cluster), cancel_check=cancel)
         except SetupError as exc:
             raise ValueError(f"benchmark refused: {exc}") from None
         if progress is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from ._comfy import interrupt_check, io, ui
@@ -16,13 +15,12 @@ def cluster_config(num_ranks: int, device: str, address: str = "", gpu_ids: str 
     from ..distributed.cluster import ClusterConfig
 
     kwargs = dict(num_ranks=int(num_ranks), device=device, address=address.strip() or None)
-    gpus = tuple(int(g) for g in gpu_ids.replace(" ", "").split(",") if g) if gpu_ids and gpu_ids.strip() else ()
+    try:
+        gpus = tuple(int(g) for g in gpu_ids.replace(" ", "").split(",") if g) if gpu_ids and gpu_ids.strip() else ()
+    except ValueError:
+        raise ValueError(f"gpu_ids must be comma-separated GPU indices such as '0,1' (got {gpu_ids!r})") from None
     if gpus:
-        if "gpu_ids" not in {f.name for f in dataclasses.fields(ClusterConfig)}:
-            raise ValueError("this PatchRay build cannot pin GPUs yet: leave 'gpu_ids' empty (Ray picks free GPUs)")
-        if len(gpus) != int(num_ranks):
-            raise ValueError(f"gpu_ids lists {len(gpus)} GPU(s) but num_ranks is {num_ranks}: list one GPU per rank")
-        kwargs["gpu_ids"] = gpus
+        kwargs["gpu_ids"] = gpus  # ClusterConfig checks one GPU per rank, distinct, embedded, not cpu
     return ClusterConfig(**kwargs)
 
 

@@ -1156,13 +1156,15 @@ def _run_ray(opts: Options, payload: dict) -> List[dict]:
     return results[0]
 
 
-def run_bench(argv: Optional[Sequence[str]] = None, *, cluster=None) -> BenchResult:
+def run_bench(argv: Optional[Sequence[str]] = None, *, cluster=None, cancel_check=None) -> BenchResult:
     """Parse ``argv``, run the benchmark, write JSON + PNG and print the summary (rank 0 / the driver).
 
     Args:
         argv: command-line options (see ``python -m patchray bench --help``).
         cluster: an existing :class:`~patchray.distributed.cluster.RankCluster` to run on (ComfyUI's bench
             node); its size overrides ``--ranks``.
+        cancel_check: with ``cluster``: polled while the ranks work; raising from it stops every rank
+            (ComfyUI's cancel).
 
     Raises:
         SetupError: bad options or a refused request.
@@ -1188,19 +1190,19 @@ def run_bench(argv: Optional[Sequence[str]] = None, *, cluster=None) -> BenchRes
     payload = dataclasses.asdict(opts)
     _announce(opts)
     with _tail_progress(opts.progress_path) if local else contextlib.nullcontext():
-        records, writer = _launch(opts, payload, cluster)
+        records, writer = _launch(opts, payload, cluster, cancel_check)
     if not writer:  # a torchrun rank other than 0: same records, same exit status, no files
         return BenchResult(records, exit_status(records), None, None)
     return _finish(opts, records)
 
 
-def _launch(opts: Options, payload: dict, cluster) -> Tuple[List[dict], bool]:
+def _launch(opts: Options, payload: dict, cluster, cancel_check=None) -> Tuple[List[dict], bool]:
     """Start the ranks; return the records and whether this process writes the outputs."""
     if opts.torchrun:
         records, rank = _run_torchrun(payload)
         return records, rank == 0
     if cluster is not None:
-        return cluster.run(bench_rank, payload, timeout_s=opts.timeout_s)[0], True
+        return cluster.run(bench_rank, payload, timeout_s=opts.timeout_s, cancel_check=cancel_check)[0], True
     if opts.launcher == "spawn":
         from ..spawn import run_ranks
 

@@ -55,10 +55,9 @@ import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_gather_padded, gather_to
+from ..comm import all_gather_padded, exchange_pieces, gather_to
 from ..context import ParallelContext
 from .planner import TilePlan
 
@@ -498,46 +497,6 @@ def decode_local(vae, z: torch.Tensor, plan: TilePlan, gn_sync: bool = False) ->
     return (acc / wsum).to(lead.dtype)
 
 
-def _exchange_pieces(
-    ctx: ParallelContext,
-    sends: Dict[int, List[torch.Tensor]],
-    recv_shapes: Dict[int, List[torch.Size]],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> Dict[int, List[torch.Tensor]]:
-    """One ``batch_isend_irecv``: to each peer, its strips flattened into one buffer; shapes come from geometry.
-
-    comm.py's ``exchange_halo`` only talks to the previous and next rank, while a tile's neighbour above
-    can belong to any earlier rank, so this is a general peer exchange (staged through the host where
-    gloo carries CUDA tensors, as comm.py does).
-    """
-    stage = ctx.stages_p2p_through_host
-    host = torch.device("cpu")
-    g = ctx.global_ranks or tuple(range(ctx.world_size))
-    ops, recv_bufs = [], {}
-    for peer in sorted(recv_shapes):
-        numel = sum(int(torch.Size(s).numel()) for s in recv_shapes[peer])
-        buf = torch.empty(numel, dtype=dtype, device=host if stage else device)
-        recv_bufs[peer] = buf
-        ops.append(dist.P2POp(dist.irecv, buf, g[peer], ctx.group))
-    for peer in sorted(sends):
-        flat = torch.cat([p.reshape(-1) for p in sends[peer]])
-        ops.append(dist.P2POp(dist.isend, flat.to(host) if stage else flat, g[peer], ctx.group))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    received = {}
-    for peer, buf in recv_bufs.items():
-        buf = buf.to(device) if stage else buf
-        pieces, offset = [], 0
-        for shape in recv_shapes[peer]:
-            n = int(torch.Size(shape).numel())
-            pieces.append(buf[offset : offset + n].view(shape))
-            offset += n
-        received[peer] = pieces
-    return received
-
-
 @torch.no_grad()
 def decode_tile_runs(
     vae, z: torch.Tensor, plan: TilePlan, ctx: ParallelContext, gn_sync: bool = False
@@ -597,7 +556,7 @@ def decode_tile_runs(
             else:
                 recv_shapes.setdefault(src, []).append(prefix + (rect[1] - rect[0], rect[3] - rect[2]))
                 recv_keys.setdefault(src, []).append((t, k))
-    received = _exchange_pieces(ctx, sends, recv_shapes, lead.dtype, lead.device)
+    received = exchange_pieces(ctx, sends, recv_shapes, lead.dtype, lead.device)
 
     pieces: Dict[Tuple[int, int], torch.Tensor] = {}
     for src, keys in recv_keys.items():

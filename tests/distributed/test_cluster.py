@@ -151,3 +151,17 @@ def test_config_validation_names_the_field():
         ClusterConfig(device="tpu")
     with pytest.raises(ValueError, match="strategy"):
         ClusterConfig(strategy="RANDOM")
+
+
+def test_gpu_ids_validation_names_the_fix():
+    from patchray.distributed.cluster import ClusterConfig
+
+    assert ClusterConfig(num_ranks=2, device="cuda", gpu_ids=[1, 3]).gpu_ids == (1, 3)
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        ClusterConfig(num_ranks=2, gpu_ids=(0,))
+    with pytest.raises(ValueError, match="distinct"):
+        ClusterConfig(num_ranks=2, gpu_ids=(0, 0))
+    with pytest.raises(ValueError, match="device is 'cpu'"):
+        ClusterConfig(num_ranks=1, device="cpu", gpu_ids=(0,))
+    with pytest.raises(ValueError, match="embedded cluster only"):
+        ClusterConfig(num_ranks=1, address="auto", gpu_ids=(0,))
