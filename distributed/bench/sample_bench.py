@@ -72,7 +72,7 @@ def agreement(x: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"rel_l2": rel, "psnr_db": psnr, "max_abs": (x - ref).abs().max().item()}
 
 
-class _HostSyncCounter:
+class HostSyncCounter:
     """Counts calls that force a host synchronisation on CUDA tensors (and would on any device)."""
 
     NAMES = ("item", "tolist", "__bool__", "__int__", "__float__")
@@ -152,7 +152,7 @@ def _run_case(ctx, unet, plan, case: Optional[str]) -> dict:
     state = {"comm": None, "snap": den.traffic.snapshot() if den else None, "counter": None}
 
     def timed(x, t, **c):
-        counter = _HostSyncCounter()
+        counter = HostSyncCounter()
         with counter:
             out = model(x, t, **c)
         syncs.append(counter.count)

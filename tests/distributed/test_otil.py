@@ -38,22 +38,7 @@ def _fresh(rows, t):
     return out
 
 
-class _SyncCounter:
-    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__")
-
-    def __enter__(self):
-        self.count = 0
-        self._orig = {n: getattr(torch.Tensor, n) for n in self.NAMES}
-        for n, f in self._orig.items():
-            def wrapper(*a, _f=f, **k):
-                self.count += 1
-                return _f(*a, **k)
-            setattr(torch.Tensor, n, wrapper)
-        return self
-
-    def __exit__(self, *exc):
-        for n, f in self._orig.items():
-            setattr(torch.Tensor, n, f)
+from patchray.distributed.bench.sample_bench import HostSyncCounter as _SyncCounter  # noqa: E402
 
 
 def _otil_rank(ctx, bits):
