@@ -238,6 +238,9 @@ def _ensure_ray(config: ClusterConfig):
         ray.shutdown()
     if config.address is None:
         _apply_embedded_env()
+        # Ray 2.60 announces at every start that token auth is on and how to turn it off; PatchRay keeps it on
+        # (README, "Security defaults"), so the announcement is only noise in a ComfyUI console.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     t0 = time.perf_counter()
     saved_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if config.gpu_ids:
