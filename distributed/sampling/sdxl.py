@@ -44,24 +44,19 @@ def sdxl_unet_config() -> dict:
 
 def tiny_sdxl_unet_config() -> dict:
     """The same block types as SDXL at a tiny width (32/64/64 channels, 1 transformer layer per block)."""
-    return dict(
-        sample_size=32,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-        mid_block_type="UNetMidBlock2DCrossAttn",
-        block_out_channels=(32, 64, 64),
-        layers_per_block=1,
-        transformer_layers_per_block=(1, 1, 1),
-        attention_head_dim=(2, 4, 4),
-        cross_attention_dim=32,
-        norm_num_groups=8,
-        use_linear_projection=True,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=8,
-        projection_class_embeddings_input_dim=32 + 6 * 8,
-    )
+    # derived from the full config so the block types cannot drift apart; only widths and depths change
+    return {
+        **sdxl_unet_config(),
+        "sample_size": 32,
+        "block_out_channels": (32, 64, 64),
+        "layers_per_block": 1,
+        "transformer_layers_per_block": (1, 1, 1),
+        "attention_head_dim": (2, 4, 4),
+        "cross_attention_dim": 32,
+        "norm_num_groups": 8,
+        "addition_time_embed_dim": 8,
+        "projection_class_embeddings_input_dim": 32 + 6 * 8,
+    }
 
 
 def build_unet(tiny: bool, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):

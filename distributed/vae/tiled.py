@@ -432,6 +432,28 @@ def _sync_statistics(vae, z, plan, geo, gn: _GroupNormSync, ctx: Optional[Parall
 # modes
 
 
+class _Blend:
+    """Order-independent blend of whole tiles into the image: accumulate weight * tile and weight, divide once."""
+
+    def __init__(self, plan: TilePlan, geo: _Geometry):
+        self.plan, self.geo = plan, geo
+        self.acc = self.wsum = self.dtype = None
+
+    def add(self, t: int, out: torch.Tensor) -> None:
+        if self.acc is None:
+            self.dtype = out.dtype
+            self.acc = torch.zeros(out.shape[:-2] + (self.plan.height, self.plan.width), dtype=torch.float32, device=out.device)
+            self.wsum = torch.zeros(self.plan.height, self.plan.width, dtype=torch.float32, device=out.device)
+        y0, y1, x0, x1 = self.geo.tiles[t]
+        w = self.geo.weight(t, self.geo.tiles[t]).to(out.device)
+        self.acc[..., y0:y1, x0:x1] += out.float() * w
+        self.wsum[y0:y1, x0:x1] += w
+
+    def result(self) -> Optional[torch.Tensor]:
+        """The blended image, or ``None`` if no tile was added (a rank that received no output)."""
+        return None if self.acc is None else (self.acc / self.wsum).to(self.dtype)
+
+
 def _blend_cores(
     cores: Sequence[int], geo: _Geometry, pieces: Dict[Tuple[int, int], torch.Tensor], lead: torch.Tensor
 ) -> List[torch.Tensor]:
@@ -479,22 +501,13 @@ def decode_local(vae, z: torch.Tensor, plan: TilePlan, gn_sync: bool = False) ->
         if gn is not None:
             gn.install()
             _sync_statistics(vae, z, plan, geo, gn, None, gn_mode)
-        acc = wsum = lead = None
+        blend = _Blend(plan, geo)
         for t in range(plan.tile_count):
-            out = _decode_tile(vae, z, plan, geo, t, gn)
-            if acc is None:
-                lead = out
-                acc = torch.zeros(out.shape[:-2] + (plan.height, plan.width), dtype=torch.float32, device=out.device)
-                wsum = torch.zeros(plan.height, plan.width, dtype=torch.float32, device=out.device)
-            y0, y1, x0, x1 = geo.tiles[t]
-            w = geo.weight(t, geo.tiles[t]).to(out.device)
-            acc[..., y0:y1, x0:x1] += out.float() * w
-            wsum[y0:y1, x0:x1] += w
-            del out
+            blend.add(t, _decode_tile(vae, z, plan, geo, t, gn))
     finally:
         if gn is not None:
             gn.remove()
-    return (acc / wsum).to(lead.dtype)
+    return blend.result()
 
 
 @torch.no_grad()
@@ -597,23 +610,13 @@ def decode_row_tiled(vae, z: torch.Tensor, plan: TilePlan, ctx: ParallelContext)
 
     _check_latent(z, plan)
     geo = _Geometry(plan)
-    acc = wsum = lead = None
+    blend = _Blend(plan, geo)
     for t in range(plan.tile_count):
         y0, y1, x0, x1 = plan.tiles_latent[t]
         out = row_decode(vae, z[..., y0:y1, x0:x1].contiguous(), ctx)
-        if out is None:
-            continue
-        if acc is None:
-            lead = out
-            acc = torch.zeros(out.shape[:-2] + (plan.height, plan.width), dtype=torch.float32, device=out.device)
-            wsum = torch.zeros(plan.height, plan.width, dtype=torch.float32, device=out.device)
-        py0, py1, px0, px1 = geo.tiles[t]
-        w = geo.weight(t, geo.tiles[t]).to(out.device)
-        acc[..., py0:py1, px0:px1] += out.float() * w
-        wsum[py0:py1, px0:px1] += w
-    if acc is None:
-        return None
-    return (acc / wsum).to(lead.dtype)
+        if out is not None:
+            blend.add(t, out)
+    return blend.result()
 
 
 def seam_error(image: torch.Tensor, reference: torch.Tensor, plan: TilePlan, band: int = 0) -> dict:
