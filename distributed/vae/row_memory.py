@@ -11,7 +11,8 @@ ratio is taken against a figure from the same PyTorch build; the recorded H200 f
 Ranks sharing one GPU also share its free memory: each rank's caching allocator may hold far more than it has
 allocated (HunyuanVideo-1.5 at N = 4 ran out of memory that way with ~23 GiB allocated per rank). The ranks
 therefore run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (unless the caller set it) and return
-their cached blocks after the warm-up. Neither changes ``max_memory_allocated``, the figure reported.
+their cached blocks after the warm-up; ``--memory-fraction`` also caps each rank's allocator (past the cap it
+frees its cache and retries before failing). None of these changes ``max_memory_allocated``, the figure reported.
 
 Usage::
 
@@ -55,10 +56,14 @@ RECORDED_BAND_GIB = {
 }
 
 
-def _rank_task(ctx, family: str, dtype_name: str) -> dict:
+def _rank_task(ctx, family: str, dtype_name: str, memory_fraction: float = 0.0) -> dict:
     from .families import build_vae, latent_shape
     from .row import row_bands, row_decode
 
+    if memory_fraction:
+        # caps what this process's caching allocator may reserve: past it, the allocator returns its cached
+        # blocks and retries before failing, so N ranks sharing one GPU cannot starve each other with cache
+        torch.cuda.set_per_process_memory_fraction(memory_fraction, ctx.device)
     dtype = getattr(torch, dtype_name)
     height, width, frames = CANONICAL_SMALL[family]
     vae = build_vae(family, size="full", dtype=dtype, device=ctx.device)
@@ -70,7 +75,11 @@ def _rank_task(ctx, family: str, dtype_name: str) -> dict:
     torch.cuda.reset_peak_memory_stats(ctx.device)
     out = row_decode(vae, z, ctx)
     torch.cuda.synchronize(ctx.device)
-    result = {"rank": ctx.rank, "peak_gib": torch.cuda.max_memory_allocated(ctx.device) / GIB}
+    result = {
+        "rank": ctx.rank,
+        "peak_gib": torch.cuda.max_memory_allocated(ctx.device) / GIB,
+        "reserved_peak_gib": torch.cuda.max_memory_reserved(ctx.device) / GIB,
+    }
     if ctx.rank == 0:
         result["output_shape"] = list(out.shape)
         del out
@@ -85,13 +94,13 @@ def _rank_task(ctx, family: str, dtype_name: str) -> dict:
     return result
 
 
-def measure(family: str, world_size: int, dtype: str = "bfloat16") -> dict:
+def measure(family: str, world_size: int, dtype: str = "bfloat16", memory_fraction: float = 0.0) -> dict:
     """Run ``world_size`` gloo ranks on the one visible GPU; return per-rank peaks and the ratios."""
     from ..spawn import run_ranks
 
     # read by each rank process when it initialises CUDA (spawned children inherit the environment)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    ranks = run_ranks(_rank_task, world_size, family, dtype, backend="gloo", device="cuda", timeout_s=1800.0)
+    ranks = run_ranks(_rank_task, world_size, family, dtype, memory_fraction, backend="gloo", device="cuda", timeout_s=1800.0)
     worst = max(r["peak_gib"] for r in ranks)
     band = ranks[0]["band_peak_gib"]
     recorded = RECORDED_BAND_GIB.get(family, {}).get(world_size)
@@ -104,6 +113,8 @@ def measure(family: str, world_size: int, dtype: str = "bfloat16") -> dict:
         "setup": f"{world_size} gloo rank processes sharing one GPU (memory per rank is honest; speed is not)",
         "per_rank_peak_gib": [round(r["peak_gib"], 3) for r in ranks],
         "max_rank_peak_gib": round(worst, 3),
+        "per_rank_reserved_peak_gib": [round(r["reserved_peak_gib"], 3) for r in ranks],
+        "memory_fraction": memory_fraction or None,
         "band_measured_gib": round(band, 3),
         "ratio_to_measured_band": round(worst / band, 3),
         "band_recorded_gib": recorded,
@@ -120,6 +131,12 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--families", nargs="+", default=list(CANONICAL_SMALL), choices=list(CANONICAL_SMALL))
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.0,
+        help="cap each rank's CUDA allocator at this fraction of the GPU (ranks sharing one GPU); 0 = no cap",
+    )
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -128,7 +145,7 @@ def main(argv: List[str] = None) -> int:
     for family in args.families:
         for n in args.ranks:
             try:
-                row = measure(family, n, args.dtype)
+                row = measure(family, n, args.dtype, args.memory_fraction)
             except Exception as exc:  # keep measuring the other cases; the error is part of the record
                 row = {"family": family, "world_size": n, "error": f"{type(exc).__name__}: {exc}"[:2000]}
             results.append(row)
