@@ -56,6 +56,7 @@ __all__ = [
     "shutdown_cluster",
     "check_cluster",
     "rank_cache",
+    "report_progress",
 ]
 
 log = logging.getLogger(__name__)
@@ -273,6 +274,19 @@ def rank_cache() -> Dict[Any, Any]:
     return _RANK_CACHE
 
 
+# (done, total) of the call running in this process; read by the driver through _RankActor.progress()
+_PROGRESS: List[int] = [0, 0]
+
+
+def report_progress(done: int, total: int) -> None:
+    """From inside a function run by :meth:`RankCluster.run`: report ``done`` of ``total`` units of work.
+
+    The driver polls rank 0's figure while it waits and hands it to the ``progress`` callback of ``run``
+    (ComfyUI's progress bar). Cheap (two ints in this process); report from rank 0, other ranks may too.
+    """
+    _PROGRESS[0], _PROGRESS[1] = int(done), int(total)
+
+
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Resolve the driver's module names (``<folder path>.distributed.x``) to ``patchray.distributed.x``."""
 
@@ -363,6 +377,7 @@ class _RankActor:
     def call(self, fn, packed):
         """Run ``fn(ctx, *args, **kwargs)``; ``packed`` is the ``(args, kwargs)`` put once by the driver."""
         args, kwargs = packed
+        _PROGRESS[0] = _PROGRESS[1] = 0
         if self.ctx is None:
             raise ClusterSetupError(f"rank {self.rank}: process group not initialised")
         fn = _resolve(fn)
@@ -370,6 +385,10 @@ class _RankActor:
 
     def ping(self) -> int:
         return self.rank
+
+    def progress(self) -> tuple:
+        """(done, total) last reported by the running call (answered by the actor's second thread)."""
+        return (_PROGRESS[0], _PROGRESS[1])
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -505,12 +524,20 @@ class RankCluster:
 
     # -- calls
 
-    def _get(self, refs, deadline: float, what: str, cancel_check: Optional[Callable[[], None]] = None):
+    def _get(
+        self,
+        refs,
+        deadline: float,
+        what: str,
+        cancel_check: Optional[Callable[[], None]] = None,
+        progress: Optional[Callable[[int, int], None]] = None,
+    ):
         """Wait for one ref per rank; turn death, errors, interrupts and overruns into RankFailure."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         pending = {ref: i for i, ref in enumerate(refs)}
+        poll = _ProgressPoll(self._actors[0], progress) if progress is not None and self._actors else None
         results: Dict[int, Any] = {}
         first_error: Optional[tuple] = None
         grace_deadline = None
@@ -531,6 +558,8 @@ class RankCluster:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(0.5, max(0.01, limit - now)))
                 if cancel_check is not None:
                     cancel_check()
+                if poll is not None:
+                    poll()
                 for ref in ready:
                     rank = pending.pop(ref)
                     try:
@@ -562,7 +591,15 @@ class RankCluster:
         self._kill()
         return RankFailure(message + "; the cluster was stopped and will be rebuilt on the next call", ranks, cause)
 
-    def run(self, fn: Callable, *args, timeout_s: Optional[float] = None, cancel_check: Optional[Callable[[], None]] = None, **kwargs) -> List[Any]:
+    def run(
+        self,
+        fn: Callable,
+        *args,
+        timeout_s: Optional[float] = None,
+        cancel_check: Optional[Callable[[], None]] = None,
+        progress: Optional[Callable[[int, int], None]] = None,
+        **kwargs,
+    ) -> List[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the results in rank order.
 
         Args:
@@ -570,6 +607,8 @@ class RankCluster:
             timeout_s: bound on the whole call (default ``config.call_timeout_s``).
             cancel_check: called about twice a second while waiting; if it raises (e.g. ComfyUI's
                 ``throw_exception_if_processing_interrupted``), every rank is stopped and the exception propagates.
+            progress: ``progress(done, total)`` is called while waiting whenever rank 0's
+                :func:`report_progress` figure changes (polled about twice a second).
 
         Raises:
             RankFailure: a rank died, hung past the bound, or failed while its peers waited.
@@ -585,7 +624,7 @@ class RankCluster:
             # one ObjectRef for the arguments: they travel once, Ray resolves it on each rank
             refs = [a.call.remote(ref_fn, payload) for a in self._actors]
             deadline = time.monotonic() + (timeout_s or self.config.call_timeout_s)
-            return self._get(refs, deadline, f"calling {getattr(fn, '__qualname__', fn)}", cancel_check)
+            return self._get(refs, deadline, f"calling {getattr(fn, '__qualname__', fn)}", cancel_check, progress)
 
     def describe(self) -> dict:
         return {
@@ -638,6 +677,30 @@ class RankCluster:
             except Exception:
                 pass
         self._kill()
+
+
+class _ProgressPoll:
+    """Keeps one ``progress()`` request to rank 0 in flight; forwards changed figures to the callback."""
+
+    def __init__(self, actor, callback: Callable[[int, int], None]):
+        self.actor, self.callback = actor, callback
+        self.ref = actor.progress.remote()
+        self.last = (0, 0)
+
+    def __call__(self) -> None:
+        import ray
+
+        ready, _ = ray.wait([self.ref], timeout=0)
+        if not ready:
+            return
+        try:
+            value = tuple(ray.get(self.ref))
+        except Exception:  # the rank died: the wait loop reports it
+            return
+        if value != self.last and value[1] > 0:
+            self.last = value
+            self.callback(*value)
+        self.ref = self.actor.progress.remote()
 
 
 _current: Optional[RankCluster] = None

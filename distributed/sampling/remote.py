@@ -1,0 +1,276 @@
+"""Patch-parallel sampling driven from one process: the model lives on the ranks, each rank runs the sampler.
+
+This is how a host application (ComfyUI) samples on the cluster without giving up its own samplers:
+
+1. :func:`ship_model` puts the model on every rank **once per key** (``rank_cache``; a new key replaces the
+   old model, so a rank holds one sampling model at a time). The payload is built lazily, only when some rank
+   lacks the key, and travels once through Ray's object store.
+2. :func:`distributed_sample` runs the caller's ``sample(ctx, model, session, inputs)`` on every rank. The
+   caller's sampler loop (ComfyUI's KSampler, a diffusers scheduler, anything) calls
+   :meth:`RankSession.denoise` where it would call the UNet; the session routes the call through a
+   :class:`~.denoiser.PatchParallelDenoiser` bound to that UNet, so each rank computes its row band and the
+   output is completed from the peers' bands (gather or OTIL). At the end the session's ``finalize`` gathers each
+   rank's own band of the final latent, the exact result, and rank 0's copy returns to the driver.
+
+Design decisions:
+
+* **The sampler runs on every rank, not on the driver.** OTIL leaves each rank's latent approximate outside its
+  band (seed 001: ranks disagree in remote regions; only the final gather is exact), so the loop must run where
+  the band is fresh. Driving the UNet call by call from the driver would turn OTIL into a plain gather.
+* **Inputs travel as one object reference, resolved on the ranks after ``prepare``** (see
+  :func:`distributed_sample`): a payload that pickles host-application classes (ComfyUI's model, conditioning)
+  can only be unpickled once the rank has made that application importable.
+* **One denoiser per (model, config), reused across runs**: the adapters are installed on the cached UNet once;
+  :meth:`RankSession.begin` resets the stale memories so every run starts with synchronous steps. A changed
+  config removes the old adapters first (the UNet is restored exactly, then re-wrapped).
+* Nothing here imports a host application: ``sample``/``build``/``prepare`` are the caller's functions, sent by
+  name (``"package.module:function"``) or pickled by Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Hashable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..cluster import _fn_ref, _resolve, rank_cache, report_progress
+from ..context import ParallelContext
+from .comm_manager import Traffic
+from .config import PatchConfig
+from .denoiser import PatchParallelDenoiser
+
+__all__ = ["ship_model", "distributed_sample", "RankSession", "rank_model"]
+
+log = logging.getLogger(__name__)
+
+_MODEL = "patchray.sampling.model"  # rank_cache() entry: (key, model)
+_SESSION = "patchray.sampling.session"  # rank_cache() entry: RankSession
+
+
+# --------------------------------------------------------------------------------------------------- rank side
+
+
+def rank_model(key: Hashable) -> Any:
+    """The model cached on this rank under ``key`` (raises a clear error if another key, or none, is cached)."""
+    entry = rank_cache().get(_MODEL)
+    if entry is None or entry[0] != key:
+        held = None if entry is None else entry[0]
+        raise RuntimeError(f"this rank holds model {held!r}, not {key!r}: call ship_model() before distributed_sample()")
+    return entry[1]
+
+
+def _has_model(ctx: ParallelContext, key: Hashable) -> bool:
+    entry = rank_cache().get(_MODEL)
+    return entry is not None and entry[0] == key
+
+
+def _load_model(ctx: ParallelContext, key: Hashable, build, payload_ref, prepare, prepare_args) -> bool:
+    import ray
+
+    cache = rank_cache()
+    old = cache.pop(_MODEL, None)
+    session = cache.pop(_SESSION, None)
+    if session is not None:
+        session.close()
+    del old  # free the previous model before the new one arrives
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    if prepare is not None:
+        _resolve(prepare)(ctx, *prepare_args)
+    payload = ray.get(payload_ref)
+    model = _resolve(build)(ctx, payload)
+    del payload
+    cache[_MODEL] = (key, model)
+    return True
+
+
+class RankSession:
+    """One rank's patch-parallel state for the cached model: the denoiser, the run's step counts, progress.
+
+    The caller's sampler calls :meth:`denoise` in place of the UNet; :meth:`progress` on rank 0 drives the
+    driver's progress bar; :meth:`finalize` returns the exact final latent (a collective: every rank calls it).
+    """
+
+    def __init__(self, ctx: ParallelContext, key: Hashable, config: PatchConfig, input_conv: Optional[str] = None):
+        self.ctx, self.key, self.config, self.input_conv = ctx, key, config, input_conv
+        self.denoiser: Optional[PatchParallelDenoiser] = None
+        self._unet: Optional[nn.Module] = None
+        self._fn: Optional[Callable[..., Any]] = None
+        self.calls = 0
+
+    def begin(self) -> None:
+        """A new sampling run: every stream starts again at logical step 0 (synchronous)."""
+        self.calls = 0
+        if self.denoiser is not None:
+            self.denoiser.reset()
+
+    def denoise(self, unet: nn.Module, fn: Callable[..., Any], x: torch.Tensor, t: Any, *, stream: Hashable = None, **cond) -> torch.Tensor:
+        """One UNet evaluation, patch-parallel: ``fn(x, t, **cond)`` must run ``unet`` (e.g. a wrapper's executor).
+
+        ``stream`` keys the stale memories of calls that are not the same logical evaluation (ComfyUI evaluates
+        cond and uncond separately when memory is short). Returns the full output (approximate outside this
+        rank's band in OTIL mode).
+        """
+        if self._unet is not None and unet is not self._unet:
+            raise RuntimeError("RankSession.denoise got a different UNet than before; one session serves one model")
+        if self.denoiser is None:
+            self._unet = unet
+            self.denoiser = PatchParallelDenoiser(
+                self._call, self.ctx, self.config, unet=unet, cfg_in_batch=False, input_conv=self.input_conv
+            )
+        self._fn = fn
+        try:
+            out = self.denoiser(x, t, patch_stream=stream, **cond)
+        finally:
+            self._fn = None
+        self.calls += 1
+        return out
+
+    def _call(self, x, t, **cond):
+        return self._fn(x, t, **cond)
+
+    def progress(self, done: int, total: int) -> None:
+        if self.ctx.rank == 0:
+            report_progress(done, total)
+
+    def finalize(self, latent: torch.Tensor) -> torch.Tensor:
+        """The exact final latent (each rank's own band, gathered); the latent itself if the UNet never ran."""
+        if self.denoiser is None or self.calls == 0:
+            return latent
+        return self.denoiser.finalize(latent)
+
+    @property
+    def traffic(self):
+        return None if self.denoiser is None else self.denoiser.traffic
+
+    def close(self) -> None:
+        """Remove the adapters: the UNet is exactly as it was before the first :meth:`denoise`."""
+        if self.denoiser is not None:
+            self.denoiser.remove()
+            self.denoiser = None
+            self._unet = None
+
+
+def _session(ctx: ParallelContext, key: Hashable, config: PatchConfig, input_conv: Optional[str]) -> RankSession:
+    cache = rank_cache()
+    session = cache.get(_SESSION)
+    if session is not None and (session.key, session.config, session.input_conv) == (key, config, input_conv):
+        session.ctx = ctx
+        return session
+    if session is not None:
+        session.close()
+    session = cache[_SESSION] = RankSession(ctx, key, config, input_conv)
+    return session
+
+
+def _sample_on_rank(ctx: ParallelContext, key, sample, inputs_ref, config: dict, input_conv, prepare, prepare_args, return_traffic: bool):
+    import ray
+
+    if prepare is not None:
+        _resolve(prepare)(ctx, *prepare_args)
+    inputs = ray.get(inputs_ref)
+    model = rank_model(key)
+    session = _session(ctx, key, PatchConfig(**config), input_conv)
+    session.begin()
+    before = session.traffic.snapshot() if session.traffic is not None else None
+    try:
+        latent = _resolve(sample)(ctx, model, session, inputs)
+        if not isinstance(latent, torch.Tensor):
+            raise TypeError(f"the sample function returned {type(latent).__name__}; it must return the final latent tensor")
+        out = session.finalize(latent)
+    except BaseException:
+        # a failed run leaves half-filled memories behind; the next run must not inherit them
+        session.begin()
+        raise
+    if ctx.rank != 0:
+        return None
+    result = {"latent": out.detach().to("cpu"), "calls": session.calls}
+    if return_traffic and session.traffic is not None:
+        after = session.traffic.snapshot()
+        result["traffic"] = Traffic.diff(after, before) if before is not None else after
+    return result
+
+
+# ------------------------------------------------------------------------------------------------- driver side
+
+
+def ship_model(
+    cluster,
+    key: Hashable,
+    make_payload: Callable[[], Any],
+    build: Any,
+    *,
+    prepare: Any = None,
+    prepare_args: Sequence[Any] = (),
+    timeout_s: Optional[float] = None,
+    cancel_check: Optional[Callable[[], None]] = None,
+) -> bool:
+    """Make every rank hold the model ``key``; returns True when it had to be sent.
+
+    Args:
+        cluster: a :class:`~patchray.distributed.cluster.RankCluster`.
+        key: identifies the model's weights (hashable, picklable); equal keys must mean equal weights.
+        make_payload: builds what travels (called only when some rank lacks ``key``).
+        build: ``build(ctx, payload) -> model`` on each rank (a function or ``"module:function"``).
+        prepare: optional ``prepare(ctx, *prepare_args)`` run on each rank before the payload is unpickled
+            (e.g. make the host application importable).
+    """
+    import ray
+
+    have = cluster.run(_has_model, key, timeout_s=timeout_s, cancel_check=cancel_check)
+    if all(have):
+        return False
+    ref = ray.put(make_payload())
+    try:
+        cluster.run(
+            _load_model, key, _fn_ref(build), ref, _fn_ref(prepare) if prepare is not None else None, tuple(prepare_args),
+            timeout_s=timeout_s, cancel_check=cancel_check,
+        )
+    finally:
+        del ref
+    return True
+
+
+def distributed_sample(
+    cluster,
+    key: Hashable,
+    sample: Any,
+    inputs: Any,
+    config: PatchConfig,
+    *,
+    input_conv: Optional[str] = None,
+    prepare: Any = None,
+    prepare_args: Sequence[Any] = (),
+    timeout_s: Optional[float] = None,
+    cancel_check: Optional[Callable[[], None]] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    return_traffic: bool = False,
+) -> dict:
+    """Run ``sample(ctx, model, session, inputs)`` on every rank with the model shipped under ``key``.
+
+    ``sample`` runs the caller's sampler loop, calling ``session.denoise(unet, fn, x, t, stream=..., **cond)`` in
+    place of the UNet and ``session.progress(done, total)`` per step, and returns its final latent. Every rank
+    must make the same sequence of ``denoise`` calls (same shapes): the sampler must be deterministic given the
+    inputs (seeded noise included). Returns ``{"latent": exact final latent (CPU), "calls": UNet calls}`` from
+    rank 0, plus ``"traffic"`` when asked.
+
+    Raises:
+        TypeError: ``config`` is not a PatchConfig.
+        RankFailure / the ranks' own ValueError etc.: see :meth:`RankCluster.run`.
+    """
+    import ray
+
+    if not isinstance(config, PatchConfig):
+        raise TypeError(f"config must be a PatchConfig (got {type(config).__name__}); use sampling.config.preset(name)")
+    ref = ray.put(inputs)
+    try:
+        results = cluster.run(
+            _sample_on_rank, key, _fn_ref(sample), ref, config.to_dict(), input_conv,
+            _fn_ref(prepare) if prepare is not None else None, tuple(prepare_args), return_traffic,
+            timeout_s=timeout_s, cancel_check=cancel_check, progress=progress,
+        )
+    finally:
+        del ref
+    return results[0]

@@ -1,0 +1,81 @@
+"""Rank-side functions for tests/distributed/test_remote_sampling.py (they travel by name to the rank actors).
+
+A host application in miniature: the "model" is the tiny SDXL UNet (diffusers) rebuilt from a shipped state dict,
+the "sampler" is the caller's own Euler/CFG loop (``sdxl.sample_euler_cfg``), calling ``session.denoise`` where it
+would call the UNet.
+"""
+
+import torch
+
+from patchray.distributed.cluster import rank_cache
+
+STEPS = 6
+H = W = 32
+
+
+def make_payload(seed: int = 0) -> dict:
+    from patchray.distributed.sampling import sdxl
+
+    unet = sdxl.build_unet(True, seed=seed)
+    return {"config": sdxl.tiny_sdxl_unet_config(), "state_dict": unet.state_dict()}
+
+
+def prepare(ctx, tag):
+    """Stands for 'make the host application importable'; records that it ran before the payload was read."""
+    rank_cache().setdefault("test.prepared", []).append(tag)
+
+
+def build(ctx, payload):
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**payload["config"])
+    unet.load_state_dict(payload["state_dict"], assign=True)
+    rank_cache()["test.builds"] = rank_cache().get("test.builds", 0) + 1
+    return unet.to(ctx.device).eval()
+
+
+def inputs(seed: int = 5, steps: int = STEPS) -> dict:
+    from patchray.distributed.sampling import sdxl
+
+    unet_cfg = type("C", (), {})()
+    cfg = sdxl.tiny_sdxl_unet_config()
+    for k, v in cfg.items():
+        setattr(unet_cfg, k, v)
+    fake = type("U", (), {"config": unet_cfg})()
+    return {
+        "latent": torch.randn(1, 4, H, W, generator=torch.Generator().manual_seed(seed)),
+        "cond": sdxl.synthetic_cond(fake, 1),
+        "steps": steps,
+    }
+
+
+def reference(payload: dict, inp: dict) -> torch.Tensor:
+    """The single-process run of the same loop with the plain UNet."""
+    from patchray.distributed.sampling import sdxl
+
+    unet = build(type("Ctx", (), {"device": torch.device("cpu")})(), payload)
+    with torch.no_grad():
+        return sdxl.sample_euler_cfg(sdxl.unet_denoiser(unet), inp["latent"], inp["cond"], inp["steps"])
+
+
+def sample(ctx, unet, session, inp):
+    from patchray.distributed.sampling import sdxl
+
+    def fn(x, t, **cond):
+        return unet(x, t, return_dict=False, **cond)[0]
+
+    def model(x, t, **cond):
+        return session.denoise(unet, fn, x, t, stream="cfg", **cond)
+
+    steps = inp["steps"]
+    with torch.no_grad():
+        return sdxl.sample_euler_cfg(model, inp["latent"], inp["cond"], steps, on_step=lambda i: session.progress(i + 1, steps))
+
+
+def refuse(ctx, unet, session, inp):
+    raise ValueError("bad sampler input (raised identically on every rank)")
+
+
+def state(ctx):
+    return {"builds": rank_cache().get("test.builds", 0), "prepared": list(rank_cache().get("test.prepared", []))}
