@@ -2,6 +2,9 @@
 
 Every node is a thin ``io.ComfyNode``: ``execute`` validates, converts ComfyUI objects, calls one function
 from ``distributed/`` and converts the result back. Node ids are prefixed ``PatchRay`` and never renamed.
+
+The node modules load lazily (``NODES`` / ``PatchRayExtension`` on first access): the rank processes import
+``patchray.nodes._ksampler_rank`` (ComfyUI's sampler, run on each rank) without pulling in the V3 schema API.
 """
 
 from __future__ import annotations
@@ -10,27 +13,12 @@ from ._library import use_canonical_library
 
 use_canonical_library(__name__.rsplit(".", 1)[0])  # before any node module imports ..distributed
 
-from ._comfy import ComfyExtension  # noqa: E402
-from .bench import PatchRayBenchmark  # noqa: E402
-from .cluster import PatchRayCluster  # noqa: E402
-from .planner import PatchRayTilePlanner  # noqa: E402
-from .topology import PatchRayTopologyProbe  # noqa: E402
-from .vae import PatchRayVAEDecode, PatchRayVAEEncode  # noqa: E402
-
 __all__ = ["PatchRayExtension", "NODES"]
 
-NODES = (
-    PatchRayCluster,
-    PatchRayVAEDecode,
-    PatchRayVAEEncode,
-    PatchRayTilePlanner,
-    PatchRayTopologyProbe,
-    PatchRayBenchmark,
-)
 
+def __getattr__(name):
+    if name in __all__:
+        from . import _extension
 
-class PatchRayExtension(ComfyExtension):
-    """The extension ``comfy_entrypoint()`` returns: PatchRay's explicit node list."""
-
-    async def get_node_list(self):
-        return list(NODES)
+        return getattr(_extension, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

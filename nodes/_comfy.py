@@ -15,7 +15,28 @@ from typing import Callable, Optional
 
 from comfy_api.latest import ComfyExtension, io, ui  # noqa: F401  (re-exported for the node modules)
 
-__all__ = ["ComfyExtension", "io", "ui", "progress_callback", "interrupt_check", "output_directory"]
+__all__ = ["ComfyExtension", "io", "ui", "progress_callback", "interrupt_check", "output_directory", "sampler_lists"]
+
+# ComfyUI 0.3.64's sampler and scheduler names, for the schema when ComfyUI is absent (CI); inside ComfyUI its live
+# lists are used, so samplers added later appear in the node too
+_SAMPLERS_0364 = [
+    "euler", "euler_cfg_pp", "euler_ancestral", "euler_ancestral_cfg_pp", "heun", "heunpp2", "dpm_2", "dpm_2_ancestral",
+    "lms", "dpm_fast", "dpm_adaptive", "dpmpp_2s_ancestral", "dpmpp_2s_ancestral_cfg_pp", "dpmpp_sde", "dpmpp_sde_gpu",
+    "dpmpp_2m", "dpmpp_2m_cfg_pp", "dpmpp_2m_sde", "dpmpp_2m_sde_gpu", "dpmpp_2m_sde_heun", "dpmpp_2m_sde_heun_gpu",
+    "dpmpp_3m_sde", "dpmpp_3m_sde_gpu", "ddpm", "lcm", "ipndm", "ipndm_v", "deis", "res_multistep", "res_multistep_cfg_pp",
+    "res_multistep_ancestral", "res_multistep_ancestral_cfg_pp", "gradient_estimation", "gradient_estimation_cfg_pp",
+    "er_sde", "seeds_2", "seeds_3", "sa_solver", "sa_solver_pece", "ddim", "uni_pc", "uni_pc_bh2",
+]
+_SCHEDULERS_0364 = ["simple", "sgm_uniform", "karras", "exponential", "ddim_uniform", "beta", "normal", "linear_quadratic", "kl_optimal"]
+
+
+def sampler_lists():
+    """(sampler names, scheduler names) of the running ComfyUI (0.3.64's lists outside ComfyUI)."""
+    try:
+        import comfy.samplers
+    except ImportError:
+        return list(_SAMPLERS_0364), list(_SCHEDULERS_0364)
+    return list(comfy.samplers.KSampler.SAMPLERS), list(comfy.samplers.KSampler.SCHEDULERS)
 
 
 def progress_callback(total: int, node_id: Optional[str] = None) -> Optional[Callable[[int, int], None]]:

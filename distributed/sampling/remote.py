@@ -139,7 +139,8 @@ class RankSession:
         """The exact final latent (each rank's own band, gathered); the latent itself if the UNet never ran."""
         if self.denoiser is None or self.calls == 0:
             return latent
-        return self.denoiser.finalize(latent)
+        with torch.no_grad():  # host samplers may hand back inference-mode tensors on the host's device
+            return self.denoiser.finalize(latent.to(self.ctx.device))
 
     @property
     def traffic(self):

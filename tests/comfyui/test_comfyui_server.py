@@ -32,7 +32,7 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
 WORKFLOWS = ["sdxl_otil_txt2img", "flux_distributed_decode", "wan_video_row_decode", "topology_probe", "vae_benchmark"]
-NODE_IDS = {"PatchRayCluster", "PatchRayVAEDecode", "PatchRayVAEEncode", "PatchRayTilePlanner", "PatchRayTopologyProbe", "PatchRayBenchmark"}
+NODE_IDS = {"PatchRayCluster", "PatchRayVAEDecode", "PatchRayVAEEncode", "PatchRayKSampler", "PatchRayTilePlanner", "PatchRayTopologyProbe", "PatchRayBenchmark"}
 
 
 def _free_port():

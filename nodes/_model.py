@@ -1,0 +1,164 @@
+"""ComfyUI MODEL -> what the ranks need to rebuild it: a weightless skeleton, the patched weights, the patches.
+
+Runs in ComfyUI's process (driver side). The rank side is :mod:`._ksampler_rank`.
+
+* The **weights** are ComfyUI's weights with the MODEL's weight patches (LoRAs, merges) applied exactly the way
+  ``ModelPatcher.patch_weight_to_device`` applies them (fp32 ``comfy.lora.calculate_weight``, then
+  ``comfy.float.stochastic_rounding`` seeded by the key), always from the original weights (``backup``), whatever
+  ComfyUI currently has patched in place.
+* The **skeleton** is a deep copy of the ``BaseModel`` whose parameters and persistent buffers are meta tensors
+  (no data): the ranks get ComfyUI's own classes and configuration without a second copy of the weights, and
+  ``load_state_dict(assign=True)`` fills it. Runtime state of ComfyUI's loader (low-VRAM casting hooks, the
+  in-place patch markers) is not copied.
+* **Object patches** (e.g. ModelSamplingDiscrete) travel as objects; **model_options** (CFG functions, ...)
+  travel with each prompt (they change without changing the weights).
+* Refused with a reason: non-UNet diffusion models, attention/block patches (they would see row bands),
+  wrappers/callbacks of other extensions, hooks, weight wrappers.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import uuid
+from typing import Callable, Hashable, Tuple
+
+import torch
+
+__all__ = ["comfy_root", "portable_model", "check_conditioning", "latent_and_noise"]
+
+_UNSUPPORTED_COND_KEYS = {
+    "control": "ControlNet conditioning (its residuals are full-image tensors added inside the UNet)",
+    "gligen": "GLIGEN conditioning",
+    "hooks": "conditioning hooks (scheduled LoRA/weight hooks)",
+}
+
+
+def comfy_root() -> str:
+    """The ComfyUI folder (the one holding the ``comfy`` package): the ranks put it on their import path."""
+    import comfy.model_patcher  # ``comfy`` itself is a namespace package: no __file__
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(comfy.model_patcher.__file__)))
+
+
+def latent_and_noise(mp, latent_dict: dict, seed: int):
+    """The latent and the seeded noise exactly as the stock KSampler prepares them (``nodes.common_ksampler``)."""
+    import comfy.sample
+
+    latent = comfy.sample.fix_empty_latent_channels(mp, latent_dict["samples"])
+    if latent.dim() != 4:
+        raise ValueError(f"Distributed KSampler takes image latents [B, C, H, W]; got shape {tuple(latent.shape)}")
+    return latent, comfy.sample.prepare_noise(latent, seed, latent_dict.get("batch_index"))
+
+
+def _refuse(what: str) -> NotImplementedError:
+    return NotImplementedError(f"PatchRay Distributed KSampler: {what} is not supported yet; use the stock KSampler for this graph")
+
+
+def check_conditioning(name: str, conditioning) -> None:
+    if not isinstance(conditioning, list):
+        raise TypeError(f"{name} must be ComfyUI CONDITIONING (a list of [tensor, dict]); got {type(conditioning).__name__}")
+    for item in conditioning:
+        extra = item[1] if isinstance(item, (list, tuple)) and len(item) > 1 and isinstance(item[1], dict) else {}
+        for key, why in _UNSUPPORTED_COND_KEYS.items():
+            if extra.get(key) is not None:
+                raise _refuse(f"{why} in {name}")
+
+
+def _check_model(mp) -> None:
+    import comfy.model_patcher
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    if not isinstance(mp, comfy.model_patcher.ModelPatcher):
+        raise TypeError(f"model must be a ComfyUI MODEL (from a checkpoint or UNet loader); got {type(mp).__name__}")
+    dm = getattr(mp.model, "diffusion_model", None)
+    if not isinstance(dm, UNetModel):
+        raise _refuse(
+            f"the diffusion model {type(dm).__name__} (patch parallelism shards the convolutional UNets of SD 1.x, SD 2.x "
+            "and SDXL)"
+        )
+    if getattr(dm, "dims", 2) != 2:
+        raise _refuse(f"a {dm.dims}-D UNet")
+    to = mp.model_options.get("transformer_options", {})
+    for key in ("patches", "patches_replace"):
+        if any(to.get(key, {}).values()):
+            raise _refuse(f"the MODEL's {key} ({sorted(to[key])}) (attention or block patches would see only a row band)")
+    for kind, table in (("wrappers", mp.wrappers), ("callbacks", mp.callbacks)):
+        used = sorted(k for k, v in table.items() if any(v.values()))
+        if used:
+            raise _refuse(f"{kind} added to the MODEL by other nodes ({used})")
+    if mp.weight_wrapper_patches:
+        raise _refuse("weight wrapper patches")
+    if getattr(mp, "hook_patches", None):
+        raise _refuse("hook patches (scheduled weight hooks)")
+
+
+def _patched_weight(mp, key: str, live: torch.Tensor) -> torch.Tensor:
+    import comfy.float
+    import comfy.lora
+    from comfy.model_patcher import get_key_weight, string_to_seed
+
+    original = mp.backup[key].weight if key in mp.backup else live
+    if key not in mp.patches:
+        return original.detach().to("cpu")
+    _, set_func, convert_func = get_key_weight(mp.model, key)
+    if set_func is not None:
+        raise _refuse(f"a weight with a custom setter ({key}: scaled fp8 or quantised checkpoints)")
+    temp = original.detach().to("cpu", torch.float32, copy=True)
+    if convert_func is not None:
+        temp = convert_func(temp, inplace=True)
+    out = comfy.lora.calculate_weight(mp.patches[key], temp, key)
+    return comfy.float.stochastic_rounding(out, live.dtype, seed=string_to_seed(key)).to("cpu")
+
+
+def _skeleton(mp, state: dict):
+    """Deep copy of the BaseModel with every state-dict tensor replaced by a meta tensor (no data)."""
+    base = mp.model
+    memo = {}
+    for t in state.values():
+        if id(t) in memo:
+            continue
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = torch.nn.Parameter(meta, requires_grad=False) if isinstance(t, torch.nn.Parameter) else meta
+    for m in base.modules():
+        for attr in ("weight_function", "bias_function"):
+            value = m.__dict__.get(attr)
+            if isinstance(value, list):
+                memo[id(value)] = []  # ComfyUI's low-VRAM cast hooks: runtime state of this process's loader
+    skeleton = copy.deepcopy(base, memo)
+    for m in skeleton.modules():
+        d = m.__dict__
+        if "prev_comfy_cast_weights" in d:
+            d["comfy_cast_weights"] = d.pop("prev_comfy_cast_weights")
+        d.pop("comfy_patched_weights", None)
+    for name, original in mp.object_patches_backup.items():  # the un-patched objects; the rank re-applies ours
+        import comfy.utils
+
+        comfy.utils.set_attr(skeleton, name, copy.deepcopy(original))
+    for attr, value in (("model_loaded_weight_memory", 0), ("lowvram_patch_counter", 0), ("model_lowvram", False), ("current_weight_patches_uuid", None)):
+        setattr(skeleton, attr, value)
+    skeleton.device = torch.device("cpu")
+    return skeleton
+
+
+def portable_model(mp) -> Tuple[Hashable, Callable[[], dict]]:
+    """``(key, make_payload)`` for the MODEL ``mp``.
+
+    The key names the base weights (a token stored on ComfyUI's model object) and the patch set
+    (``patches_uuid``, which ComfyUI renews whenever weight or object patches change): equal keys, equal weights.
+    ``make_payload()`` builds ``{"skeleton", "state_dict", "object_patches"}``; it is called only when a rank lacks
+    the key.
+    """
+    _check_model(mp)
+    base = mp.model
+    token = base.__dict__.get("_patchray_token")
+    if token is None:
+        token = base.__dict__["_patchray_token"] = uuid.uuid4().hex
+    key = ("comfy-model", token, str(mp.patches_uuid))
+
+    def make_payload() -> dict:
+        live = base.state_dict(keep_vars=True)
+        weights = {k: _patched_weight(mp, k, t) for k, t in live.items()}
+        return {"skeleton": _skeleton(mp, live), "state_dict": weights, "object_patches": dict(mp.object_patches)}
+
+    return key, make_payload
