@@ -7,12 +7,16 @@ exchange in the ``otil`` preset). ``full_sync`` equals the stock KSampler within
 
 from __future__ import annotations
 
+import logging
+
 from . import _model
 from ._comfy import interrupt_check, io, progress_callback, sampler_lists
 from ._library import CANONICAL
 from .types import CATEGORY, CLUSTER
 
 __all__ = ["PatchRayKSampler", "patch_config"]
+
+log = logging.getLogger(__name__)
 
 _RANK = f"{CANONICAL}.nodes._ksampler_rank"
 
@@ -120,6 +124,12 @@ class PatchRayKSampler(io.ComfyNode):
             prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel, progress=progress,
             timeout_s=cluster.call_timeout_s,
         )
+        if result["calls"] == 0 and float(denoise) > 0:
+            raise RuntimeError(
+                "PatchRay Distributed KSampler: the ranks sampled without calling the UNet through PatchRay's wrapper "
+                "(another extension replaced ComfyUI's diffusion-model call?); refusing to return an unsharded result"
+            )
+        log.info("PatchRay KSampler: %d UNet calls on %d ranks, preset %s", result["calls"], cluster.num_ranks, preset)
         if progress is not None:
             progress(steps, steps)
         out = latent_image.copy()

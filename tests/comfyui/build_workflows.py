@@ -26,8 +26,9 @@ def _nodes_sdxl():
         2: ("CLIPTextEncode", {"text": "a lighthouse on a rocky coast at dawn, volumetric light, highly detailed", "clip": (1, 1)}),
         3: ("CLIPTextEncode", {"text": "blurry, low quality", "clip": (1, 1)}),
         4: ("EmptyLatentImage", {"width": 1024, "height": 1024, "batch_size": 1}),
-        5: ("KSampler", {"model": (1, 0), "seed": 42, "steps": 25, "cfg": 7.0, "sampler_name": "euler", "scheduler": "normal",
-                         "positive": (2, 0), "negative": (3, 0), "latent_image": (4, 0), "denoise": 1.0}),
+        5: ("PatchRayKSampler", {"model": (1, 0), "seed": 42, "steps": 25, "cfg": 7.0, "sampler_name": "euler", "scheduler": "normal",
+                                 "positive": (2, 0), "negative": (3, 0), "latent_image": (4, 0), "denoise": 1.0, "cluster": (7, 0),
+                                 "preset": "otil", "warmup_steps": -1, "refresh_every": -1, "k_ratio": 0.25, "block_size": 8}),
         6: ("VAELoader", {"vae_name": "sdxl_vae.safetensors"}),
         7: CLUSTER,
         8: ("PatchRayVAEDecode", {"samples": (5, 0), "vae": (6, 0), "cluster": (7, 0), "mode": "auto", "precision": "auto", "gn_sync": False}),
@@ -81,11 +82,13 @@ def _nodes_bench():
 
 NOTES = {
     "sdxl_otil_txt2img": (
-        "## PatchRay: SDXL text-to-image with a distributed decode\n\n"
-        "Samples with the stock **KSampler** and decodes with **PatchRay Distributed VAE Decode** on the ranks of "
-        "**PatchRay Cluster** (one rank per GPU). Mode *auto* picks exact row decoding when the GPU links allow it, else tiles.\n\n"
-        "Files: `models/checkpoints/sd_xl_base_1.0.safetensors`, `models/vae/sdxl_vae.safetensors`.\n\n"
-        "The OTIL patch-parallel sampler node is not part of this release: sampling runs on ComfyUI's own device."
+        "## PatchRay: SDXL text-to-image, OTIL patch-parallel sampling and a distributed decode\n\n"
+        "**PatchRay Distributed KSampler** runs ComfyUI's own sampler on every rank of **PatchRay Cluster** (one rank per GPU); "
+        "each rank's UNet computes one band of latent rows. Preset *otil*: 4 exact warm-up steps, then stale neighbour data "
+        "and only the top-k most-changed latent blocks exchanged per step, refreshed every 10 steps. *full_sync* gives the "
+        "stock KSampler's result exactly. **Distributed VAE Decode** then decodes on the same ranks (mode *auto*: exact row "
+        "decoding when the GPU links allow it, else tiles).\n\n"
+        "Files: `models/checkpoints/sd_xl_base_1.0.safetensors`, `models/vae/sdxl_vae.safetensors`."
     ),
     "flux_distributed_decode": (
         "## PatchRay: FLUX.1 VAE, tiled distributed decode\n\n"

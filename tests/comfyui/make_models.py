@@ -10,6 +10,8 @@ the stock loaders exactly as a downloaded one would:
 * ``checkpoints/sd_xl_base_1.0.safetensors``: a checkpoint ComfyUI loads as an SD1.x model (a one-level 320-channel
   UNet and the full CLIP-L text encoder): a full SDXL UNet (2.6 B parameters) is beyond a CPU test; the graph
   (checkpoint -> CLIP encode -> KSampler -> decode) is the same.
+* ``loras/patchray_test_lora.safetensors``: a rank-4 LoRA (kohya ``lora_unet_*`` keys) over that UNet's linear layers,
+  changing each by roughly 10%: the Distributed KSampler test samples the MODEL with it applied.
 """
 
 import os
@@ -65,7 +67,8 @@ def main(comfy_dir, models_dir):
     save(_init(wan, 3).state_dict(), os.path.join(vae_dir, "wan_2.1_vae.safetensors"))
 
     ckpt = os.path.join(ckpt_dir, "sd_xl_base_1.0.safetensors")
-    if not os.path.exists(ckpt):
+    lora = os.path.join(models_dir, "loras", "patchray_test_lora.safetensors")
+    if not os.path.exists(ckpt) or not os.path.exists(lora):
         unet = UNetModel(image_size=32, in_channels=4, model_channels=320, out_channels=4, num_res_blocks=1, channel_mult=(1,),
                          num_heads=8, use_spatial_transformer=True, transformer_depth=[1], transformer_depth_output=[1, 1],
                          transformer_depth_middle=1, context_dim=768, use_linear_in_transformer=False,
@@ -74,6 +77,18 @@ def main(comfy_dir, models_dir):
         sd = {"model.diffusion_model." + k: v for k, v in _init(unet, 4).state_dict().items()}
         sd.update({"cond_stage_model." + k: v for k, v in _init(clip, 5).state_dict().items()})
         save(sd, ckpt)
+        os.makedirs(os.path.dirname(lora), exist_ok=True)
+        g = torch.Generator().manual_seed(6)
+        lo = {}
+        for k, w in unet.state_dict().items():
+            if w.ndim == 2 and k.endswith(".weight") and (".attn" in k or ".ff." in k):
+                name = "lora_unet_" + k[: -len(".weight")].replace(".", "_")
+                out_f, in_f = w.shape
+                # delta = up @ down * alpha / rank: about 10% of the weight's scale (1/sqrt(in_f))
+                lo[name + ".lora_down.weight"] = torch.randn(4, in_f, generator=g) / in_f**0.5
+                lo[name + ".lora_up.weight"] = torch.randn(out_f, 4, generator=g) * 0.1 / in_f**0.5
+                lo[name + ".alpha"] = torch.tensor(4.0)
+        save(lo, lora)
 
 
 if __name__ == "__main__":

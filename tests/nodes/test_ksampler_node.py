@@ -1,0 +1,62 @@
+"""The Distributed KSampler node without ComfyUI: its widget -> PatchConfig mapping and its refusals.
+
+Running the node needs ComfyUI's sampler on the ranks (a MODEL is a ComfyUI ModelPatcher); that path is tested
+against the stock KSampler in tests/comfyui (opt-in, COMFYUI_DIR), and the machinery under it (model shipped once
+per key, the caller's sampler on every rank, the exact final latent) in tests/distributed/test_remote_sampling.py
+on real Ray ranks.
+"""
+
+import pytest
+
+from patchray.distributed.sampling.config import PRESETS, OutputMode
+
+
+@pytest.fixture(scope="module")
+def ks():
+    from patchray.nodes import ksampler
+
+    return ksampler
+
+
+@pytest.mark.parametrize("name", ["full_sync", "displaced", "otil", "balanced"])
+def test_presets_map_to_the_library_presets_without_cfg_split(ks, name):
+    cfg = ks.patch_config(name)
+    assert cfg == PRESETS[name].replace(split_batch=False)
+
+
+def test_knobs_override_the_preset(ks):
+    cfg = ks.patch_config("otil", warmup_steps=2, refresh_every=0, k_ratio=0.5, block_size=4)
+    assert (cfg.warmup_steps, cfg.refresh_every, cfg.k_ratio, cfg.block_size) == (2, 0, 0.5, 4)
+    assert cfg.output is OutputMode.OTIL
+    # full_sync has no stale steps to tune; balanced has no OTIL exchange to tune
+    assert ks.patch_config("full_sync", warmup_steps=3) == PRESETS["full_sync"].replace(split_batch=False)
+    assert ks.patch_config("balanced", k_ratio=0.5).k_ratio == PRESETS["balanced"].k_ratio
+
+
+def test_bad_widgets_are_refused_with_the_fix(ks):
+    with pytest.raises(ValueError, match="preset must be one of"):
+        ks.patch_config("fast")
+    with pytest.raises(ValueError, match="warmup_steps must be >= 1"):
+        ks.patch_config("otil", warmup_steps=0)
+
+
+def test_refusals_before_touching_comfyui(ks):
+    from patchray.distributed.cluster import ClusterConfig
+
+    args = dict(model=object(), seed=0, steps=4, cfg=5.0, scheduler="normal", positive=[], negative=[],
+                latent_image={"samples": None}, denoise=1.0)
+    with pytest.raises(ValueError, match="adapts its step count"):
+        ks.PatchRayKSampler.execute(sampler_name="dpm_adaptive", cluster=ClusterConfig(num_ranks=2, device="cpu"), preset="otil", **args)
+    with pytest.raises(TypeError, match="PatchRay Cluster"):
+        ks.PatchRayKSampler.execute(sampler_name="euler", cluster="not a cluster", **args)
+    with pytest.raises(TypeError, match="LATENT"):
+        ks.PatchRayKSampler.execute(sampler_name="euler", cluster=ClusterConfig(num_ranks=2, device="cpu"), **dict(args, latent_image=[1]))
+
+
+def test_schema_offers_comfyuis_samplers_and_the_presets(ks):
+    schema = ks.PatchRayKSampler.define_schema()
+    inputs = {i.id: i for i in schema.inputs}
+    assert {"euler", "dpmpp_2m", "uni_pc"} <= set(inputs["sampler_name"].options)
+    assert {"normal", "karras"} <= set(inputs["scheduler"].options)
+    assert list(inputs["preset"].options) == ["full_sync", "displaced", "otil", "balanced"]
+    assert inputs["seed"].control_after_generate
