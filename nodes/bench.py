@@ -58,13 +58,11 @@ class PatchRayBenchmark(io.ComfyNode):
         cancel = interrupt_check()
         if cancel is not None:
             cancel()
-        progress = progress_callback(1)
+        progress = progress_callback(1)  # rank 0 reports (cases done, cases) while the benchmark runs
         try:
-            result = run_bench(argv, cluster=get_cluster(cluster), cancel_check=cancel)
+            result = run_bench(argv, cluster=get_cluster(cluster), cancel_check=cancel, progress=progress)
         except SetupError as exc:
             raise ValueError(f"benchmark refused: {exc}") from None
-        if progress is not None:
-            progress(1)
         with open(result.json_path) as fh:
             data = json.load(fh)
         if result.chart_path is None or not os.path.exists(result.chart_path):

@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
+from ..cluster import report_progress
 from .catalog import CATALOG_VERSION, CPU_DEFAULT, architecture_digest, canonical_shapes, format_shape, parse_shape
 
 __all__ = [
@@ -810,9 +811,9 @@ def _bench_rank(ctx, opts: Options) -> List[dict]:
         vae = build_vae(opts.family, size=opts.size, seed=0, dtype=dtype, device=device)
         if cap is not None:
             cap["weights"] = sum(p.numel() * p.element_size() for p in vae.parameters())
-        for shape in opts.shapes:
-            shape = tuple(shape)
-            cases = _plan_cases(opts, shape, ctx.world_size)
+        planned = [(tuple(shape), _plan_cases(opts, tuple(shape), ctx.world_size)) for shape in opts.shapes]
+        total, done = sum(len(c) for _, c in planned), 0
+        for shape, cases in planned:
             inp = _make_input(opts, shape, spec).to(device=device, dtype=dtype)
             within_limit = shape[0] * shape[1] * shape[2] / 1e6 <= opts.reference_limit_mpix
             ref = _Reference(None, None if within_limit else (
@@ -830,6 +831,8 @@ def _bench_rank(ctx, opts: Options) -> List[dict]:
                         ref = _Reference(None, f"the unsharded reference failed ({kind})")
                 del output
                 records.append(rec)
+                done += 1
+                report_progress(done, total)  # the driver's progress bar (ComfyUI), if it asked for one
             del inp, ref
             gc.collect()
         del vae
@@ -1156,7 +1159,7 @@ def _run_ray(opts: Options, payload: dict) -> List[dict]:
     return results[0]
 
 
-def run_bench(argv: Optional[Sequence[str]] = None, *, cluster=None, cancel_check=None) -> BenchResult:
+def run_bench(argv: Optional[Sequence[str]] = None, *, cluster=None, cancel_check=None, progress=None) -> BenchResult:
     """Parse ``argv``, run the benchmark, write JSON + PNG and print the summary (rank 0 / the driver).
 
     Args:
@@ -1165,6 +1168,7 @@ def run_bench(argv: Optional[Sequence[str]] = None, *, cluster=None, cancel_chec
             node); its size overrides ``--ranks``.
         cancel_check: with ``cluster``: polled while the ranks work; raising from it stops every rank
             (ComfyUI's cancel).
+        progress: with ``cluster``: ``progress(done, total)`` after each finished case (ComfyUI's progress bar).
 
     Raises:
         SetupError: bad options or a refused request.
@@ -1190,19 +1194,19 @@ def run_bench(argv: Optional[Sequence[str]] = None, *, cluster=None, cancel_chec
     payload = dataclasses.asdict(opts)
     _announce(opts)
     with _tail_progress(opts.progress_path) if local else contextlib.nullcontext():
-        records, writer = _launch(opts, payload, cluster, cancel_check)
+        records, writer = _launch(opts, payload, cluster, cancel_check, progress)
     if not writer:  # a torchrun rank other than 0: same records, same exit status, no files
         return BenchResult(records, exit_status(records), None, None)
     return _finish(opts, records)
 
 
-def _launch(opts: Options, payload: dict, cluster, cancel_check=None) -> Tuple[List[dict], bool]:
+def _launch(opts: Options, payload: dict, cluster, cancel_check=None, progress=None) -> Tuple[List[dict], bool]:
     """Start the ranks; return the records and whether this process writes the outputs."""
     if opts.torchrun:
         records, rank = _run_torchrun(payload)
         return records, rank == 0
     if cluster is not None:
-        return cluster.run(bench_rank, payload, timeout_s=opts.timeout_s, cancel_check=cancel_check)[0], True
+        return cluster.run(bench_rank, payload, timeout_s=opts.timeout_s, cancel_check=cancel_check, progress=progress)[0], True
     if opts.launcher == "spawn":
         from ..spawn import run_ranks
 

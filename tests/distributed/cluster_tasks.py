@@ -61,3 +61,12 @@ def refuse(ctx, value):
     if value < 0:
         raise ValueError(f"value must be >= 0 (got {value}); pass a non-negative value")
     return value
+
+
+def report_steps(ctx, n, pause_s):
+    from patchray.distributed.cluster import report_progress
+
+    for i in range(n):
+        report_progress(i + 1, n)
+        time.sleep(pause_s)
+    return ctx.rank

@@ -165,3 +165,11 @@ def test_gpu_ids_validation_names_the_fix():
         ClusterConfig(num_ranks=1, device="cpu", gpu_ids=(0,))
     with pytest.raises(ValueError, match="embedded cluster only"):
         ClusterConfig(num_ranks=1, address="auto", gpu_ids=(0,))
+
+
+def test_progress_reported_by_rank_0_reaches_the_driver():
+    cluster = get_cluster(ClusterConfig(num_ranks=2, device="cpu"))
+    seen = []
+    # each value stays up 1.2 s; the driver polls rank 0 about twice a second
+    assert cluster.run(tasks.report_steps, 3, 1.2, progress=lambda d, t: seen.append((d, t))) == [0, 1]
+    assert seen == [(1, 3), (2, 3), (3, 3)], seen
