@@ -308,3 +308,39 @@ def test_distributed_ksampler_refuses_clearly_and_recovers(server):
         _run(url, api)
     api["10"]["inputs"]["sampler_name"] = "euler"
     assert _latent(base, _run(url, api), "12").shape == (1, 4, 8, 8)
+
+
+def test_cancel_stops_the_distributed_ksampler_and_the_next_prompt_works(server):
+    url, base = server
+
+    def prompt(steps, size):
+        return {
+            "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "sd_xl_base_1.0.safetensors"}},
+            "4": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red boat", "clip": ["1", 1]}},
+            "6": {"class_type": "EmptyLatentImage", "inputs": {"width": size, "height": size, "batch_size": 1}},
+            "8": {"class_type": "PatchRayCluster", "inputs": {"num_ranks": 2, "device": "cpu", "address": "", "gpu_ids": ""}},
+            "10": {"class_type": "PatchRayKSampler", "inputs": {"model": ["1", 0], "seed": 1, "steps": steps, "cfg": 5.0, "sampler_name": "euler",
+                                                                "scheduler": "normal", "positive": ["4", 0], "negative": ["4", 0], "latent_image": ["6", 0],
+                                                                "denoise": 1.0, "cluster": ["8", 0], "preset": "otil", "warmup_steps": -1,
+                                                                "refresh_every": -1, "k_ratio": 0.25, "block_size": 8}},
+            "12": {"class_type": "SaveLatent", "inputs": {"samples": ["10", 0], "filename_prefix": f"cancel_{steps}"}},
+        }
+
+    _run(url, prompt(2, 64))  # cluster up, model on the ranks
+    status, body = _post(url + "/prompt", {"prompt": prompt(500, 256), "client_id": uuid.uuid4().hex})
+    assert status == 200 and not body.get("node_errors"), body
+    pid = body["prompt_id"]
+    time.sleep(8)  # 500 steps at 256x256 take minutes on CPU ranks: sampling is running now
+    assert pid not in json.loads(_get(f"{url}/history/{pid}")[1]), "the sampling finished before it could be cancelled"
+    t0 = time.monotonic()
+    _post(url + "/interrupt", {})
+    while time.monotonic() - t0 < 60:  # a hang check, not a speed requirement
+        hist = json.loads(_get(f"{url}/history/{pid}")[1])
+        if pid in hist and hist[pid].get("status", {}).get("completed") is not None:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the interrupted sampling did not end within 60 s")
+    assert "execution_interrupted" in [m[0] for m in hist[pid]["status"]["messages"]]
+    # the next prompt rebuilds the ranks, ships the model again and completes
+    assert _latent(base, _run(url, prompt(2, 64)), "12").shape == (1, 4, 8, 8)
