@@ -381,7 +381,11 @@ class _RankActor:
         if self.ctx is None:
             raise ClusterSetupError(f"rank {self.rank}: process group not initialised")
         fn = _resolve(fn)
-        return fn(self.ctx, *args, **kwargs)
+        try:
+            return fn(self.ctx, *args, **kwargs)
+        finally:
+            # reset at both ends: the driver's first poll of the next call may run before that call starts
+            _PROGRESS[0] = _PROGRESS[1] = 0
 
     def ping(self) -> int:
         return self.rank

@@ -37,16 +37,19 @@ def prepare(ctx, comfy_root: str) -> None:
 
 
 def build(ctx, payload: dict):
-    """The rank's ModelPatcher: the shipped skeleton filled with the patched weights, object patches re-applied."""
+    """The rank's ModelPatcher: the shipped skeleton (original objects) filled with the patched weights.
+
+    Object patches are not part of it: ComfyUI changes them without renewing ``patches_uuid``, so they travel with
+    every prompt and go on the per-run clone in :func:`sample`.
+    """
     import comfy.model_management as mm
     import comfy.model_patcher
 
+    mm.unload_all_models()  # the previous model (if any) is being replaced: give its memory back first
+    mm.soft_empty_cache()
     base = payload["skeleton"]
     base.load_state_dict(payload["state_dict"], strict=True, assign=True)
-    mp = comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
-    for name, obj in payload["object_patches"].items():
-        mp.add_object_patch(name, obj)
-    return mp
+    return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
 
 
 def sample(ctx, mp, session, inputs: dict) -> torch.Tensor:
@@ -54,8 +57,27 @@ def sample(ctx, mp, session, inputs: dict) -> torch.Tensor:
     import comfy.patcher_extension as pe
     import comfy.sample
 
+    import comfy.model_management as mm
+
     model = mp.clone()
     model.model_options = inputs["model_options"]
+    for name, obj in inputs["object_patches"].items():
+        model.add_object_patch(name, obj)
+
+    def agreed_batching(executor, *args, **kwargs):
+        # ComfyUI decides from this device's free memory whether cond and uncond share one UNet call; ranks that
+        # decided differently would make different collective calls. Every rank decides from the group's minimum.
+        agreed = session.agree_min(mm.get_free_memory(mm.get_torch_device()))
+        own = mm.get_free_memory
+
+        def free_memory(dev=None, torch_free_too=False):
+            return (agreed, agreed) if torch_free_too else agreed
+
+        mm.get_free_memory = free_memory
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            mm.get_free_memory = own
 
     def patch_parallel(executor, x, timesteps, context=None, y=None, control=None, transformer_options={}, **kwargs):
         if control is not None:
@@ -67,6 +89,7 @@ def sample(ctx, mp, session, inputs: dict) -> torch.Tensor:
         )
 
     model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, patch_parallel)
+    model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching)
     steps = int(inputs["steps"])
 
     def callback(step, x0, x, total_steps):

@@ -10,8 +10,8 @@ Runs in ComfyUI's process (driver side). The rank side is :mod:`._ksampler_rank`
   (no data): the ranks get ComfyUI's own classes and configuration without a second copy of the weights, and
   ``load_state_dict(assign=True)`` fills it. Runtime state of ComfyUI's loader (low-VRAM casting hooks, the
   in-place patch markers) is not copied.
-* **Object patches** (e.g. ModelSamplingDiscrete) travel as objects; **model_options** (CFG functions, ...)
-  travel with each prompt (they change without changing the weights).
+* **Object patches** (e.g. ModelSamplingDiscrete) and **model_options** (CFG functions, ...) travel with each
+  prompt: ComfyUI changes both without renewing ``patches_uuid``, so they cannot be part of the cached model.
 * Refused with a reason: non-UNet diffusion models, attention/block patches (they would see row bands),
   wrappers/callbacks of other extensions, hooks, weight wrappers.
 """
@@ -31,6 +31,8 @@ _UNSUPPORTED_COND_KEYS = {
     "control": "ControlNet conditioning (its residuals are full-image tensors added inside the UNet)",
     "gligen": "GLIGEN conditioning",
     "hooks": "conditioning hooks (scheduled LoRA/weight hooks)",
+    "area": "area conditioning (the UNet sees a cropped latent, not the row bands of the image)",
+    "mask": "masked conditioning (the UNet sees a cropped latent, not the row bands of the image)",
 }
 
 
@@ -144,10 +146,9 @@ def _skeleton(mp, state: dict):
 def portable_model(mp) -> Tuple[Hashable, Callable[[], dict]]:
     """``(key, make_payload)`` for the MODEL ``mp``.
 
-    The key names the base weights (a token stored on ComfyUI's model object) and the patch set
-    (``patches_uuid``, which ComfyUI renews whenever weight or object patches change): equal keys, equal weights.
-    ``make_payload()`` builds ``{"skeleton", "state_dict", "object_patches"}``; it is called only when a rank lacks
-    the key.
+    The key names the base weights (a token stored on ComfyUI's model object) and the weight-patch set
+    (``patches_uuid``, which ComfyUI renews whenever weight patches change): equal keys, equal weights.
+    ``make_payload()`` builds ``{"skeleton", "state_dict"}``; it is called only when a rank lacks the key.
     """
     _check_model(mp)
     base = mp.model
@@ -158,7 +159,15 @@ def portable_model(mp) -> Tuple[Hashable, Callable[[], dict]]:
 
     def make_payload() -> dict:
         live = base.state_dict(keep_vars=True)
+        for name, original in mp.object_patches_backup.items():
+            # an object patch ComfyUI left applied (e.g. another clone's ModelSamplingDiscrete): the skeleton gets
+            # the original object back, so its state comes from the original too
+            prefix = name + "."
+            for k in [k for k in live if k.startswith(prefix)]:
+                del live[k]
+            if isinstance(original, torch.nn.Module):
+                live.update({prefix + k: v for k, v in original.state_dict(keep_vars=True).items()})
         weights = {k: _patched_weight(mp, k, t) for k, t in live.items()}
-        return {"skeleton": _skeleton(mp, live), "state_dict": weights, "object_patches": dict(mp.object_patches)}
+        return {"skeleton": _skeleton(mp, live), "state_dict": weights}
 
     return key, make_payload

@@ -113,6 +113,7 @@ class PatchRayKSampler(io.ComfyNode):
             "noise": noise, "latent_image": latent, "noise_mask": latent_image.get("noise_mask"), "seed": int(seed),
             "steps": int(steps), "cfg": float(cfg), "sampler_name": sampler_name, "scheduler": scheduler,
             "denoise": float(denoise), "positive": positive, "negative": negative, "model_options": model.model_options,
+            "object_patches": dict(model.object_patches),
         }
         root = _model.comfy_root()
         rank_cluster = get_cluster(cluster)

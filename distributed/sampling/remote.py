@@ -29,19 +29,23 @@ Design decisions:
 
 from __future__ import annotations
 
+import gc
 import logging
+import zlib
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from ..cluster import _fn_ref, _resolve, rank_cache, report_progress
+from ..cluster import RankFailure, _fn_ref, _resolve, rank_cache, report_progress
+from ..comm import all_gather_padded
 from ..context import ParallelContext
 from .comm_manager import Traffic
 from .config import PatchConfig
 from .denoiser import PatchParallelDenoiser
 
-__all__ = ["ship_model", "distributed_sample", "RankSession", "rank_model"]
+__all__ = ["ship_model", "distributed_sample", "RankSession", "rank_model", "SamplingDesync"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,13 @@ _SESSION = "patchray.sampling.session"  # rank_cache() entry: RankSession
 
 
 # --------------------------------------------------------------------------------------------------- rank side
+
+
+class SamplingDesync(RuntimeError):
+    """A rank failed after the run's collectives began (or the ranks' calls disagreed): the group may be out of step.
+
+    :func:`distributed_sample` stops the cluster on it, so the next call starts from a fresh group.
+    """
 
 
 def rank_model(key: Hashable) -> Any:
@@ -75,6 +86,7 @@ def _load_model(ctx: ParallelContext, key: Hashable, build, payload_ref, prepare
     if session is not None:
         session.close()
     del old  # free the previous model before the new one arrives
+    gc.collect()  # host-application modules may hold reference cycles
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     if prepare is not None:
@@ -98,13 +110,36 @@ class RankSession:
         self.denoiser: Optional[PatchParallelDenoiser] = None
         self._unet: Optional[nn.Module] = None
         self._fn: Optional[Callable[..., Any]] = None
-        self.calls = 0
+        self.calls = 0  # UNet calls completed in this run
+        self.entered = 0  # UNet calls begun in this run (collectives may have started)
 
     def begin(self) -> None:
         """A new sampling run: every stream starts again at logical step 0 (synchronous)."""
-        self.calls = 0
+        self.calls = self.entered = 0
         if self.denoiser is not None:
             self.denoiser.reset()
+
+    def agree_min(self, value: float) -> float:
+        """The minimum of ``value`` over the ranks (one tiny all-reduce): for host decisions that read local state.
+
+        ComfyUI, for one, decides from the device's free memory whether cond and uncond share a UNet call; ranks
+        that decided differently would make different collective calls. Feed such inputs through here.
+        """
+        if self.ctx.world_size == 1:
+            return value
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctx.group)
+        return float(t.item())
+
+    def _check_same_call(self, stream: Hashable, x: torch.Tensor) -> None:
+        """Every rank must be making the same UNet call (stream and shape); raise instead of mismatching collectives."""
+        sig = torch.tensor([zlib.crc32(repr(stream).encode()), *x.shape, self.entered], dtype=torch.int64, device=self.ctx.device)
+        every = all_gather_padded(sig.view(1, -1), self.ctx, dim=0, sizes=[1] * self.ctx.world_size).cpu()
+        if not bool((every == every[0]).all()):
+            raise SamplingDesync(
+                f"rank {self.ctx.rank}: the ranks' samplers diverged (stream-hash, shape, call index per rank: "
+                f"{every.tolist()}); every rank must make the same sequence of UNet calls"
+            )
 
     def denoise(self, unet: nn.Module, fn: Callable[..., Any], x: torch.Tensor, t: Any, *, stream: Hashable = None, **cond) -> torch.Tensor:
         """One UNet evaluation, patch-parallel: ``fn(x, t, **cond)`` must run ``unet`` (e.g. a wrapper's executor).
@@ -120,6 +155,9 @@ class RankSession:
             self.denoiser = PatchParallelDenoiser(
                 self._call, self.ctx, self.config, unet=unet, cfg_in_batch=False, input_conv=self.input_conv
             )
+        self.entered += 1
+        if self.ctx.world_size > 1:
+            self._check_same_call(stream, x)
         self._fn = fn
         try:
             out = self.denoiser(x, t, patch_stream=stream, **cond)
@@ -171,7 +209,13 @@ def _sample_on_rank(ctx: ParallelContext, key, sample, inputs_ref, config: dict,
 
     if prepare is not None:
         _resolve(prepare)(ctx, *prepare_args)
-    inputs = ray.get(inputs_ref)
+    try:
+        inputs = ray.get(inputs_ref)
+    except Exception as exc:
+        raise RuntimeError(
+            f"rank {ctx.rank} cannot load this run's inputs ({type(exc).__name__}: {exc}); objects from code that is "
+            "not importable on the ranks (e.g. functions of other custom nodes in the model options) cannot travel"
+        ) from exc
     model = rank_model(key)
     session = _session(ctx, key, PatchConfig(**config), input_conv)
     session.begin()
@@ -181,9 +225,15 @@ def _sample_on_rank(ctx: ParallelContext, key, sample, inputs_ref, config: dict,
         if not isinstance(latent, torch.Tensor):
             raise TypeError(f"the sample function returned {type(latent).__name__}; it must return the final latent tensor")
         out = session.finalize(latent)
-    except BaseException:
-        # a failed run leaves half-filled memories behind; the next run must not inherit them
-        session.begin()
+    except BaseException as exc:
+        started = session.entered > 0
+        # a failed run leaves half-filled memories behind: the next run starts from a fresh session
+        rank_cache().pop(_SESSION, None)
+        session.close()
+        if started and not isinstance(exc, (SamplingDesync, KeyboardInterrupt)):
+            raise SamplingDesync(
+                f"rank {ctx.rank} failed after {session.entered} UNet call(s) began: {type(exc).__name__}: {exc}"
+            ) from exc
         raise
     if ctx.rank != 0:
         return None
@@ -272,6 +322,21 @@ def distributed_sample(
             _fn_ref(prepare) if prepare is not None else None, tuple(prepare_args), return_traffic,
             timeout_s=timeout_s, cancel_check=cancel_check, progress=progress,
         )
+    except RankFailure as exc:
+        if _caused_by_desync(exc) and not cluster.broken:
+            # the ranks all returned, but their collectives may be out of step: never reuse this group
+            raise cluster._failure(str(exc), exc.ranks, exc) from exc
+        raise
     finally:
         del ref
     return results[0]
+
+
+def _caused_by_desync(exc: BaseException) -> bool:
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, SamplingDesync) or "SamplingDesync" in type(exc).__name__:
+            return True
+        exc = getattr(exc, "cause", None) or exc.__cause__
+        seen += 1
+    return False

@@ -56,7 +56,7 @@ def _inputs(opts, ctx_dim):
     return {
         "noise": comfy.sample.prepare_noise(latent, 42), "latent_image": latent, "noise_mask": None, "seed": 42,
         "steps": opts["steps"], "cfg": 6.0, "sampler_name": opts["sampler"], "scheduler": "karras", "denoise": 1.0,
-        "positive": pos, "negative": neg, "model_options": {"transformer_options": {}},
+        "positive": pos, "negative": neg, "model_options": {"transformer_options": {}}, "object_patches": {},
     }
 
 

@@ -248,8 +248,10 @@ def _latent(base, entry, nid):
     return load_file(str(base / "output" / item["subfolder"] / item["filename"]))["latent_tensor"]
 
 
-@pytest.mark.parametrize("sampler, ranks", [("euler", 2), ("dpmpp_2m", 3), ("euler_ancestral", 2)])
-def test_distributed_ksampler_full_sync_matches_the_stock_ksampler(server, sampler, ranks):
+# in this order on one server: the second case reuses the first one's cluster and cached model (same weights and
+# LoRA) with another object patch, which ComfyUI applies without renewing the patch uuid
+@pytest.mark.parametrize("sampler, ranks, prediction", [("euler", 2, "v_prediction"), ("euler_ancestral", 2, "eps"), ("dpmpp_2m", 3, "v_prediction")])
+def test_distributed_ksampler_full_sync_matches_the_stock_ksampler(server, sampler, ranks, prediction):
     """The same patched MODEL (a weight patch, an object patch, a CFG function) through both samplers."""
     url, base = server
     common = {"seed": 11, "steps": 4, "cfg": 5.0, "sampler_name": sampler, "scheduler": "karras", "positive": ["4", 0],
@@ -258,7 +260,7 @@ def test_distributed_ksampler_full_sync_matches_the_stock_ksampler(server, sampl
         "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "sd_xl_base_1.0.safetensors"}},
         # weight patches (a LoRA), an object patch (the sampling type) and a model_options function (RescaleCFG)
         "2": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": "patchray_test_lora.safetensors", "strength_model": 1.0}},
-        "3": {"class_type": "ModelSamplingDiscrete", "inputs": {"model": ["2", 0], "sampling": "v_prediction", "zsnr": False}},
+        "3": {"class_type": "ModelSamplingDiscrete", "inputs": {"model": ["2", 0], "sampling": prediction, "zsnr": False}},
         "9": {"class_type": "RescaleCFG", "inputs": {"model": ["3", 0], "multiplier": 0.7}},
         "4": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red boat", "clip": ["1", 1]}},
         "5": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry", "clip": ["1", 1]}},
@@ -278,15 +280,18 @@ def test_distributed_ksampler_full_sync_matches_the_stock_ksampler(server, sampl
     # perturbation into ~1e-5 relative output (measured), so 1e-5 is its fp32 noise floor; after four steps the
     # measured differences are ~5e-7. A logic error (a wrong halo, a missed patch) gives > 1e-2.
     rel = ((ours - stock).norm() / stock.norm()).item()
-    print(f"{sampler}, {ranks} ranks: relative L2 to the stock KSampler {rel:.2e}")
-    assert rel < 1e-5, f"{sampler} on {ranks} ranks: relative L2 {rel:.2e} vs the stock KSampler"
-    # the patches were applied: without them the result differs by far more than the tolerance
+    print(f"{sampler}, {ranks} ranks, {prediction}: relative L2 to the stock KSampler {rel:.2e}")
+    assert rel < 1e-5, f"{sampler} on {ranks} ranks ({prediction}): relative L2 {rel:.2e} vs the stock KSampler"
+    # the patches were applied on the ranks: the unpatched model's result is farther from the stock one than
+    # PatchRay's by orders of magnitude (ancestral samplers' injected noise shrinks the model's share of the latent)
     plain = dict(api)
     plain["7"] = {"class_type": "KSampler", "inputs": dict(common, model=["1", 0])}
     plain = {k: v for k, v in plain.items() if k in ("1", "4", "5", "6", "7", "11")}
     plain["11"] = {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": f"plain_{sampler}"}}
     unpatched = _latent(base, _run(url, plain), "11")
-    assert ((unpatched - stock).norm() / stock.norm()).item() > 1e-2
+    effect = ((unpatched - stock).norm() / stock.norm()).item()
+    print(f"  the patches change the stock result by {effect:.2e}")
+    assert effect > 100 * max(rel, 1e-7), (effect, rel)
 
 
 def test_distributed_ksampler_refuses_clearly_and_recovers(server):

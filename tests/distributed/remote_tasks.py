@@ -79,3 +79,22 @@ def refuse(ctx, unet, session, inp):
 
 def state(ctx):
     return {"builds": rank_cache().get("test.builds", 0), "prepared": list(rank_cache().get("test.prepared", []))}
+
+
+def _one_call(unet, session, x, cond):
+    def fn(x, t, **c):
+        return unet(x, t, return_dict=False, **c)[0]
+
+    with torch.no_grad():
+        return session.denoise(unet, fn, torch.cat([x, x]), torch.tensor([500.0, 500.0]), stream="cfg", **cond)
+
+
+def diverge(ctx, unet, session, inp):
+    """Rank 1 makes a different UNet call (another latent height): must raise, not mismatch collectives."""
+    x = inp["latent"] if ctx.rank == 0 else inp["latent"][..., :16, :]
+    return _one_call(unet, session, x, inp["cond"])
+
+
+def fail_after_a_step(ctx, unet, session, inp):
+    _one_call(unet, session, inp["latent"], inp["cond"])
+    raise ValueError("the sampler failed after its first step")

@@ -99,3 +99,22 @@ def test_sampler_error_is_raised_and_next_run_works():
     inp = tasks.inputs(steps=2)
     out = distributed_sample(cluster, key, tasks.sample, inp, preset("full_sync", split_batch=False))
     assert _rel(out["latent"], tasks.reference(payload, inp)) < 2e-5
+
+
+@pytest.mark.parametrize("task, message", [("diverge", "diverged"), ("fail_after_a_step", "failed after 1 UNet call")])
+def test_failures_after_the_collectives_began_stop_the_cluster_and_the_next_run_works(task, message):
+    from patchray.distributed.cluster import RankFailure
+
+    cluster = _cluster(2)
+    payload = tasks.make_payload(0)
+    key = ("tiny-sdxl", 0)
+    ship_model(cluster, key, lambda: payload, tasks.build)
+    with pytest.raises(RankFailure, match=message):
+        distributed_sample(cluster, key, getattr(tasks, task), tasks.inputs(), preset("full_sync", split_batch=False))
+    assert cluster.broken, "a group whose collectives may be out of step must not be reused"
+    fresh = _cluster(2)
+    assert fresh is not cluster
+    inp = tasks.inputs(steps=2)
+    ship_model(fresh, key, lambda: payload, tasks.build)
+    out = distributed_sample(fresh, key, tasks.sample, inp, preset("full_sync", split_batch=False))
+    assert _rel(out["latent"], tasks.reference(payload, inp)) < 2e-5
