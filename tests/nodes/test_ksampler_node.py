@@ -60,3 +60,17 @@ def test_schema_offers_comfyuis_samplers_and_the_presets(ks):
     assert {"normal", "karras"} <= set(inputs["scheduler"].options)
     assert list(inputs["preset"].options) == ["full_sync", "displaced", "otil", "balanced"]
     assert inputs["seed"].control_after_generate
+
+
+@pytest.mark.parametrize("key", ["control", "gligen", "hooks", "area", "mask"])
+def test_conditioning_the_bands_cannot_honour_is_refused_with_the_reason(key):
+    import torch
+
+    from patchray.nodes import _model
+
+    cond = [[torch.zeros(1, 77, 8), {"pooled_output": torch.zeros(1, 8), key: object()}]]
+    with pytest.raises(NotImplementedError, match="use the stock KSampler"):
+        _model.check_conditioning("positive", cond)
+    _model.check_conditioning("positive", [[torch.zeros(1, 77, 8), {"pooled_output": torch.zeros(1, 8), "strength": 0.5}]])
+    with pytest.raises(TypeError, match="CONDITIONING"):
+        _model.check_conditioning("negative", {"not": "a list"})
