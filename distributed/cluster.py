@@ -57,6 +57,7 @@ __all__ = [
     "check_cluster",
     "rank_cache",
     "report_progress",
+    "caused_by",
 ]
 
 log = logging.getLogger(__name__)
@@ -377,14 +378,14 @@ class _RankActor:
     def call(self, fn, packed):
         """Run ``fn(ctx, *args, **kwargs)``; ``packed`` is the ``(args, kwargs)`` put once by the driver."""
         args, kwargs = packed
-        _PROGRESS[0] = _PROGRESS[1] = 0
         if self.ctx is None:
             raise ClusterSetupError(f"rank {self.rank}: process group not initialised")
         fn = _resolve(fn)
         try:
             return fn(self.ctx, *args, **kwargs)
         finally:
-            # reset at both ends: the driver's first poll of the next call may run before that call starts
+            # reset when a call ends (its figure starts at 0 on a new actor): the driver's first poll of the next
+            # call may run before that call starts, and must not see this call's figure
             _PROGRESS[0] = _PROGRESS[1] = 0
 
     def ping(self) -> int:
@@ -681,6 +682,18 @@ class RankCluster:
             except Exception:
                 pass
         self._kill()
+
+
+def caused_by(exc: Optional[BaseException], cls: type) -> bool:
+    """Whether ``exc`` or a cause in its chain is a ``cls``, also across Ray (a rank's exception arrives as
+    ``RayTaskError(cls)``, a subclass named after it, wrapped in :class:`RankFailure`'s ``cause``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, cls) or cls.__name__ in type(exc).__name__:
+            return True
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return False
 
 
 class _ProgressPoll:

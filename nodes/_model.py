@@ -133,9 +133,9 @@ def _skeleton(mp, state: dict):
         if "prev_comfy_cast_weights" in d:
             d["comfy_cast_weights"] = d.pop("prev_comfy_cast_weights")
         d.pop("comfy_patched_weights", None)
-    for name, original in mp.object_patches_backup.items():  # the un-patched objects; the rank re-applies ours
-        import comfy.utils
+    import comfy.utils
 
+    for name, original in mp.object_patches_backup.items():  # the un-patched objects; the rank re-applies ours
         comfy.utils.set_attr(skeleton, name, copy.deepcopy(original))
     for attr, value in (("model_loaded_weight_memory", 0), ("lowvram_patch_counter", 0), ("model_lowvram", False), ("current_weight_patches_uuid", None)):
         setattr(skeleton, attr, value)

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..cluster import RankFailure, _fn_ref, _resolve, rank_cache, report_progress
-from ..comm import all_gather_padded
+from ..cluster import RankFailure, _fn_ref, _resolve, caused_by, rank_cache, report_progress
+from ..comm import all_gather_padded, all_reduce
 from ..context import ParallelContext
 from .comm_manager import Traffic
 from .config import PatchConfig
@@ -125,11 +125,8 @@ class RankSession:
         ComfyUI, for one, decides from the device's free memory whether cond and uncond share a UNet call; ranks
         that decided differently would make different collective calls. Feed such inputs through here.
         """
-        if self.ctx.world_size == 1:
-            return value
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.ctx.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctx.group)
-        return float(t.item())
+        return float(all_reduce(t, self.ctx, op=dist.ReduceOp.MIN).item())
 
     def _check_same_call(self, stream: Hashable, x: torch.Tensor) -> None:
         """Every rank must be making the same UNet call (stream and shape); raise instead of mismatching collectives."""
@@ -323,20 +320,10 @@ def distributed_sample(
             timeout_s=timeout_s, cancel_check=cancel_check, progress=progress,
         )
     except RankFailure as exc:
-        if _caused_by_desync(exc) and not cluster.broken:
+        if caused_by(exc, SamplingDesync) and not cluster.broken:
             # the ranks all returned, but their collectives may be out of step: never reuse this group
             raise cluster._failure(str(exc), exc.ranks, exc) from exc
         raise
     finally:
         del ref
     return results[0]
-
-
-def _caused_by_desync(exc: BaseException) -> bool:
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, SamplingDesync) or "SamplingDesync" in type(exc).__name__:
-            return True
-        exc = getattr(exc, "cause", None) or exc.__cause__
-        seen += 1
-    return False

@@ -186,11 +186,9 @@ def _run_with_weights(cluster, task: Callable, spec: VaeSpec, *args, cancel_chec
 
 
 def _is_need_weights(exc: BaseException) -> bool:
-    while exc is not None:
-        if isinstance(exc, _NeedWeights) or "_NeedWeights" in type(exc).__name__:
-            return True
-        exc = getattr(exc, "cause", None) or exc.__cause__
-    return False
+    from ..cluster import caused_by
+
+    return caused_by(exc, _NeedWeights)
 
 
 def _latent_frames_hw(spec_family: str, z: torch.Tensor):

@@ -69,6 +69,7 @@ def _sync(ctx):
 
 
 def _rank(ctx, opts):
+    from patchray.distributed.sampling.comm_manager import Traffic
     from patchray.distributed.sampling.config import preset
     from patchray.distributed.sampling.remote import RankSession
     from patchray.nodes import _ksampler_rank as kr
@@ -114,7 +115,7 @@ def _rank(ctx, opts):
         after = session.traffic.snapshot()
         rec = {"seconds_shared_gpu": round(seconds, 3), "unet_calls": session.calls,
                "peak_gib": round(torch.cuda.max_memory_allocated(ctx.device) / GIB, 3) if cuda else None,
-               "traffic_bytes": {k: after["bytes"][k] - (before["bytes"].get(k, 0) if before else 0) for k in after["bytes"]}}
+               "traffic_bytes": (Traffic.diff(after, before) if before else after)["bytes"]}
         if ref is not None:
             rec["rel_l2_vs_stock"] = ((final - ref.float()).norm() / ref.float().norm()).item()
             rec["max_abs_vs_stock"] = (final - ref.float()).abs().max().item()
