@@ -43,6 +43,12 @@ __all__ = [
     "Halo",
     "tensor_bytes",
     "exchange_pieces",
+    "init_process_group",
+    "is_initialized",
+    "destroy_process_group",
+    "barrier",
+    "new_group",
+    "all_gather_object",
 ]
 
 COUNTED_OPS = (
@@ -374,3 +380,46 @@ def exchange_pieces(
             offset += n
         received[peer] = pieces
     return received
+
+
+# --------------------------------------------------------------------------------------------------
+# process groups: set-up, tear-down and the small collectives the runtime needs outside the adapters
+
+
+def init_process_group(backend: str, *, store=None, rank: int, world_size: int, timeout) -> None:
+    """Join the WORLD group (``timeout`` is a ``datetime.timedelta``)."""
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def destroy_process_group() -> None:
+    """Leave the WORLD group (and every group made from it); a no-op when none was joined."""
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: ParallelContext) -> None:
+    """Wait until every rank of ``ctx.group`` arrives; a no-op on one rank."""
+    if ctx.world_size == 1:
+        return
+    if ctx.backend == "nccl" and ctx.device.type == "cuda":
+        dist.barrier(group=ctx.group, device_ids=[ctx.device.index or 0])
+    else:
+        dist.barrier(group=ctx.group)
+
+
+def new_group(ranks: Sequence[int]):
+    """A subgroup of the WORLD ranks ``ranks`` (only its members need to call this)."""
+    return dist.new_group(ranks=list(ranks), use_local_synchronization=True)
+
+
+def all_gather_object(obj, ctx: ParallelContext) -> list:
+    """Every rank's picklable ``obj``, in group-rank order; ``[obj]`` on one rank."""
+    if ctx.world_size == 1:
+        return [obj]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj, group=ctx.group)
+    return out
