@@ -2,41 +2,48 @@
 
 Design decisions:
 
-* **Three orthogonal axes, not one mode string.** DistriFusion folds "how layers talk" and "how GroupNorm talks"
-  into one ``mode`` (``corrected_async_gn``, ``no_sync``, ...), which is why seed 001 had to patch upstream to get
-  "GroupNorm synchronised, everything else no_sync". Here :class:`PatchConfig` has ``layer_mode`` (conv halos and
-  self-attention K/V), ``groupnorm`` (the statistics) and ``output`` (how the denoiser output is completed on every
-  rank) as separate fields, so every combination the seed asks for is a value, not a patch.
+* **Three orthogonal axes, not one mode string.** DistriFusion's reference code folds "how layers talk" and "how
+  GroupNorm talks" into one ``mode`` (``corrected_async_gn``, ``no_sync``, ...), so "GroupNorm synchronised,
+  everything else stale" cannot be asked for without patching it. Here :class:`PatchConfig` has ``layer_mode``
+  (conv halos and self-attention K/V), ``groupnorm`` (the statistics) and ``output`` (how the denoiser output is
+  completed on every rank) as separate fields, so every combination is a value, not a patch.
 * **Synchronous steps are a function of the logical step index** (:meth:`PatchConfig.is_sync_step`): the warm-up
-  steps and every ``refresh_every``-th step. Nothing resets a counter to force a refresh, so the refresh cannot
-  disturb the schedule that decides it (the seed's pitfall with ``unet.set_counter(0)``).
-* **Presets are data** (:data:`PRESETS`), and :func:`preset` applies overrides through ``dataclasses.replace`` so
-  the result is validated again.
+  steps and every ``refresh_every``-th step. Nothing resets a step counter to force a refresh, so the refresh
+  cannot disturb the schedule that decides it (resetting the model's own counter would also restart the warm-up
+  bookkeeping that reads it).
+* **Presets are data** (:data:`PRESETS`), named by what they do, and :func:`preset` applies overrides through
+  ``dataclasses.replace`` so the result is validated again. Old names stay accepted as deprecated aliases
+  (:data:`DEPRECATED_PRESETS`): saved workflows may still use them.
 
-Presets (seed 001):
+Presets (what each trades is in docs/sampling.md, "Presets"):
 
 * ``full_sync``: every step synchronous; equals the single-rank result within floating-point tolerance.
-* ``displaced``: DistriFusion; halos and K/V one step stale through asynchronous all-gathers, corrected-async
-  GroupNorm, full gather of the denoiser output, 4 synchronous warm-up steps.
-* ``guide``: the OTIL guide as written (sections 4.1-4.3): layers ``no_sync`` after warm-up (halos and K/V frozen
-  at the last warm-up step), separate GroupNorm, OTIL top-k latent exchange (k/K = 1/4, 8x8 blocks).
-* ``otil``: ``guide`` with the seed's Pitfall-3 remedies: synchronised GroupNorm and a periodic synchronous
-  refresh of halos and K/V.
+* ``displaced``: DistriFusion's displaced patch parallelism: halos and K/V one step stale through asynchronous
+  all-gathers, corrected-async GroupNorm, full gather of the denoiser output, 4 synchronous warm-up steps.
+* ``otil_unsynced``: OTIL with nothing else synchronised after the warm-up: halos and K/V frozen at the last
+  warm-up step, each band normalised with its own GroupNorm statistics, only the top-k latent blocks travel
+  (k/K = 1/4, 8x8 blocks). The least traffic and the largest error; formerly ``guide``.
+* ``otil``: ``otil_unsynced`` plus two fixes for what stays stale: synchronised GroupNorm statistics and a
+  synchronous refresh of halos and K/V every 10 steps.
 * ``balanced``: keeps the full output gather (cheap: one band per step) and spends the budget on quality:
-  synchronised GroupNorm and a more frequent refresh.
+  synchronised GroupNorm and a refresh every 5 steps.
 
-Every preset keeps ``cfg_repair`` on (the seed's fix for split-batch CFG); turn it off only to reproduce the bug.
+Every preset keeps ``cfg_repair`` on (with ``split_batch``, a rank would otherwise combine a fresh CFG half with
+the other half as of the last synchronous step); turn it off only to reproduce that error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-__all__ = ["LayerMode", "GroupNormMode", "OutputMode", "PatchConfig", "PRESETS", "preset"]
+__all__ = ["LayerMode", "GroupNormMode", "OutputMode", "PatchConfig", "PRESETS", "DEPRECATED_PRESETS", "preset"]
+
+log = logging.getLogger(__name__)
 
 
 class LayerMode(str, enum.Enum):
@@ -89,10 +96,11 @@ class PatchConfig:
         split_batch: put the two CFG halves on two halves of the ranks (needs an even world size and a caller
             that batches [uncond, cond]); otherwise every rank patch-parallelises the whole batch.
         cfg_repair: with ``split_batch``, exchange each rank's fresh band with the rank holding the same band of
-            the other CFG half (one all-gather over that pair) every step. Off reproduces the seed's CFG bug.
+            the other CFG half (one all-gather over that pair) every step. Off reproduces the stale-half CFG
+            error this repairs (docs/sampling.md, "CFG repair").
         cfg_repair_half: exchange the whole completed half (own band fresh, remote bands as this rank's OTIL memory
             holds them) instead of the band, so both CFG halves are equally fresh outside the band too; costs
-            (ranks per half) x the band's bytes. Beyond the seed.
+            (ranks per half) x the band's bytes.
         block_size: OTIL square sub-block side, in latent pixels (the paper: 8).
         k_ratio: OTIL blocks sent per step as a fraction of the band's blocks (the paper: 1/4).
         k_blocks: an absolute k instead of ``k_ratio`` (clipped to each band's block count).
@@ -211,18 +219,30 @@ class PatchConfig:
 PRESETS: Dict[str, PatchConfig] = {
     "full_sync": PatchConfig(layer_mode="full_sync", groupnorm="sync", output="gather", warmup_steps=0),
     "displaced": PatchConfig(layer_mode="displaced", groupnorm="corrected_async", output="gather", warmup_steps=4),
-    "guide": PatchConfig(layer_mode="no_sync", groupnorm="separate", output="otil", warmup_steps=4, refresh_every=0),
+    "otil_unsynced": PatchConfig(layer_mode="no_sync", groupnorm="separate", output="otil", warmup_steps=4, refresh_every=0),
     "otil": PatchConfig(layer_mode="no_sync", groupnorm="sync", output="otil", warmup_steps=4, refresh_every=10),
     "balanced": PatchConfig(layer_mode="no_sync", groupnorm="sync", output="gather", warmup_steps=4, refresh_every=5),
 }
 
 
+DEPRECATED_PRESETS: Dict[str, str] = {
+    "guide": "otil_unsynced",
+}
+"""Old preset names, still accepted (with a warning), and the preset each now names."""
+
+
 def preset(name: str, **overrides) -> PatchConfig:
     """The preset ``name`` with ``overrides`` applied (validated).
+
+    A deprecated name (:data:`DEPRECATED_PRESETS`) resolves to its new name and logs a warning.
 
     Raises:
         ValueError: for an unknown preset name (the message lists the known ones).
     """
+    if name in DEPRECATED_PRESETS:
+        new = DEPRECATED_PRESETS[name]
+        log.warning("preset %r is deprecated and will be removed; it is now called %r (same settings)", name, new)
+        name = new
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

@@ -1,12 +1,17 @@
 """Per-rank peak CUDA memory of ``row_decode`` on the FULL architectures, against the 'band 1/N' baseline.
 
+What it measures is the ratio row mode's memory bound is stated in: per rank, at most 1.15x the peak of a plain
+decode of one band (docs/vae.md, "The memory bound"). The band decode is one rank's ideal share: no halo, no
+communication. The ratios are reported, not enforced: the tool measures, the reader judges.
+
 Design decision: while only one GPU is lent, N rank processes share it under gloo (``spawn.run_ranks(...,
 backend="gloo", device="cuda")``). ``torch.cuda.max_memory_allocated`` is per process, so each rank's figure is
 honest; speed is not (the ranks share one GPU and gloo stages halos through the host), so only memory is
 reported. Each rank builds the family's full-size VAE (synthetic weights, bf16), decodes once to warm up, resets
 the peak counter and decodes again. Rank 0 then also measures the baseline itself: a plain ``vae.decode`` of the
-first ``h // N`` latent rows, no adapters, no communication (what ``baselines-h200.md`` calls band_1/N), so the
-ratio is taken against a figure from the same PyTorch build; the recorded H200 figure is printed beside it.
+first ``h // N`` latent rows, no adapters, no communication (the "band 1/N" decode), so the ratio is taken
+against a figure from the same PyTorch build; the figure recorded on one H200 (:data:`RECORDED_BAND_GIB`) is
+printed beside it.
 
 Ranks sharing one GPU also share its free memory: each rank's caching allocator may hold far more than it has
 allocated (HunyuanVideo-1.5 at N = 4 ran out of memory that way with ~23 GiB allocated per rank). The ranks
@@ -33,7 +38,7 @@ __all__ = ["CANONICAL_SMALL", "RECORDED_BAND_GIB", "measure", "main"]
 
 GIB = 1024**3
 
-#: the family's smaller canonical shape (height, width, frames), as in baselines-h200.md
+#: the family's smaller canonical benchmark shape (height, width, frames), height first (docs/benchmark.md)
 CANONICAL_SMALL = {
     "kl": (1024, 1024, 1),
     "flux2": (1024, 1024, 1),
@@ -44,7 +49,8 @@ CANONICAL_SMALL = {
     "ltx2": (1024, 1536, 121),
 }
 
-#: band_1/N peaks (GiB) recorded in ../shared/reference/baselines-h200.md for those shapes (bf16, H200)
+#: band 1/N peaks (GiB, ``max_memory_allocated``, weights included) measured for those shapes on one NVIDIA H200 with
+#: PyTorch 2.11 + CUDA 13, diffusers 0.42.1, bf16, synthetic weights (2026-11-29); the table is in docs/vae.md
 RECORDED_BAND_GIB = {
     "kl": {2: 1.38, 4: 0.79},
     "flux2": {2: 1.39, 4: 0.79},

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from patchray.distributed.sampling.adapters import split_rows
-from patchray.distributed.sampling.config import PRESETS, GroupNormMode, LayerMode, OutputMode, PatchConfig, preset
+from patchray.distributed.sampling.config import (
+    DEPRECATED_PRESETS,
+    PRESETS,
+    GroupNormMode,
+    LayerMode,
+    OutputMode,
+    PatchConfig,
+    preset,
+)
 from patchray.distributed.sampling.otil import _dequantize, _quantize, choose_k
 
 
@@ -50,13 +58,13 @@ def test_type_errors_and_unknown_overrides():
         preset("fast")
 
 
-def test_presets_as_the_seed_defines_them():
-    guide, otil, balanced = PRESETS["guide"], PRESETS["otil"], PRESETS["balanced"]
-    assert guide.layer_mode is LayerMode.NO_SYNC and guide.output is OutputMode.OTIL
-    assert guide.groupnorm is GroupNormMode.SEPARATE and guide.refresh_every == 0
-    assert (guide.block_size, guide.k_ratio, guide.warmup_steps) == (8, 0.25, 4)
-    # otil = guide + the Pitfall-3 remedies (GroupNorm sync, periodic refresh), nothing else
-    diff = {k for k, v in otil.to_dict().items() if guide.to_dict()[k] != v}
+def test_presets_hold_the_settings_docs_sampling_describes():
+    unsynced, otil, balanced = PRESETS["otil_unsynced"], PRESETS["otil"], PRESETS["balanced"]
+    assert unsynced.layer_mode is LayerMode.NO_SYNC and unsynced.output is OutputMode.OTIL
+    assert unsynced.groupnorm is GroupNormMode.SEPARATE and unsynced.refresh_every == 0
+    assert (unsynced.block_size, unsynced.k_ratio, unsynced.warmup_steps) == (8, 0.25, 4)
+    # otil = otil_unsynced + the two fixes for what stays stale (GroupNorm sync, periodic refresh), nothing else
+    diff = {k for k, v in otil.to_dict().items() if unsynced.to_dict()[k] != v}
     assert diff == {"groupnorm", "refresh_every"} and otil.groupnorm is GroupNormMode.SYNC and otil.refresh_every > 0
     assert balanced.output is OutputMode.GATHER and balanced.groupnorm is GroupNormMode.SYNC
     assert PRESETS["displaced"].layer_mode is LayerMode.DISPLACED and PRESETS["full_sync"].layer_mode is LayerMode.FULL_SYNC
@@ -67,11 +75,25 @@ def test_presets_as_the_seed_defines_them():
         preset("displaced", warmup_steps=0)
 
 
+def test_deprecated_preset_name_still_works_and_warns(caplog):
+    # saved workflows may name the preset by its old name
+    assert DEPRECATED_PRESETS == {"guide": "otil_unsynced"}
+    assert "guide" not in PRESETS  # listed once, under the name that says what it does
+    with caplog.at_level("WARNING", logger="patchray.distributed.sampling.config"):
+        cfg = preset("guide", k_ratio=0.5)
+    assert cfg == PRESETS["otil_unsynced"].replace(k_ratio=0.5)
+    assert any("'guide' is deprecated" in r.getMessage() and "'otil_unsynced'" in r.getMessage() for r in caplog.records)
+    with caplog.at_level("WARNING", logger="patchray.distributed.sampling.config"):
+        caplog.clear()
+        preset("otil")
+    assert not caplog.records  # current names do not warn
+
+
 def test_sync_schedule_is_by_logical_step():
     cfg = preset("otil", warmup_steps=2, refresh_every=5)
     assert [cfg.is_sync_step(i) for i in range(12)] == [True, True, False, False, False, True] + [False] * 4 + [True, False]
     assert all(PRESETS["full_sync"].is_sync_step(i) for i in range(10))
-    assert not any(PRESETS["guide"].is_sync_step(i) for i in range(4, 60))
+    assert not any(PRESETS["otil_unsynced"].is_sync_step(i) for i in range(4, 60))
 
 
 def test_split_rows_uneven_and_refusals():
