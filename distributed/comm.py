@@ -1,20 +1,31 @@
-"""Communication: the few collectives PatchRay uses, and the accounting every mode and the benchmark share.
+"""Communication: the few collectives PatchRay uses, the process-group plumbing, and one interception layer.
 
 Design decisions:
 
-* **One place talks to torch.distributed.** Adapters call the helpers here (``all_reduce``,
-  ``all_gather_padded``, ``exchange_halo``, ``gather_to``), never ``dist.*`` directly, so the gloo
-  host-staging rule, padding for transport and one-rank short cuts live in one file.
+* **One place talks to torch.distributed.** Adapters, the runtime and the benchmark call the helpers here
+  (``all_reduce``, ``all_gather_padded``, ``exchange_halo``, ``gather_to``, ``barrier``, ...), never ``dist.*``
+  directly, so the gloo host-staging rule, padding for transport and one-rank short cuts live in one file. A
+  structure test (tests/distributed/test_structure.py) keeps every other module off ``torch.distributed``.
 * **Halo sizes come from shared data, never from a metadata collective.** Every caller passes the
   per-rank sizes it derived from global shapes, so a halo exchange is one ``batch_isend_irecv``.
 * **gloo cannot send CUDA tensors point-to-point** ('writev: Bad address', measured on an H200), so under
   gloo a CUDA tensor is staged through host memory for send/recv; collectives run on CUDA tensors as is.
-* **Accounting follows seed 000's counting rules.** :func:`log_comm` temporarily wraps the public
-  ``torch.distributed`` operations (all_reduce, all_gather, all_gather_into_tensor, broadcast, isend,
-  irecv, send, recv, barrier, batch_isend_irecv). A call that one of those makes from inside PyTorch's
+* **One interception layer.** Counting (:func:`log_comm`), the benchmark's link throttle and its timer of
+  communication are *hooks* on one patcher (:func:`intercept`): while at least one hook is installed, the public
+  ``torch.distributed`` operations in :data:`COUNTED_OPS` are replaced by one wrapper that hands each call, as a
+  :class:`CommCall`, through the hooks (the first installed runs innermost, next to the real call); when none
+  is installed nothing is wrapped, so interception costs nothing when off. A call made from inside PyTorch's
   ``distributed_c10d`` module (the sends inside ``batch_isend_irecv``, the tensor collectives inside
-  ``all_gather_object``) is labelled *batched*: its tensor bytes count, its call does not. When no log
-  is open nothing is wrapped, so accounting costs nothing when off.
+  ``all_gather_object``) is marked *batched*: counting adds its tensor bytes but not a call, and the throttle
+  and the timer leave it to the top-level call that contains it. The counting rules are written down in
+  ``docs/benchmark.md``.
+* **Why not ``torch.distributed.tensor.debug.CommDebugMode``.** It was tried (torch 2.13, two gloo ranks): it
+  is a ``TorchDispatchMode``, so it sees ``c10d.allreduce_``, ``c10d.allgather_`` and ``c10d.gather_`` at the
+  dispatcher, but not ``batch_isend_irecv``'s sends and receives nor ``barrier``, and it cannot tell the user's
+  ``all_gather`` from the ones ``all_gather_object`` makes inside (it counted three where the rules count one
+  call and two batched). Every aten operation would also pass through Python while it is on, which would bill
+  the timed compute for the dispatch. The counting rules need the public API call and its caller, so the
+  layer wraps the public functions.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import functools
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -34,7 +45,12 @@ from .context import ParallelContext
 __all__ = [
     "COUNTED_OPS",
     "CommLog",
+    "CommCall",
+    "CommHook",
+    "intercept",
     "log_comm",
+    "all_gather_into",
+    "context_for_group",
     "all_reduce",
     "all_gather_padded",
     "exchange_halo",
@@ -43,7 +59,9 @@ __all__ = [
     "Halo",
     "tensor_bytes",
     "exchange_pieces",
+    "REDUCE_OPS",
     "init_process_group",
+    "file_store",
     "is_initialized",
     "destroy_process_group",
     "barrier",
@@ -62,7 +80,7 @@ COUNTED_OPS = (
     "recv",
     "barrier",
     "batch_isend_irecv",
-    # beyond seed 000's list: PatchRay gathers outputs to the caller only, with gather
+    # PatchRay gathers outputs to the caller only, with gather
     "gather",
 )
 
@@ -114,7 +132,30 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
-_active_logs: List[CommLog] = []
+class CommCall(NamedTuple):
+    """One intercepted ``torch.distributed`` call, as the hooks see it.
+
+    Args:
+        op: the operation's name (one of :data:`COUNTED_OPS`).
+        args, kwargs: what the caller passed.
+        batched: made from inside ``distributed_c10d`` (part of a batch or of an object collective).
+    """
+
+    op: str
+    args: tuple
+    kwargs: dict
+    batched: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the positional tensor buffers (keyword tensors, like ``gather_list``, do not count)."""
+        return sum(tensor_bytes(a) for a in self.args)
+
+
+#: a hook: ``hook(call, proceed)`` runs ``proceed()`` (the real call, or the next hook) and returns its result
+CommHook = Callable[[CommCall, Callable[[], Any]], Any]
+
+_hooks: List[CommHook] = []
 _patch_lock = threading.Lock()
 _originals: Dict[str, object] = {}
 
@@ -123,12 +164,11 @@ def _make_wrapper(op: str, original):
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         caller = sys._getframe(1).f_globals.get("__name__", "")
-        batched = caller == _C10D_MODULE
-        # Only positional tensor buffers count (seed 000: "Byte totals sum positional tensor buffers").
-        nbytes = sum(tensor_bytes(a) for a in args)
-        for log in _active_logs:
-            log.record(op, nbytes, batched)
-        return original(*args, **kwargs)
+        call = CommCall(op, args, kwargs, caller == _C10D_MODULE)
+        proceed = functools.partial(original, *args, **kwargs)
+        for hook in tuple(_hooks):  # the first installed is innermost
+            proceed = functools.partial(hook, call, proceed)
+        return proceed()
 
     wrapper.__patchray_wrapped__ = original
     return wrapper
@@ -155,7 +195,27 @@ def _uninstall():
 
 
 @contextlib.contextmanager
-def log_comm():
+def intercept(hook: CommHook) -> Iterator[None]:
+    """Pass every call of :data:`COUNTED_OPS` made in this process through ``hook`` while the block runs.
+
+    Hooks nest: one installed inside another's block runs outside it (it sees the inner hook's effect, e.g. a
+    timer installed after the throttle bills the throttle's sleep to communication).
+    """
+    with _patch_lock:
+        if not _hooks:
+            _install()
+        _hooks.append(hook)
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _hooks.remove(hook)
+            if not _hooks:
+                _uninstall()
+
+
+@contextlib.contextmanager
+def log_comm() -> Iterator[CommLog]:
     """Count ``torch.distributed`` calls and bytes made inside the block (this process only).
 
     Example:
@@ -165,29 +225,60 @@ def log_comm():
         0
     """
     log = CommLog()
-    with _patch_lock:
-        if not _active_logs:
-            _install()
-        _active_logs.append(log)
-    try:
+
+    def count(call: CommCall, proceed):
+        log.record(call.op, call.nbytes, call.batched)
+        return proceed()
+
+    with intercept(count):
         yield log
-    finally:
-        with _patch_lock:
-            _active_logs.remove(log)
-            if not _active_logs:
-                _uninstall()
 
 
 # --------------------------------------------------------------------------------------------------
 # primitives
 
 
+#: reduction names :func:`all_reduce` accepts (callers need not import ``torch.distributed`` for ``ReduceOp``)
+REDUCE_OPS = ("sum", "product", "min", "max", "avg")
+
+
+def _reduce_op(op: Union[str, None, "dist.ReduceOp"]):
+    if op is None:
+        return dist.ReduceOp.SUM
+    if isinstance(op, str):
+        if op.lower() not in REDUCE_OPS:
+            raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)} (got {op!r})")
+        return getattr(dist.ReduceOp, op.upper())
+    return op
+
+
 def all_reduce(t: torch.Tensor, ctx: ParallelContext, op=None) -> torch.Tensor:
-    """In-place sum (or ``op``) over the group; a no-op on one rank. Returns ``t``."""
+    """In-place sum (or ``op``: a name of :data:`REDUCE_OPS` or a ``ReduceOp``) over the group; a no-op on one
+    rank. Returns ``t``."""
     if ctx.world_size == 1:
         return t
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=ctx.group)
+    dist.all_reduce(t, op=_reduce_op(op), group=ctx.group)
     return t
+
+
+def all_gather_into(outputs: List[torch.Tensor], send: torch.Tensor, ctx: ParallelContext, async_op: bool = False):
+    """All-gather ``send`` into ``outputs`` (one tensor per rank, written in place); returns the work handle of
+    an asynchronous call, else ``None``.
+
+    Under gloo a CUDA tensor is staged through the host, which makes the call blocking (``None`` is returned
+    then, too); NCCL runs an asynchronous one on its own stream.
+    """
+    if ctx.world_size == 1:
+        outputs[0].copy_(send)
+        return None
+    if ctx.stages_p2p_through_host:
+        host_out = [torch.empty_like(o, device="cpu") for o in outputs]
+        dist.all_gather(host_out, send.cpu(), group=ctx.group)
+        for o, h in zip(outputs, host_out):
+            o.copy_(h)
+        return None
+    work = dist.all_gather(outputs, send, group=ctx.group, async_op=async_op)
+    return work if async_op else None
 
 
 def broadcast(t: torch.Tensor, ctx: ParallelContext, src: int = 0) -> torch.Tensor:
@@ -387,8 +478,30 @@ def exchange_pieces(
 
 
 def init_process_group(backend: str, *, store=None, rank: int, world_size: int, timeout) -> None:
-    """Join the WORLD group (``timeout`` is a ``datetime.timedelta``)."""
+    """Join the WORLD group (``timeout`` is a ``datetime.timedelta``; without ``store``, torchrun's environment
+    variables say where to meet)."""
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def file_store(path: str, world_size: int):
+    """A ``FileStore`` at ``path`` for ``world_size`` ranks: a rendezvous without ports (no free-port race)."""
+    return dist.FileStore(path, world_size)
+
+
+def context_for_group(group=None, device: Optional[torch.device] = None) -> ParallelContext:
+    """The :class:`ParallelContext` of ``group`` (default: WORLD) of an initialised ``torch.distributed``; a
+    one-rank context when none is initialised."""
+    if not is_initialized():
+        return ParallelContext.single(device)
+    group = group if group is not None else dist.group.WORLD
+    return ParallelContext(
+        group=group,
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+        global_ranks=tuple(dist.get_process_group_ranks(group)),
+        device=torch.device(device or "cpu"),
+        backend=str(dist.get_backend(group)),
+    )
 
 
 def is_initialized() -> bool:
