@@ -63,6 +63,7 @@ __all__ = [
     "init_process_group",
     "file_store",
     "is_initialized",
+    "nccl_available",
     "destroy_process_group",
     "barrier",
     "new_group",
@@ -502,6 +503,11 @@ def context_for_group(group=None, device: Optional[torch.device] = None) -> Para
         device=torch.device(device or "cpu"),
         backend=str(dist.get_backend(group)),
     )
+
+
+def nccl_available() -> bool:
+    """Whether this PyTorch was built with NCCL (a process group on it can be created)."""
+    return dist.is_available() and dist.is_nccl_available()
 
 
 def is_initialized() -> bool:

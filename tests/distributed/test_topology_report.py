@@ -9,14 +9,8 @@ import pytest
 import torch
 
 from patchray.distributed.topology.cli import probe_main
-from patchray.distributed.topology.probe import (
-    _nvml_collect,
-    _worker_env,
-    build_node,
-    measure_allreduce,
-    probe_topology,
-    report_from_saved,
-)
+from patchray.distributed.topology.measure import _worker_env, measure_allreduce
+from patchray.distributed.topology.probe import _nvml_collect, build_node, probe_topology, report_from_saved
 from patchray.distributed.topology.render import render_heatmap, summary_text
 from patchray.distributed.topology.report import SCHEMA_VERSION, NcclBandwidth, TopologyReport
 
