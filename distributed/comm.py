@@ -62,6 +62,7 @@ __all__ = [
     "REDUCE_OPS",
     "init_process_group",
     "file_store",
+    "tcp_store",
     "is_initialized",
     "nccl_available",
     "destroy_process_group",
@@ -487,6 +488,12 @@ def init_process_group(backend: str, *, store=None, rank: int, world_size: int, 
 def file_store(path: str, world_size: int):
     """A ``FileStore`` at ``path`` for ``world_size`` ranks: a rendezvous without ports (no free-port race)."""
     return dist.FileStore(path, world_size)
+
+
+def tcp_store(host: str, port: int, world_size: int, *, is_master: bool, timeout, wait_for_workers: bool = True):
+    """A ``TCPStore`` (several machines). The master passes ``port=0`` to let the OS pick one (read ``.port``),
+    so no free-port race; ``timeout`` is a ``datetime.timedelta``."""
+    return dist.TCPStore(host, port, world_size, is_master=is_master, timeout=timeout, wait_for_workers=wait_for_workers)
 
 
 def context_for_group(group=None, device: Optional[torch.device] = None) -> ParallelContext:

@@ -82,8 +82,8 @@ def _distinct(plans) -> list:
 def _latent_mean(out):
     if out is None or isinstance(out, torch.Tensor):
         return out
-    dist = getattr(out, "latent_dist", out)
-    return dist.mean
+    latent_dist = getattr(out, "latent_dist", out)
+    return latent_dist.mean
 
 
 def make_runner(case: Case, vae, inp, ctx, opts: Options) -> Callable[[], Any]:
