@@ -17,7 +17,8 @@ Design decisions:
   is installed nothing is wrapped, so interception costs nothing when off. A call made from inside PyTorch's
   ``distributed_c10d`` module (the sends inside ``batch_isend_irecv``, the tensor collectives inside
   ``all_gather_object``) is marked *batched*: counting adds its tensor bytes but not a call, and the throttle
-  and the timer leave it to the top-level call that contains it. The counting rules are written down in
+  and the timer leave it to the top-level call that contains it. The records themselves (:class:`CommLog`,
+  :class:`CommCall`) are plain data in :mod:`.accounting`; the counting rules are written down in
   ``docs/benchmark.md``.
 * **Why not ``torch.distributed.tensor.debug.CommDebugMode``.** It was tried (torch 2.13, two gloo ranks): it
   is a ``TorchDispatchMode``, so it sees ``c10d.allreduce_``, ``c10d.allgather_`` and ``c10d.gather_`` at the
@@ -34,12 +35,12 @@ import contextlib
 import functools
 import sys
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Union
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+from .accounting import _C10D_MODULE, COUNTED_OPS, CommCall, CommHook, CommLog, tensor_bytes
 from .context import ParallelContext
 
 __all__ = [
@@ -70,92 +71,6 @@ __all__ = [
     "new_group",
     "all_gather_object",
 ]
-
-COUNTED_OPS = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "broadcast",
-    "isend",
-    "irecv",
-    "send",
-    "recv",
-    "barrier",
-    "batch_isend_irecv",
-    # PatchRay gathers outputs to the caller only, with gather
-    "gather",
-)
-
-_C10D_MODULE = "torch.distributed.distributed_c10d"
-
-
-@dataclass
-class CommLog:
-    """Calls and tensor bytes per operation, for one rank.
-
-    ``calls[op]`` counts API calls; ``batched_calls[op]`` counts calls made from inside
-    ``distributed_c10d`` (they add bytes but not calls); ``bytes[op]`` sums both.
-    """
-
-    calls: Dict[str, int] = field(default_factory=dict)
-    batched_calls: Dict[str, int] = field(default_factory=dict)
-    bytes: Dict[str, int] = field(default_factory=dict)
-
-    @property
-    def total_calls(self) -> int:
-        return sum(self.calls.values())
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-    def record(self, op: str, nbytes: int, batched: bool) -> None:
-        target = self.batched_calls if batched else self.calls
-        target[op] = target.get(op, 0) + 1
-        self.bytes[op] = self.bytes.get(op, 0) + nbytes
-
-    def to_dict(self) -> dict:
-        return {
-            "total_calls": self.total_calls,
-            "total_bytes": self.total_bytes,
-            "calls": dict(sorted(self.calls.items())),
-            "batched_calls": dict(sorted(self.batched_calls.items())),
-            "bytes": dict(sorted(self.bytes.items())),
-        }
-
-
-def tensor_bytes(obj) -> int:
-    """Bytes of the tensors in ``obj`` (a tensor, or nested lists/tuples of them); anything else counts 0."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        # a P2POp list (batch_isend_irecv) is no tensor buffer: its sends and receives count as batched calls
-        return sum(tensor_bytes(o) for o in obj)
-    return 0
-
-
-class CommCall(NamedTuple):
-    """One intercepted ``torch.distributed`` call, as the hooks see it.
-
-    Args:
-        op: the operation's name (one of :data:`COUNTED_OPS`).
-        args, kwargs: what the caller passed.
-        batched: made from inside ``distributed_c10d`` (part of a batch or of an object collective).
-    """
-
-    op: str
-    args: tuple
-    kwargs: dict
-    batched: bool
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the positional tensor buffers (keyword tensors, like ``gather_list``, do not count)."""
-        return sum(tensor_bytes(a) for a in self.args)
-
-
-#: a hook: ``hook(call, proceed)`` runs ``proceed()`` (the real call, or the next hook) and returns its result
-CommHook = Callable[[CommCall, Callable[[], Any]], Any]
 
 _hooks: List[CommHook] = []
 _patch_lock = threading.Lock()
