@@ -240,7 +240,7 @@ def test_out_of_memory_case_is_recorded_and_the_rest_continue(ranks):
 
 
 def test_known_exchange_counts(ranks):
-    # seed 000: batch_isend_irecv is one call; its sends/receives are "batched": bytes, no calls
+    # docs/benchmark.md: batch_isend_irecv is one call; its sends/receives are "batched": bytes, no calls
     row_bytes = 4 * 8 * 4  # one row of a [1, 4, 8, 8] fp32 tensor along dim 2
     for rank in (0, 1):
         known = ranks[rank]["known"]
