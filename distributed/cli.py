@@ -15,7 +15,7 @@ __all__ = ["main", "COMMANDS"]
 
 #: command -> (module, function, one-line help)
 COMMANDS = {
-    "bench": ("patchray.distributed.bench.vae_bench", "bench_main", "VAE benchmark (seed 000's harness): JSON + PNG chart"),
+    "bench": ("patchray.distributed.bench.vae_bench", "bench_main", "VAE benchmark (docs/benchmark.md): JSON + PNG chart"),
     "sample-bench": ("patchray.distributed.bench.sample_bench", "sample_bench_main", "patch-parallel / OTIL sampling benchmark"),
     "probe": ("patchray.distributed.topology.cli", "probe_main", "form the cluster, check collectives, P2P topology and advice"),
     "plan": ("patchray.distributed.vae.planner", "plan_main", "tile plans (coarse / balanced / fine) and the Pareto frontier"),

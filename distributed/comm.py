@@ -1,20 +1,32 @@
-"""Communication: the few collectives PatchRay uses, and the accounting every mode and the benchmark share.
+"""Communication: the few collectives PatchRay uses, the process-group plumbing, and one interception layer.
 
 Design decisions:
 
-* **One place talks to torch.distributed.** Adapters call the helpers here (``all_reduce``,
-  ``all_gather_padded``, ``exchange_halo``, ``gather_to``), never ``dist.*`` directly, so the gloo
-  host-staging rule, padding for transport and one-rank short cuts live in one file.
+* **One place talks to torch.distributed.** Adapters, the runtime and the benchmark call the helpers here
+  (``all_reduce``, ``all_gather_padded``, ``exchange_halo``, ``gather_to``, ``barrier``, ...), never ``dist.*``
+  directly, so the gloo host-staging rule, padding for transport and one-rank short cuts live in one file. A
+  structure test (tests/distributed/test_structure.py) keeps every other module off ``torch.distributed``.
 * **Halo sizes come from shared data, never from a metadata collective.** Every caller passes the
   per-rank sizes it derived from global shapes, so a halo exchange is one ``batch_isend_irecv``.
 * **gloo cannot send CUDA tensors point-to-point** ('writev: Bad address', measured on an H200), so under
   gloo a CUDA tensor is staged through host memory for send/recv; collectives run on CUDA tensors as is.
-* **Accounting follows seed 000's counting rules.** :func:`log_comm` temporarily wraps the public
-  ``torch.distributed`` operations (all_reduce, all_gather, all_gather_into_tensor, broadcast, isend,
-  irecv, send, recv, barrier, batch_isend_irecv). A call that one of those makes from inside PyTorch's
+* **One interception layer.** Counting (:func:`log_comm`), the benchmark's link throttle and its timer of
+  communication are *hooks* on one patcher (:func:`intercept`): while at least one hook is installed, the public
+  ``torch.distributed`` operations in :data:`COUNTED_OPS` are replaced by one wrapper that hands each call, as a
+  :class:`CommCall`, through the hooks (the first installed runs innermost, next to the real call); when none
+  is installed nothing is wrapped, so interception costs nothing when off. A call made from inside PyTorch's
   ``distributed_c10d`` module (the sends inside ``batch_isend_irecv``, the tensor collectives inside
-  ``all_gather_object``) is labelled *batched*: its tensor bytes count, its call does not. When no log
-  is open nothing is wrapped, so accounting costs nothing when off.
+  ``all_gather_object``) is marked *batched*: counting adds its tensor bytes but not a call, and the throttle
+  and the timer leave it to the top-level call that contains it. The records themselves (:class:`CommLog`,
+  :class:`CommCall`) are plain data in :mod:`.accounting`; the counting rules are written down in
+  ``docs/benchmark.md``.
+* **Why not ``torch.distributed.tensor.debug.CommDebugMode``.** It was tried (torch 2.13, two gloo ranks): it
+  is a ``TorchDispatchMode``, so it sees ``c10d.allreduce_``, ``c10d.allgather_`` and ``c10d.gather_`` at the
+  dispatcher, but not ``batch_isend_irecv``'s sends and receives nor ``barrier``, and it cannot tell the user's
+  ``all_gather`` from the ones ``all_gather_object`` makes inside (it counted three where the rules count one
+  call and two batched). Every aten operation would also pass through Python while it is on, which would bill
+  the timed compute for the dispatch. The counting rules need the public API call and its caller, so the
+  layer wraps the public functions.
 """
 
 from __future__ import annotations
@@ -23,18 +35,23 @@ import contextlib
 import functools
 import sys
 import threading
-from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+from .accounting import _C10D_MODULE, COUNTED_OPS, CommCall, CommHook, CommLog, tensor_bytes
 from .context import ParallelContext
 
 __all__ = [
     "COUNTED_OPS",
     "CommLog",
+    "CommCall",
+    "CommHook",
+    "intercept",
     "log_comm",
+    "all_gather_into",
+    "context_for_group",
     "all_reduce",
     "all_gather_padded",
     "exchange_halo",
@@ -43,78 +60,19 @@ __all__ = [
     "Halo",
     "tensor_bytes",
     "exchange_pieces",
+    "REDUCE_OPS",
     "init_process_group",
+    "file_store",
+    "tcp_store",
     "is_initialized",
+    "nccl_available",
     "destroy_process_group",
     "barrier",
     "new_group",
     "all_gather_object",
 ]
 
-COUNTED_OPS = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "broadcast",
-    "isend",
-    "irecv",
-    "send",
-    "recv",
-    "barrier",
-    "batch_isend_irecv",
-    # beyond seed 000's list: PatchRay gathers outputs to the caller only, with gather
-    "gather",
-)
-
-_C10D_MODULE = "torch.distributed.distributed_c10d"
-
-
-@dataclass
-class CommLog:
-    """Calls and tensor bytes per operation, for one rank.
-
-    ``calls[op]`` counts API calls; ``batched_calls[op]`` counts calls made from inside
-    ``distributed_c10d`` (they add bytes but not calls); ``bytes[op]`` sums both.
-    """
-
-    calls: Dict[str, int] = field(default_factory=dict)
-    batched_calls: Dict[str, int] = field(default_factory=dict)
-    bytes: Dict[str, int] = field(default_factory=dict)
-
-    @property
-    def total_calls(self) -> int:
-        return sum(self.calls.values())
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-    def record(self, op: str, nbytes: int, batched: bool) -> None:
-        target = self.batched_calls if batched else self.calls
-        target[op] = target.get(op, 0) + 1
-        self.bytes[op] = self.bytes.get(op, 0) + nbytes
-
-    def to_dict(self) -> dict:
-        return {
-            "total_calls": self.total_calls,
-            "total_bytes": self.total_bytes,
-            "calls": dict(sorted(self.calls.items())),
-            "batched_calls": dict(sorted(self.batched_calls.items())),
-            "bytes": dict(sorted(self.bytes.items())),
-        }
-
-
-def tensor_bytes(obj) -> int:
-    """Bytes of the tensors in ``obj`` (a tensor, or nested lists/tuples of them); anything else counts 0."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        # a P2POp list (batch_isend_irecv) is no tensor buffer: its sends and receives count as batched calls
-        return sum(tensor_bytes(o) for o in obj)
-    return 0
-
-
-_active_logs: List[CommLog] = []
+_hooks: List[CommHook] = []
 _patch_lock = threading.Lock()
 _originals: Dict[str, object] = {}
 
@@ -123,12 +81,11 @@ def _make_wrapper(op: str, original):
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         caller = sys._getframe(1).f_globals.get("__name__", "")
-        batched = caller == _C10D_MODULE
-        # Only positional tensor buffers count (seed 000: "Byte totals sum positional tensor buffers").
-        nbytes = sum(tensor_bytes(a) for a in args)
-        for log in _active_logs:
-            log.record(op, nbytes, batched)
-        return original(*args, **kwargs)
+        call = CommCall(op, args, kwargs, caller == _C10D_MODULE)
+        proceed = functools.partial(original, *args, **kwargs)
+        for hook in tuple(_hooks):  # the first installed is innermost
+            proceed = functools.partial(hook, call, proceed)
+        return proceed()
 
     wrapper.__patchray_wrapped__ = original
     return wrapper
@@ -155,7 +112,27 @@ def _uninstall():
 
 
 @contextlib.contextmanager
-def log_comm():
+def intercept(hook: CommHook) -> Iterator[None]:
+    """Pass every call of :data:`COUNTED_OPS` made in this process through ``hook`` while the block runs.
+
+    Hooks nest: one installed inside another's block runs outside it (it sees the inner hook's effect, e.g. a
+    timer installed after the throttle bills the throttle's sleep to communication).
+    """
+    with _patch_lock:
+        if not _hooks:
+            _install()
+        _hooks.append(hook)
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _hooks.remove(hook)
+            if not _hooks:
+                _uninstall()
+
+
+@contextlib.contextmanager
+def log_comm() -> Iterator[CommLog]:
     """Count ``torch.distributed`` calls and bytes made inside the block (this process only).
 
     Example:
@@ -165,29 +142,60 @@ def log_comm():
         0
     """
     log = CommLog()
-    with _patch_lock:
-        if not _active_logs:
-            _install()
-        _active_logs.append(log)
-    try:
+
+    def count(call: CommCall, proceed):
+        log.record(call.op, call.nbytes, call.batched)
+        return proceed()
+
+    with intercept(count):
         yield log
-    finally:
-        with _patch_lock:
-            _active_logs.remove(log)
-            if not _active_logs:
-                _uninstall()
 
 
 # --------------------------------------------------------------------------------------------------
 # primitives
 
 
+#: reduction names :func:`all_reduce` accepts (callers need not import ``torch.distributed`` for ``ReduceOp``)
+REDUCE_OPS = ("sum", "product", "min", "max", "avg")
+
+
+def _reduce_op(op: Union[str, None, "dist.ReduceOp"]):
+    if op is None:
+        return dist.ReduceOp.SUM
+    if isinstance(op, str):
+        if op.lower() not in REDUCE_OPS:
+            raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)} (got {op!r})")
+        return getattr(dist.ReduceOp, op.upper())
+    return op
+
+
 def all_reduce(t: torch.Tensor, ctx: ParallelContext, op=None) -> torch.Tensor:
-    """In-place sum (or ``op``) over the group; a no-op on one rank. Returns ``t``."""
+    """In-place sum (or ``op``: a name of :data:`REDUCE_OPS` or a ``ReduceOp``) over the group; a no-op on one
+    rank. Returns ``t``."""
     if ctx.world_size == 1:
         return t
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=ctx.group)
+    dist.all_reduce(t, op=_reduce_op(op), group=ctx.group)
     return t
+
+
+def all_gather_into(outputs: List[torch.Tensor], send: torch.Tensor, ctx: ParallelContext, async_op: bool = False):
+    """All-gather ``send`` into ``outputs`` (one tensor per rank, written in place); returns the work handle of
+    an asynchronous call, else ``None``.
+
+    Under gloo a CUDA tensor is staged through the host, which makes the call blocking (``None`` is returned
+    then, too); NCCL runs an asynchronous one on its own stream.
+    """
+    if ctx.world_size == 1:
+        outputs[0].copy_(send)
+        return None
+    if ctx.stages_p2p_through_host:
+        host_out = [torch.empty_like(o, device="cpu") for o in outputs]
+        dist.all_gather(host_out, send.cpu(), group=ctx.group)
+        for o, h in zip(outputs, host_out):
+            o.copy_(h)
+        return None
+    work = dist.all_gather(outputs, send, group=ctx.group, async_op=async_op)
+    return work if async_op else None
 
 
 def broadcast(t: torch.Tensor, ctx: ParallelContext, src: int = 0) -> torch.Tensor:
@@ -387,8 +395,41 @@ def exchange_pieces(
 
 
 def init_process_group(backend: str, *, store=None, rank: int, world_size: int, timeout) -> None:
-    """Join the WORLD group (``timeout`` is a ``datetime.timedelta``)."""
+    """Join the WORLD group (``timeout`` is a ``datetime.timedelta``; without ``store``, torchrun's environment
+    variables say where to meet)."""
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def file_store(path: str, world_size: int):
+    """A ``FileStore`` at ``path`` for ``world_size`` ranks: a rendezvous without ports (no free-port race)."""
+    return dist.FileStore(path, world_size)
+
+
+def tcp_store(host: str, port: int, world_size: int, *, is_master: bool, timeout, wait_for_workers: bool = True):
+    """A ``TCPStore`` (several machines). The master passes ``port=0`` to let the OS pick one (read ``.port``),
+    so no free-port race; ``timeout`` is a ``datetime.timedelta``."""
+    return dist.TCPStore(host, port, world_size, is_master=is_master, timeout=timeout, wait_for_workers=wait_for_workers)
+
+
+def context_for_group(group=None, device: Optional[torch.device] = None) -> ParallelContext:
+    """The :class:`ParallelContext` of ``group`` (default: WORLD) of an initialised ``torch.distributed``; a
+    one-rank context when none is initialised."""
+    if not is_initialized():
+        return ParallelContext.single(device)
+    group = group if group is not None else dist.group.WORLD
+    return ParallelContext(
+        group=group,
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+        global_ranks=tuple(dist.get_process_group_ranks(group)),
+        device=torch.device(device or "cpu"),
+        backend=str(dist.get_backend(group)),
+    )
+
+
+def nccl_available() -> bool:
+    """Whether this PyTorch was built with NCCL (a process group on it can be created)."""
+    return dist.is_available() and dist.is_nccl_available()
 
 
 def is_initialized() -> bool:

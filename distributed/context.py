@@ -63,21 +63,14 @@ class ParallelContext:
 
     @classmethod
     def from_group(cls, group=None, device: Optional[torch.device] = None) -> "ParallelContext":
-        """Build a context for ``group`` (default: WORLD) of an initialised ``torch.distributed``."""
-        import torch.distributed as dist
+        """Build a context for ``group`` (default: WORLD) of an initialised ``torch.distributed``.
 
-        if not dist.is_initialized():
-            return cls.single(device)
-        group = group if group is not None else dist.group.WORLD
-        ranks = tuple(dist.get_process_group_ranks(group))
-        return cls(
-            group=group,
-            rank=dist.get_rank(group),
-            world_size=dist.get_world_size(group),
-            global_ranks=ranks,
-            device=torch.device(device or "cpu"),
-            backend=str(dist.get_backend(group)),
-        )
+        The group is asked through :func:`patchray.distributed.comm.context_for_group` (comm.py is the one module
+        that calls ``torch.distributed``; it is imported here, not at the top, because comm builds contexts).
+        """
+        from .comm import context_for_group
+
+        return context_for_group(group, device)
 
     @property
     def is_first(self) -> bool:

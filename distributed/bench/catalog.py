@@ -2,13 +2,11 @@
 
 Design decisions:
 
-* **One order everywhere: height x width x frames.** Seed 000's ``--shape`` examples (``720x1280x81``),
-  its ``--case`` windows (``WINDOW_HxW``), its JSON (``[height, width]``) and the H200 baselines
-  (``480x832x81``) are all height first. Only the seed's canonical-shapes *table* writes video sizes the way
-  resolutions are usually named (``832x480`` for 480p, ``1920x1280`` for LTX-2's landscape case). PatchRay
-  stores every shape as an explicit ``(height, width, frames)`` and prints ``HxWxF``, so the wan 480p case
-  is ``480x832x81`` here, on stdout and in the JSON. The geometry is the seed's: the same pixels, named
-  height first.
+* **One order everywhere: height x width x frames.** ``--shape`` (``720x1280x81``), the ``--case`` windows
+  (``WINDOW_HxW``) and the JSON (``[height, width]``) are all height first, although video resolutions are
+  usually named width first (``832x480`` for 480p, ``1920x1280`` for LTX-2's landscape case). PatchRay stores
+  every shape as an explicit ``(height, width, frames)`` and prints ``HxWxF``, so the wan 480p case is
+  ``480x832x81`` here, on stdout and in the JSON.
 * **Versioned with the architectures.** A shape is canonical *for* an architecture: LTX-2 uses larger frames
   because 32x compression must leave sixteen latent units on a tile's narrow axis. ``CATALOG_VERSION`` goes
   into every record beside a digest of the family's full config, so two reports compare only when both match.
@@ -51,11 +49,11 @@ CANONICAL_SHAPES: Dict[str, Tuple[Shape, ...]] = {
     "flux2": (Shape(1024, 1024), Shape(2048, 2048)),
     "kl": (Shape(1024, 1024), Shape(2048, 2048)),
     "qwen_image": (Shape(1024, 1024, 1), Shape(2048, 2048, 1)),
-    # the seed's 832x480x81 and 1280x720x81 (width first), stored height first
+    # 480p and 720p, 81 frames (832x480 and 1280x720 width first), stored height first
     "wan": (Shape(480, 832, 81), Shape(720, 1280, 81)),
     "hunyuan_video": (Shape(480, 832, 129), Shape(720, 1280, 129)),
     "hunyuan_video_15": (Shape(480, 832, 129), Shape(720, 1280, 129)),
-    # the seed's 1536x1024x121 and 1920x1280x121 (landscape, width first), stored height first
+    # landscape 1536x1024 and 1920x1280 (width first), 121 frames, stored height first
     "ltx2": (Shape(1024, 1536, 121), Shape(1280, 1920, 121)),
 }
 

@@ -1,7 +1,7 @@
 """Where a benchmark figure came from: package versions, PatchRay revision, source digest, the device.
 
-Design decision: seed 000 says to compare results only when this context is available, so every record
-carries it, and it is gathered without side effects (no network, no writes): ``git`` is asked only when the
+Design decision: two figures compare only when this context is available (``docs/benchmark.md``), so every
+record carries it, and it is gathered without side effects (no network, no writes): ``git`` is asked only when the
 package sits in a git work tree, and NVML only when ``nvidia-ml-py`` is installed.
 """
 

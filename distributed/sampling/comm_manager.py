@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
+from ..comm import all_gather_into
 from ..context import ParallelContext
 
 __all__ = ["KINDS", "Traffic", "CommManager", "async_all_gather_into"]
@@ -67,18 +67,12 @@ class Traffic:
 
 
 def async_all_gather_into(outputs: List[torch.Tensor], send: torch.Tensor, ctx: ParallelContext):
-    """Start an all-gather of ``send`` into ``outputs`` (one per rank) and return its work handle.
+    """Start an all-gather of ``send`` into ``outputs`` (one per rank) and return its work handle (``None`` when
+    the call was blocking: gloo stages a CUDA tensor through the host).
 
-    The asynchronous sibling of :func:`patchray.distributed.comm.all_gather_padded` (which is blocking). Under gloo
-    a CUDA tensor is staged through the host, which makes it effectively blocking; NCCL runs it on its own stream.
+    The asynchronous sibling of :func:`patchray.distributed.comm.all_gather_padded` (which is blocking).
     """
-    if ctx.stages_p2p_through_host:
-        host_out = [torch.empty_like(o, device="cpu") for o in outputs]
-        dist.all_gather(host_out, send.cpu(), group=ctx.group)
-        for o, h in zip(outputs, host_out):
-            o.copy_(h)
-        return None
-    return dist.all_gather(outputs, send, group=ctx.group, async_op=True)
+    return all_gather_into(outputs, send, ctx, async_op=True)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""P2P topology probe and PCIe-aware advice (issue 8).
+"""P2P topology probe and PCIe-aware advice.
 
 ``probe_topology()`` inspects this machine (nvidia-smi, NVML, PyTorch, NCCL; each optional),
 ``report_from_saved()`` reads ``nvidia-smi topo -m`` / ``topo -p2p`` text saved elsewhere, and ``advise()`` turns
@@ -22,7 +22,8 @@ from .advice import (
 from .cli import probe_main
 from .parse import TopoMatrix, parse_gpu_listing, parse_p2p_matrix, parse_saved_outputs, parse_topo_matrix
 from .probe import probe_topology, report_from_saved
-from .report import TopologyReport, heatmap_image, render_heatmap, summary_text
+from .render import heatmap_image, render_heatmap, summary_text
+from .report import TopologyReport
 
 __all__ = [
     "Advice",

@@ -9,10 +9,9 @@ Design decisions:
   paths that are slower than host memory, and ACS/IOMMU can break P2P silently. Where the probe measured NCCL
   with and without P2P, that comparison decides ``NCCL_P2P_DISABLE``; status strings decide only when nothing
   was measured.
-* **Bandwidth classes come from the benchmark's link model** (``distributed/bench/linkmodel.py``,
-  ``LINK_PROFILES``), imported lazily: a link is described as the nearest named profile, so the decode mode and
-  the OTIL preset chosen here match what the benchmark's modelled latencies show for that profile. If the link
-  model is not importable, a built-in table with the same fields is used.
+* **Bandwidth classes come from the named link profiles** (:mod:`.links`, ``LINK_PROFILES``, which the
+  benchmark's link model uses too): a link is described as the nearest named profile, so the decode mode and the
+  OTIL preset chosen here match what the benchmark's modelled latencies show for that profile.
 * **Auto modes ask once per cluster.** :func:`cached_probe` keeps one report per cluster key, so ComfyUI's
   auto decode/sampling modes do not re-measure on every prompt.
 """
@@ -24,8 +23,15 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Hashable, NamedTuple, Optional, Sequence
 
-from .parse import P2P_STATUS_MEANING, LinkClass, nvlink_count, pcie_path_rank
-from .report import NodeTopology, PairInfo, TopologyReport, pcie_gbps
+from .links import (
+    LinkEstimate,
+    bottleneck_link,
+    effective_gbps,
+    link_profiles,
+    nearest_profile,
+)
+from .parse import P2P_STATUS_MEANING, LinkClass, pcie_path_rank
+from .report import NodeTopology, TopologyReport, pcie_gbps
 
 __all__ = [
     "Advice",
@@ -48,20 +54,13 @@ __all__ = [
 # GroupNorm statistics at every layer, so it wants a link that is neither staged through host memory nor
 # slower than PCIe 4.0 x16 with P2P (~24 GB/s measured, 31.5 theoretical); 20 leaves room for measurement noise.
 ROW_MIN_GBPS = 20.0
-# OTIL: at or above NVLink-class bandwidth the full latent gather is nearly free (seed 001: "balanced keeps the
-# gather and spends the budget on quality instead"); below, send the top-k blocks. k/K = 1/4 is the OTIL paper's
+# OTIL: at or above NVLink-class bandwidth the full latent gather is nearly free, so the balanced preset keeps the
+# gather and spends the budget on quality instead; below, send the top-k blocks. k/K = 1/4 is the OTIL paper's
 # setting on A100 over PCIe (~20-25 GB/s); slower links halve k per class down to 1/16.
 OTIL_FULL_GATHER_GBPS = 100.0
 _OTIL_K_CLASSES = ((20.0, 1 / 4), (5.0, 1 / 8), (0.0, 1 / 16))
 # PCIe 3.0 x4: the narrowest link that still gets no warning.
 NARROW_PCIE_GBPS = pcie_gbps(3, 4)
-# Copies reach ~88% of a PCIe link's signalling rate with P2P (the pinned-copy efficiency the link model measured on
-# the H200 host) and half that when staged through host memory (two copies: the link model's via_host rule);
-# NVLink ~20 GB/s per link and direction (NV18 -> 360 GB/s, the link model's nvlink profile).
-_P2P_EFFICIENCY = 55.3 / 63.0
-_HOST_STAGED_EFFICIENCY = _P2P_EFFICIENCY / 2
-_NVLINK_GBPS_PER_LINK = 20.0
-_ASSUMED_PCIE_GBPS = pcie_gbps(4, 16)  # when a saved report has no --query-gpu output
 # NCCL with P2P disabled must beat P2P by more than this to call P2P "slow": a short all_reduce timing
 # varies by a few percent between runs, so 10% is a difference, not noise.
 _NCCL_MARGIN = 1.10
@@ -89,108 +88,6 @@ class Advice:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-class LinkProfile(NamedTuple):
-    """Same fields as ``distributed/bench/linkmodel.py``'s ``LinkProfile`` (used when that is not importable)."""
-
-    name: str
-    bandwidth_gbps: float
-    latency_us: float
-    via_host: bool
-
-
-_FALLBACK_PROFILES = {  # the link model's table (issue 5) as of this writing, used only if it cannot be imported
-    "nvlink": LinkProfile("nvlink", 360.0, 5.0, False),
-    "pcie4_x16_p2p": LinkProfile("pcie4_x16_p2p", 27.6, 10.0, False),
-    "pcie4_x16_no_p2p": LinkProfile("pcie4_x16_no_p2p", 27.6, 20.0, True),
-    "pcie3_x8": LinkProfile("pcie3_x8", 6.9, 10.0, False),
-    "10gbe": LinkProfile("10gbe", 1.18, 50.0, False),
-}
-
-
-def effective_gbps(profile) -> float:
-    """What one copy achieves on a profile: its bandwidth, halved when staged through host (two copies)."""
-    return profile.bandwidth_gbps / (2.0 if profile.via_host else 1.0)
-
-
-def link_profiles() -> dict:
-    """The benchmark's named link profiles (``LINK_PROFILES``), or the built-in table if it is not available."""
-    try:
-        from ..bench.linkmodel import LINK_PROFILES  # the benchmark's link model (issue 5)
-
-        if LINK_PROFILES:
-            return dict(LINK_PROFILES)
-    except ImportError:
-        pass
-    return dict(_FALLBACK_PROFILES)
-
-
-def nearest_profile(bandwidth_gbps: float, via_host: Optional[bool] = None, profiles: Optional[dict] = None):
-    """The named profile whose effective bandwidth (:func:`effective_gbps`) is nearest on a log scale.
-
-    ``via_host`` (known P2P status) restricts the candidates to profiles with the same ``via_host`` when any exist.
-    """
-    profiles = link_profiles() if profiles is None else profiles
-    cands = list(profiles.values())
-    if via_host is not None and any(bool(p.via_host) == via_host for p in cands):
-        cands = [p for p in cands if bool(p.via_host) == via_host]
-    if not cands or not bandwidth_gbps or bandwidth_gbps <= 0:
-        return None
-    return min(cands, key=lambda p: abs(math.log(max(effective_gbps(p), 1e-6) / bandwidth_gbps)))
-
-
-class LinkEstimate(NamedTuple):
-    """The slowest link among the GPUs a job would use."""
-
-    bandwidth_gbps: Optional[float]
-    latency_us: Optional[float]
-    via_host: Optional[bool]
-    source: str  # "nccl", "copy", "estimate", "inter-node", "none"
-    where: str  # "GPU0-GPU1", "hostA<->hostB", ""
-
-
-def _pair_estimate(node: NodeTopology, p: PairInfo) -> LinkEstimate:
-    where = f"GPU{p.a}-GPU{p.b}"
-    if p.measured_gbps is not None:
-        return LinkEstimate(p.measured_gbps, p.copy_latency_us, None if p.p2p_ok is None else not p.p2p_ok, "copy", where)
-    if p.link_class is LinkClass.NVLINK:
-        return LinkEstimate(_NVLINK_GBPS_PER_LINK * max(1, nvlink_count(p.link)), 3.0, False, "estimate", where)
-    links = [g.pcie_link_gbps for g in (node.gpu(p.a), node.gpu(p.b)) if g is not None and g.pcie_link_gbps]
-    pcie = min(links) if links else _ASSUMED_PCIE_GBPS
-    if p.p2p_ok:
-        eff = _P2P_EFFICIENCY * (0.5 if p.link_class is LinkClass.CROSS_SOCKET else 1.0)
-        return LinkEstimate(pcie * eff, 10.0, False, "estimate", where)
-    return LinkEstimate(pcie * _HOST_STAGED_EFFICIENCY, 25.0, True, "estimate", where)
-
-
-def bottleneck_link(report: TopologyReport, devices: Optional[Sequence[int]] = None) -> LinkEstimate:
-    """The slowest link a job over ``devices`` (nvidia-smi indices of the first node; default all) would cross.
-
-    Several nodes: the slowest measured link between nodes. One node: NCCL's measured bus bandwidth (the better of
-    P2P allowed/disabled, since the advice sets the better one) if measured over these devices, else the slowest
-    measured pair copy, else an estimate from the path kind, P2P status and PCIe generation/width.
-    """
-    if len([n for n in report.nodes if n.gpus]) > 1 and report.inter_node:
-        worst = min(report.inter_node, key=lambda x: x.bandwidth_gbps if x.bandwidth_gbps is not None else math.inf)
-        if worst.bandwidth_gbps is not None:
-            return LinkEstimate(worst.bandwidth_gbps, worst.latency_us, None, "inter-node", f"{worst.a}<->{worst.b}")
-    node = report.local
-    if node is None or len(node.gpus) < 2:
-        return LinkEstimate(None, None, None, "none", "")
-    chosen = set(devices) if devices is not None else {g.index for g in node.gpus}
-    pairs = [p for p in node.pairs if p.a in chosen and p.b in chosen]
-    if not pairs:
-        return LinkEstimate(None, None, None, "none", "")
-    n = node.nccl
-    if n is not None and not n.error and set(n.devices) >= chosen:
-        vals = [v for v in (n.p2p_allowed_gbps, n.p2p_disabled_gbps) if v]
-        if vals:
-            best_off = (n.p2p_disabled_gbps or 0) > (n.p2p_allowed_gbps or 0)
-            all_p2p = all(p.p2p_ok for p in pairs)
-            return LinkEstimate(max(vals), None, best_off or not all_p2p, "nccl", ",".join(f"GPU{i}" for i in n.devices))
-    ests = [_pair_estimate(node, p) for p in pairs]
-    return min(ests, key=lambda e: e.bandwidth_gbps)
 
 
 class DecodeChoice(NamedTuple):

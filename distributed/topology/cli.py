@@ -117,7 +117,7 @@ def probe_main(argv: Optional[List[str]] = None) -> int:
         return 2
     from .advice import advise
     from .probe import probe_topology, report_from_saved
-    from .report import render_heatmap, summary_text
+    from .render import render_heatmap, summary_text
 
     status = 0
     if args.topo_file or args.p2p_file or args.gpus_file:

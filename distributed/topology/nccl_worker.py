@@ -1,11 +1,12 @@
 """Measure all_reduce bus bandwidth in a fresh process group: ``python nccl_worker.py --devices 0,1 --out r.json``.
 
-Design decision: this file is run as a *script in a new process* by :func:`..probe.measure_allreduce`, never
+Design decision: this file is run as a *script in a new process* by :func:`..measure.measure_allreduce`, never
 imported into a running PatchRay process. NCCL reads ``NCCL_P2P_DISABLE`` and friends once, when it first
 initialises in a process, so the only reliable way to compare "P2P allowed" with "P2P disabled" is two fresh
-processes with two environments. It needs only torch and the standard library (no package imports), so it runs
-the same whether PatchRay was pip-installed or loaded by ComfyUI from a folder with any name. Ranks meet through a
-``FileStore`` in a temporary folder: no ports, so no free-port race.
+processes with two environments. It talks to ``torch.distributed`` through ``comm.py`` like every other module,
+but loads it *by path* (:func:`_comm`: ``comm.py`` and ``context.py`` under a private package name, without the
+package's ``__init__``), so it runs the same whether PatchRay was pip-installed or loaded by ComfyUI from a folder
+with any name. Ranks meet through a ``FileStore`` in a temporary folder: no ports, so no free-port race.
 
 Bus bandwidth follows nccl-tests: ``algbw = bytes / time`` and ``busbw = algbw * 2 (n - 1) / n`` for all_reduce,
 which makes figures comparable across GPU counts and with the link's own bandwidth.
@@ -19,10 +20,23 @@ import sys
 import time
 
 
+def _comm():
+    """``distributed/comm.py`` loaded from the folder above this file under a private package name."""
+    import importlib
+    import types
+
+    name = "_patchray_nccl_worker_distributed"
+    if name not in sys.modules:
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+        sys.modules[name] = pkg
+    return importlib.import_module(name + ".comm")
+
+
 def _rank(rank: int, args, store_path: str) -> None:
     import torch
-    import torch.distributed as dist
 
+    comm = _comm()
     world = len(args.devices)
     if args.backend == "nccl":
         device = torch.device("cuda", args.devices[rank])
@@ -30,10 +44,9 @@ def _rank(rank: int, args, store_path: str) -> None:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        args.backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout)
-    )
+    comm.init_process_group(args.backend, store=comm.file_store(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    ctx = comm.context_for_group(None, device)
     x = torch.ones(max(1, args.bytes // 4), dtype=torch.float32, device=device)
 
     def sync():
@@ -41,17 +54,17 @@ def _rank(rank: int, args, store_path: str) -> None:
             torch.cuda.synchronize(device)
 
     for _ in range(args.warmup):
-        dist.all_reduce(x)
+        comm.all_reduce(x, ctx)
     sync()
-    dist.barrier()
+    comm.barrier(ctx)
     t0 = time.perf_counter()
     for _ in range(args.iters):
-        dist.all_reduce(x)
+        comm.all_reduce(x, ctx)
     sync()
     dt = (time.perf_counter() - t0) / args.iters
     # every rank's dt differs slightly; report the slowest, which is what a collective costs
     t = torch.tensor([dt], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    comm.all_reduce(t, ctx, op="max")
     dt = float(t.item())
     if rank == 0:
         nbytes = x.numel() * 4
@@ -69,7 +82,7 @@ def _rank(rank: int, args, store_path: str) -> None:
         }
         with open(args.out, "w") as f:
             json.dump(result, f)
-    dist.destroy_process_group()
+    comm.destroy_process_group()
 
 
 def main(argv=None) -> int:

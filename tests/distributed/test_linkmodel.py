@@ -7,15 +7,8 @@ import math
 
 import pytest
 
-from patchray.distributed.bench.linkmodel import (
-    LINK_PROFILES,
-    LinkProfile,
-    get_profile,
-    model_latency_ms,
-    model_record,
-    transfer_ms,
-    wire_bytes,
-)
+from patchray.distributed.bench.linkmodel import model_record, wire_bytes
+from patchray.distributed.topology.links import LINK_PROFILES, LinkProfile, get_profile, model_latency_ms, transfer_ms
 
 
 def test_profiles_are_complete_and_sane():
@@ -62,9 +55,9 @@ def test_wire_bytes_per_operation():
 def test_model_record_takes_the_slowest_rank():
     per_rank_bytes = [{"isend": 1_000_000}, {"isend": 3_000_000}]
     rec = model_record([10.0, 5.0], per_rank_bytes, [2, 2], 2, profiles=["10gbe"])
-    p = LINK_PROFILES["10gbe"]
-    r0 = 10.0 + 2 * p.latency_us / 1e3 + 1e6 / (p.bandwidth_gbps * 1e9) * 1e3
-    r1 = 5.0 + 2 * p.latency_us / 1e3 + 3e6 / (p.bandwidth_gbps * 1e9) * 1e3
-    assert rec["10gbe"] == round(max(r0, r1), 3)
+    # 10gbe: 1.18 GB/s, 50 us per message.
+    # rank 0: 10 ms + 2 x 0.05 ms + 1e6 B / 1.18e9 B/s (0.8475 ms) = 10.9475 ms
+    # rank 1:  5 ms + 2 x 0.05 ms + 3e6 B / 1.18e9 B/s (2.5424 ms) =  7.6424 ms; the slowest is rank 0
+    assert rec["10gbe"] == 10.947
     # one rank: no link at all, whatever was counted
     assert model_record([7.0], [{"isend": 10**9}], [5], 1)["10gbe"] == 7.0

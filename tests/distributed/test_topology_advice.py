@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 from patchray.distributed.topology.advice import (
-    LinkProfile,
     advise,
     bottleneck_link,
     cached_probe,
@@ -17,6 +16,7 @@ from patchray.distributed.topology.advice import (
     nearest_profile,
 )
 from patchray.distributed.topology.cli import _inter_node_links
+from patchray.distributed.topology.links import LinkProfile
 from patchray.distributed.topology.probe import build_node, report_from_saved
 from patchray.distributed.topology.report import (
     GpuInfo,

@@ -9,21 +9,10 @@ import pytest
 import torch
 
 from patchray.distributed.topology.cli import probe_main
-from patchray.distributed.topology.probe import (
-    _nvml_collect,
-    _worker_env,
-    build_node,
-    measure_allreduce,
-    probe_topology,
-    report_from_saved,
-)
-from patchray.distributed.topology.report import (
-    SCHEMA_VERSION,
-    NcclBandwidth,
-    TopologyReport,
-    render_heatmap,
-    summary_text,
-)
+from patchray.distributed.topology.measure import _worker_env, measure_allreduce
+from patchray.distributed.topology.probe import _nvml_collect, build_node, probe_topology, report_from_saved
+from patchray.distributed.topology.render import render_heatmap, summary_text
+from patchray.distributed.topology.report import SCHEMA_VERSION, NcclBandwidth, TopologyReport
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
 MACHINES = sorted(p.name for p in FIX.iterdir() if p.is_dir())
@@ -248,7 +237,7 @@ def test_cli_refuses_bad_input(tmp_path, capsys):
 
 
 def test_heatmap_image_for_nodes():
-    from patchray.distributed.topology.report import heatmap_image
+    from patchray.distributed.topology.render import heatmap_image
 
     img = heatmap_image(saved("dual_socket_4x_l40s"))
     assert img.ndim == 3 and img.shape[2] == 3 and img.shape[0] > 100 and img.shape[1] > 100
