@@ -14,11 +14,11 @@ from torch import nn
 
 from patchray.distributed.comm import log_comm
 from patchray.distributed.context import ParallelContext
+from patchray.distributed.parallel.plan import is_adapted
 from patchray.distributed.spawn import run_ranks
 from patchray.distributed.vae.families import FAMILIES, build_vae, latent_shape
 from patchray.distributed.vae.planner import exact_plan
 from patchray.distributed.vae.tiled import (
-    GN_SYNC_HOOK,
     decode_local,
     decode_row_tiled,
     decode_tile_runs,
@@ -53,8 +53,8 @@ def _plan(family, lat_h, lat_w, frames, ranks, window, overlap):
 
 
 def _gn_patched(vae):
-    """Whether any GroupNorm still carries the GN-sync forward or its marker."""
-    return any("forward" in m.__dict__ or hasattr(m, GN_SYNC_HOOK) for m in vae.modules() if isinstance(m, nn.GroupNorm))
+    """Whether any GroupNorm still carries an instance-level forward or an adapter marker."""
+    return any("forward" in m.__dict__ or is_adapted(m) for m in vae.modules() if isinstance(m, nn.GroupNorm))
 
 
 def _untiled(vae, z):
