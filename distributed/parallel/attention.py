@@ -8,9 +8,18 @@ Design decisions:
   no reordering; frame-causal video attention puts the gathered keys in frame order once and lets each
   frame's queries attend to the frames up to their own (no ``[L_q, L_k]`` mask is built).
 * **One adapter class per attention layer type**: diffusers ``Attention`` (KL/Flux.2 mid-block, HunyuanVideo's
-  frame-causal mid-block), Wan/Qwen-Image's per-frame ``*AttentionBlock`` and HunyuanVideo-1.5's frame-causal
+  frame-causal mid-block, and the UNet's self-attention, whose ComfyUI counterpart ``CrossAttention`` has the same
+  projections), Wan/Qwen-Image's per-frame ``*AttentionBlock`` and HunyuanVideo-1.5's frame-causal
   ``AttnBlock``. Each reuses the module's projections by reference and refuses configurations it does not
   reproduce exactly (cross-attention, spatial norm, q/k norms, a non-default processor).
+* **The K/V mode is a strategy.** :class:`GatheredAttention` with ``kv=None`` (row mode) recomputes the
+  processor's math with chunked queries (the VAE memory target). With a :class:`~.exchange.PeerExchange`
+  (stepwise sampling: exact, stale or displaced K/V) the module's own attention code runs, whatever kernel or
+  patches a host application gives it: output hooks on ``to_k``/``to_v`` replace the band's K/V by the
+  strategy's full K/V during self-attention calls (a call without a context), so it becomes local-query
+  attention over the whole image. Token (sequence) shards of a DiT use the same seam: the strategy completes a
+  shard's K/V from the token table, and K/V modes still to come (Ulysses all-to-all, compressed residuals) are
+  further strategies, not further adapters.
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import all_gather_padded
-from .plan import Applied, RowState, Style, set_forward
+from .exchange import PeerExchange, StepState
+from .plan import Applied, RowState, Style, replace_forward
 
 __all__ = [
     "GatheredAttention",
@@ -102,16 +112,27 @@ class RecordVideoLayout(Style):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GatheredAttention(Style):
-    """diffusers ``Attention`` as its ``AttnProcessor2_0`` computes it, with K/V gathered from every rank.
+    """Self-attention of a band's (or token shard's) queries over the keys and values of every rank.
 
     Args:
-        frame_causal: the caller passes HunyuanVideo's frame-causal mask over ``(T, h, W)`` tokens; the
-            adapter rebuilds it for local queries and gathered keys (layout from :class:`RecordVideoLayout`).
+        kv: ``None`` (row mode): diffusers ``Attention`` as its ``AttnProcessor2_0`` computes it, K/V gathered
+            from every rank in one all-gather each, queries chunked. A :class:`~.exchange.PeerExchange`
+            (stepwise sampling): any module with ``to_q``/``to_k``/``to_v``/``to_out`` (diffusers ``Attention``,
+            ComfyUI ``CrossAttention``) keeps its own forward; its K/V come from the strategy on
+            self-attention calls, cross-attention calls run unchanged.
+        frame_causal: (row mode) the caller passes HunyuanVideo's frame-causal mask over ``(T, h, W)`` tokens;
+            the adapter rebuilds it for local queries and gathered keys (layout from :class:`RecordVideoLayout`).
     """
 
+    kv: Optional[PeerExchange] = None
     frame_causal: bool = False
 
     def _apply(self, module, path, state):
+        if self.kv is not None:
+            return _apply_kv_hooks(module, path, state, self.kv)
+        return self._apply_row(module, path, state)
+
+    def _apply_row(self, module, path, state):
         from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
         processor = getattr(module, "processor", None)
@@ -163,7 +184,7 @@ class GatheredAttention(Style):
                 out = out + residual
             return out / attn.rescale_output_factor
 
-        return Applied(set_forward(module, forward))
+        return Applied(replace_forward(module, path, lambda prior: forward))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +211,7 @@ class GatheredFrameAttention(Style):
             x = x.view(batch, time, channels, height, width).permute(0, 2, 1, 3, 4)
             return x + identity
 
-        return Applied(set_forward(module, forward))
+        return Applied(replace_forward(module, path, lambda prior: forward))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,4 +237,56 @@ class GatheredCausalAttnBlock(Style):
             out = out.squeeze(1).reshape(batch, frames, height, width, channels).permute(0, 4, 1, 2, 3)
             return module.proj_out(out) + identity
 
-        return Applied(set_forward(module, forward))
+        return Applied(replace_forward(module, path, lambda prior: forward))
+
+
+_ATTENTION_PARTS = ("to_q", "to_k", "to_v", "to_out")
+_CONTEXT_KWARGS = ("encoder_hidden_states", "context")
+
+
+def _apply_kv_hooks(module: nn.Module, path: str, state: StepState, kv: PeerExchange) -> Applied:
+    """:class:`GatheredAttention` in stepwise sampling: hooks on ``to_k``/``to_v``, armed during self-attention."""
+    for part in _ATTENTION_PARTS:
+        if not isinstance(getattr(module, part, None), nn.Module):
+            raise NotImplementedError(f"{path}: {type(module).__name__} has no {part} module; not a supported attention")
+    armed = [False]
+
+    def full(local: torch.Tensor, which: str) -> Optional[torch.Tensor]:
+        if not armed[0]:
+            return None
+        if local.dim() != 3:
+            # backstop, not the guard: both attention families project (B, L, C) token tensors
+            raise NotImplementedError(f"{path}.to_{which}: expected (batch, tokens, dim), got {tuple(local.shape)}")
+        return kv.full_kv(local, f"{path}.{which}", state)
+
+    def build(prior):
+        def forward(*args, **kwargs):
+            context = args[1] if len(args) > 1 else None
+            for name in _CONTEXT_KWARGS:
+                if kwargs.get(name) is not None:
+                    context = kwargs[name]
+            armed[0] = context is None and kwargs.get("value") is None and state.exchanging
+            try:
+                return prior(*args, **kwargs)
+            finally:
+                armed[0] = False
+
+        return forward
+
+    handles = [
+        module.to_k.register_forward_hook(lambda m, i, o: full(o, "k")),
+        module.to_v.register_forward_hook(lambda m, i, o: full(o, "v")),
+    ]
+    try:
+        undo_forward = replace_forward(module, path, build)
+    except BaseException:
+        for h in handles:
+            h.remove()
+        raise
+
+    def undo():
+        for h in handles:
+            h.remove()
+        undo_forward()
+
+    return Applied(undo)

@@ -4,7 +4,8 @@ Design decisions:
 
 * **One core, several entry styles.** :func:`conv_rows` convolves a band given the layer's *global* row padding
   (top, bottom, mode); the styles only translate each diffusers wrapper's own padding into that form:
-  :class:`HaloConv` (``nn.Conv2d``/``nn.Conv3d`` with their own padding and ``padding_mode``),
+  :class:`HaloConv` (``nn.Conv2d``/``nn.Conv3d`` with their own padding and ``padding_mode``; also the UNet's
+  convolutions in stepwise sampling, where the halo comes from a :class:`~.exchange.PeerExchange` strategy),
   :class:`HaloWanCausalConv` (Wan/Qwen-Image causal conv with its temporal feature cache),
   :class:`HaloPaddedCausalConv` (HunyuanVideo/HunyuanVideo-1.5: ``F.pad`` with replicate, then a conv),
   :class:`HaloPadThenConv` (KL ``Downsample2D`` and Wan/Qwen ``Resample``: pad right/bottom, strided conv).
@@ -17,6 +18,11 @@ Design decisions:
   then only the ``p`` rows next to an inner boundary are recomputed from a thin strip (halo + ``k-1`` rows).
   A concatenated ``[halo; band; halo]`` copy would add one activation per conv, which the memory target
   (<= 1.15x of a plain band decode) does not allow. Strided (encoder) convolutions concatenate.
+* **Stepwise sampling keeps the module's own forward.** A host application's conv (ComfyUI's ops cast weights
+  and apply patches inside ``forward``) cannot be replaced by a functional conv on its parameters, so with an
+  ``exchange`` strategy :class:`HaloConv` pads ``[halo; band; halo]`` itself and calls the forward it replaced
+  with the row padding set to 0 for that call only (the module's ``padding`` is never left changed). The sync,
+  stale and displaced modes are the strategy (:data:`~.exchange.EXACT`, ``STALE``, ``DISPLACED``), not classes.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import exchange_halo
-from .plan import Applied, RowState, Style, set_forward
+from .exchange import PeerExchange, StepState
+from .plan import Applied, RowState, Style, replace_forward, swapped
 
 __all__ = [
     "HaloPlan",
@@ -201,11 +208,26 @@ def _needs_rows(conv: nn.Module, extra: int = 0) -> bool:
     return conv.kernel_size[-2] > 1 or conv.stride[-2] > 1 or conv.padding[-2] > 0 or extra > 0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class HaloConv(Style):
-    """``nn.Conv2d``/``nn.Conv3d`` with its own padding (zeros, replicate or reflect)."""
+    """``nn.Conv2d``/``nn.Conv3d`` (or a subclass) on a row band, exact at band boundaries.
+
+    Args:
+        exchange: ``None`` (row mode: the whole call is sharded): halos from the band table in one exchange,
+            computed functionally on the module's parameters (zeros, replicate or reflect padding, any stride,
+            no band-sized copy). A :class:`~.exchange.PeerExchange` (stepwise sampling): the strategy supplies
+            the halo rows each step (exact, stale or displaced) and the module's own forward runs on
+            ``[halo; band; halo]``; zeros padding only.
+        cut_input: (stepwise) this conv receives the full latent, which every rank holds: cut the band plus its
+            halo locally, at no communication cost.
+    """
+
+    exchange: Optional[PeerExchange] = None
+    cut_input: bool = False
 
     def _apply(self, module, path, state):
+        if self.exchange is not None:
+            return _apply_stepwise(module, path, state, self.exchange, self.cut_input)
         _check_conv(module, path)
         if not _needs_rows(module):
             return Applied()  # a 1-row kernel with no row padding and stride 1 is row-local
@@ -215,7 +237,52 @@ class HaloConv(Style):
         def forward(x):
             return conv_rows(x, module, state, p, p, mode)
 
-        return Applied(set_forward(module, forward))
+        return Applied(replace_forward(module, path, lambda prior: forward))
+
+
+def _apply_stepwise(module: nn.Module, path: str, state: StepState, exchange: PeerExchange, cut_input: bool) -> Applied:
+    """:class:`HaloConv` in stepwise sampling: a wrapper around the module's own forward (see the module docstring)."""
+    if not (module.kernel_size[0] > 1 or module.padding[0] != 0 or cut_input):
+        return Applied()  # a one-row kernel without row padding is row-local
+    if isinstance(module.padding, str):
+        raise NotImplementedError(f"{path}: padding={module.padding!r} (string padding) is not supported; use int padding")
+    if module.padding_mode != "zeros":
+        raise NotImplementedError(f"{path}: padding_mode={module.padding_mode!r} is not supported; only 'zeros'")
+    if module.dilation[0] != 1:
+        raise NotImplementedError(f"{path}: dilation={module.dilation} is not supported along rows")
+    k, p, s = module.kernel_size[0], module.padding[0], module.stride[0]
+    before, after = p, max(0, k - p - s)
+    keep = max(before, after)  # boundary rows each rank keeps in the stale memory
+    rows_unpadded = (0,) + tuple(module.padding[1:])
+
+    def build(prior):
+        def call(x, top, bottom):
+            if top or bottom:
+                x = F.pad(x, (0, 0, top, bottom))
+            with swapped(module, padding=rows_unpadded):  # the rows are padded above; for this call only
+                return prior(x)
+
+        def forward(x):
+            st = state
+            if not st.active:
+                return prior(x)
+            r = st.ctx.rank
+            if cut_input and x.shape[-2] == st.height and st.rows[r] != st.height:
+                # the full latent: cut this rank's band plus halo locally (every rank holds the whole latent)
+                s0, e0 = st.bounds[r], st.bounds[r + 1]
+                lo, hi = max(0, s0 - before), min(st.height, e0 + after)
+                return call(x[..., lo:hi, :], before - (s0 - lo), after - (hi - e0))
+            if st.ctx.world_size == 1:
+                return call(x, before, after)
+            above, below = exchange.halo(x, path, before, after, keep, st)
+            parts = [t for t in (above, x, below) if t is not None]
+            top = 0 if above is not None else before
+            bottom = 0 if below is not None else after
+            return call(torch.cat(parts, dim=-2) if len(parts) > 1 else x, top, bottom)
+
+        return forward
+
+    return Applied(replace_forward(module, path, build))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +310,7 @@ class HaloWanCausalConv(Style):
             x = F.pad(x, (w_left, w_right, 0, 0, front, t_back))
             return conv_rows(x, module, state, h_top, h_bottom, "zeros")
 
-        return Applied(set_forward(module, forward))
+        return Applied(replace_forward(module, path, lambda prior: forward))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +335,7 @@ class HaloPaddedCausalConv(Style):
             hidden_states = F.pad(hidden_states, module.time_causal_padding, mode=mode)
             return conv_rows(hidden_states, conv, state, h_top, h_bottom, row_mode, prepadded=True)
 
-        return Applied(set_forward(module, forward), claims=(conv,))
+        return Applied(replace_forward(module, path, lambda prior: forward), claims=(conv,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,4 +371,4 @@ class HaloPadThenConv(Style):
             return conv_rows(hidden_states, conv, state, 0, 1, "zeros")
 
         claims = [conv] + ([target] + list(target) if target is not module else [])
-        return Applied(set_forward(target, forward), claims=claims)
+        return Applied(replace_forward(target, path, lambda prior: forward), claims=claims)

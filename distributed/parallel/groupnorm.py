@@ -1,6 +1,12 @@
-"""Exact GroupNorm over a row-sharded tensor, in one collective per call.
+"""GroupNorm over a sharded tensor: one adapter, :class:`ShardedGroupNorm`, whose statistics mode is a strategy.
 
-Design decision: each rank reduces its band to per-(sample, group) ``(count, mean, M2)`` (in fp64: a handful
+Modes (strategies): :class:`ExactStats` (row mode: whole-tensor statistics in one collective), the stepwise
+sampling modes :class:`SyncStats`, :class:`StaleStats`, :class:`CorrectedStats` and :class:`SeparateStats`
+(below), and ``ImageWideStats`` for tiles (``imagewide.py``: statistics over every tile's core, collected in
+passes). Every mode merges per-part (count, mean, M2) with Chan et al.'s parallel update and uses
+:func:`group_chunks` to bound fp32 temporaries of low-precision activations.
+
+Exact mode: each rank reduces its band to per-(sample, group) ``(count, mean, M2)`` (in fp64: a handful
 of numbers), one ``all_gather`` exchanges those ``3 x B x G`` numbers, and every rank merges them with Chan et
 al.'s parallel update (``M2 = sum M2_r + sum n_r (mean_r - mean)^2``), which is exact up to rounding and does
 not cancel catastrophically the way ``E[x^2] - E[x]^2`` does. The variance is the biased one ``nn.GroupNorm``
@@ -18,9 +24,22 @@ import torch.nn as nn
 
 from ..comm import all_gather_padded
 from ..context import ParallelContext
-from .plan import Applied, RowState, Style, set_forward
+from .exchange import StepState
+from .plan import Applied, Style, replace_forward
 
-__all__ = ["group_stats", "merge_group_stats", "exact_group_norm", "ExactGroupNorm"]
+__all__ = [
+    "group_chunks",
+    "group_stats",
+    "merge_group_stats",
+    "exact_group_norm",
+    "ShardedGroupNorm",
+    "GroupNormStats",
+    "ExactStats",
+    "SyncStats",
+    "StaleStats",
+    "CorrectedStats",
+    "SeparateStats",
+]
 
 
 #: low-precision inputs are upcast to fp32 in this many group chunks: the transient fp32 chunk is 1/8 of the
@@ -29,11 +48,19 @@ __all__ = ["group_stats", "merge_group_stats", "exact_group_norm", "ExactGroupNo
 _LOW_PRECISION_CHUNKS = 16
 
 
-def _group_chunks(num_groups: int, dtype: torch.dtype):
-    if dtype in (torch.float32, torch.float64):
-        return [(0, num_groups)]
-    step = max(1, num_groups // _LOW_PRECISION_CHUNKS)
+def group_chunks(num_groups: int, pieces: int):
+    """``[(start, stop), ...]`` group ranges of about ``num_groups / pieces`` groups (at least one each).
+
+    Where fp32 temporaries are made of a low-precision (or non-contiguous) activation, a few groups at a time
+    keep the transient copy a fraction of the activation.
+    """
+    step = max(1, num_groups // pieces)
     return [(g, min(g + step, num_groups)) for g in range(0, num_groups, step)]
+
+
+def _group_chunks(num_groups: int, dtype: torch.dtype):
+    full_precision = dtype in (torch.float32, torch.float64)
+    return group_chunks(num_groups, 1 if full_precision else _LOW_PRECISION_CHUNKS)
 
 
 def group_stats(x: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -97,15 +124,151 @@ def exact_group_norm(x: torch.Tensor, norm: nn.GroupNorm, ctx: ParallelContext) 
     return out.view(x.shape)
 
 
-@dataclasses.dataclass(frozen=True)
-class ExactGroupNorm(Style):
-    """``nn.GroupNorm`` with statistics over the whole (row-sharded) tensor."""
+# ------------------------------------------------------------------------------------------- the adapter
 
-    def _apply(self, module, path, state: RowState):
+
+@dataclasses.dataclass(frozen=True)
+class GroupNormStats:
+    """A statistics mode: ``normalize`` is the adapted module's forward (``prior`` is the forward it replaced,
+    ``memo`` a per-module dict the mode may cache in)."""
+
+    def normalize(self, x, module, path, state, prior, memo) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardedGroupNorm(Style):
+    """``nn.GroupNorm`` (or a subclass) on a band, tile or shard, normalized with the statistics ``stats`` forms.
+
+    Args:
+        stats: the statistics mode; default :class:`ExactStats` (row mode).
+    """
+
+    stats: GroupNormStats = dataclasses.field(default_factory=lambda: ExactStats())
+
+    def _apply(self, module, path, state):
         if module.num_channels % module.num_groups:
             raise NotImplementedError(f"{path}: num_channels={module.num_channels} not divisible by num_groups")
+        stats, memo = self.stats, {}
 
-        def forward(x):
-            return exact_group_norm(x, module, state.ctx)
+        def build(prior):
+            def forward(x):
+                return stats.normalize(x, module, path, state, prior, memo)
 
-        return Applied(set_forward(module, forward))
+            return forward
+
+        return Applied(replace_forward(module, path, build))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactStats(GroupNormStats):
+    """Statistics over the whole (row-sharded) tensor in one all-gather (:func:`exact_group_norm`)."""
+
+    def normalize(self, x, module, path, state, prior, memo):
+        return exact_group_norm(x, module, state.ctx)
+
+
+# ------------------------------------------------------------------------------------ stepwise sampling
+
+
+def _merge_chan(stats: torch.Tensor, counts: torch.Tensor):
+    """Merge per-rank (mean, M2) ``stats[N, B, G, 2]`` with element counts ``counts[N]`` into (mean, biased var)."""
+    w = counts.view(-1, 1, 1)
+    total = counts.sum()
+    mean = (stats[..., 0] * w).sum(0) / total
+    m2 = stats[..., 1].sum(0) + (w * (stats[..., 0] - mean.unsqueeze(0)) ** 2).sum(0)
+    return mean, m2 / total
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncStats(GroupNormStats):
+    """Stepwise sampling, statistics over the whole image at every step: one all-gather of each rank's fp32
+    ``(mean, M2)`` per group, merged exactly with Chan's formula (no ``E[x^2] - E[x]^2`` cancellation, biased
+    variance like ``nn.GroupNorm``). The subclasses differ on asynchronous steps only; synchronous steps (warm-up,
+    refresh) always take this path, and those of the recording modes fill the stale memory.
+    """
+
+    #: whether synchronous steps keep every rank's statistics in the stale memory (the modes that read it)
+    records = False
+
+    def normalize(self, x, module, path, state: StepState, prior, memo):
+        if not state.exchanging:
+            return prior(x)
+        if not state.sync and self._local_only():
+            return prior(x)
+        ctx = state.ctx
+        b, g = x.shape[0], module.num_groups
+        xf = x.float().reshape(b, g, -1)
+        n_local = xf.shape[-1]
+        mean = xf.mean(-1)
+        m2 = (xf - mean.unsqueeze(-1)).pow(2).sum(-1)
+        fresh = torch.stack([mean, m2], -1)  # (B, G, 2) fp32
+        ckey = (n_local, state.rows, x.device)
+        counts = memo.get(ckey)
+        if counts is None:  # built once per shape: a host-to-device copy every call would be a sync point
+            counts = memo[ckey] = torch.tensor(state.scaled(n_local), dtype=torch.float32, device=x.device)
+        if state.sync or not self.records:
+            gathered = all_gather_padded(fresh.unsqueeze(0), ctx, dim=0, sizes=[1] * ctx.world_size)
+            state.traffic.add("groupnorm", fresh.numel() * 4 * (ctx.world_size - 1), collectives=1)
+            if self.records:
+                sid = state.cm.register(path, "groupnorm", fresh.shape, fresh, None, streamed=True)
+                for r in range(ctx.world_size):
+                    state.cm.view(sid, r).copy_(gathered[r])
+            gmean, gvar = _merge_chan(gathered, counts)
+        else:
+            sid = state.cm.register(path, "groupnorm", fresh.shape, fresh, None, streamed=True)  # lookup
+            stale = torch.stack([state.cm.view(sid, r) for r in range(ctx.world_size)])
+            gmean, gvar = self._from_stale(stale, fresh, mean, m2, n_local, counts, ctx.rank)
+            state.cm.enqueue(sid, fresh)
+        y = (xf - gmean.unsqueeze(-1)) * torch.rsqrt(gvar.unsqueeze(-1) + module.eps)
+        y = y.reshape(x.shape).to(x.dtype)
+        if module.affine:
+            shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
+            y = y * module.weight.to(y.dtype).view(shape) + module.bias.to(y.dtype).view(shape)
+        return y
+
+    def _local_only(self) -> bool:
+        return False
+
+    def _from_stale(self, stale, fresh, mean, m2, n_local, counts, me):  # pragma: no cover - recording modes only
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class SeparateStats(SyncStats):
+    """Asynchronous steps normalize with this rank's own (local) statistics: the module's own forward."""
+
+    def _local_only(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class StaleStats(SyncStats):
+    """Asynchronous steps merge the peers' statistics of the previous step with this rank's fresh ones."""
+
+    records = True
+
+    def _from_stale(self, stale, fresh, mean, m2, n_local, counts, me):
+        parts = stale.clone()
+        parts[me] = fresh
+        return _merge_chan(parts, counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class CorrectedStats(SyncStats):
+    """DistriFusion's corrected asynchronous GroupNorm: the previous step's global moments ``E[x]``, ``E[x^2]``
+    corrected by this rank's (fresh - stale) local moments; where the variance comes out negative, the local fresh
+    variance is used. In exact arithmetic it agrees with :class:`StaleStats`; they differ in rounding and that guard.
+    """
+
+    records = True
+
+    def _from_stale(self, stale, fresh, mean, m2, n_local, counts, me):
+        w = (counts / counts.sum()).view(-1, 1, 1)
+        e1 = stale[..., 0]
+        e2 = stale[..., 1] / counts.view(-1, 1, 1) + e1**2
+        f1, f2 = mean, m2 / n_local + mean**2
+        g1 = (w * e1).sum(0) + w[me] * (f1 - e1[me])
+        g2 = (w * e2).sum(0) + w[me] * (f2 - e2[me])
+        gvar = g2 - g1**2
+        return g1, torch.where(gvar < 0, m2 / n_local, gvar)

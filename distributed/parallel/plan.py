@@ -2,18 +2,22 @@
 
 Design decisions:
 
-* **A plan is data.** ``plan: dict[str, Style]`` maps a layer *type* (the module's class name, e.g.
-  ``"Conv2d"``, ``"WanCausalConv3d"``) to a frozen, keyword-only :class:`Style` whose only side effect is
-  ``_apply(module, path, state)``. Class names rather than FQN globs because diffusers' VAE FQNs differ from
-  family to family while the layer types are what decide the math; the same plan therefore covers every
-  depth and width of a family. :func:`apply_plan` is the one function that applies it.
-* **Coverage is checked before anything is patched.** Every module of the sharded half must be named by the
-  plan (:class:`RowLocal` marks the layers verified to be row-local: pointwise ops, channel-only norms,
-  containers whose own forward only reshapes rows locally). Anything else raises ``NotImplementedError``
-  naming the module path and class, identically on every rank (it depends only on the model).
-* **Adapters reuse the module's own parameters.** A style either registers a named hook or sets an
-  instance-level ``forward`` that calls the module's parameters by reference; undo removes exactly that.
-  No ``.data`` is copied, nothing is registered as a submodule, so ``state_dict()`` never changes.
+* **A plan is data.** ``plan: dict[str, Style]`` maps ``fnmatch`` globs to frozen, keyword-only :class:`Style`
+  values whose only side effect is ``_apply(module, path, state)``. A key names a layer *type* by class name
+  (``"Conv2d"``, ``"WanCausalConv3d"``, ``"*Attention"``) or one module by its path (``"conv_in"``); path keys
+  win. The VAE family plans use class names because diffusers' VAE FQNs differ from family to family while the
+  layer types decide the math, so one plan covers every depth and width of a family; the UNet plan adds its
+  input convolution by path. :func:`apply_plan` is the one function that applies any plan.
+* **Coverage is checked before anything is patched** for the VAE plans (``strict``): every module of the
+  sharded half must be named (:class:`RowLocal` marks layers verified to be row-local). Anything else raises
+  ``NotImplementedError`` naming the module path and class, identically on every rank (it depends only on the
+  model). A host application's UNet is applied non-strictly: unnamed layers are row-local there by
+  construction (pointwise, per-token), and classes match through their bases (host subclasses of torch layers).
+* **One undo path.** Every adapter that changes a forward goes through :func:`replace_forward`: it refuses a
+  module that already carries an adapter, hands the style the forward that ran before (another extension's
+  instance forward, or the class's), and its undo restores exactly the object it replaced. Attributes a
+  wrapping style must change for a call are changed for that call only (:func:`swapped`). Hooks are removed by
+  their handles. No ``.data`` is copied, nothing is registered as a submodule, so ``state_dict()`` never changes.
 * **Band boundaries are derived, never exchanged.** :class:`RowState` holds the latent band table; a layer
   whose input holds ``r`` rows on this rank while this rank's latent band holds ``l`` rows runs at scale
   ``r / l``, and every rank's boundaries at that layer are the latent boundaries times that scale. All ranks
@@ -22,7 +26,10 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fnmatch
+import logging
 from fractions import Fraction
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -39,8 +46,16 @@ __all__ = [
     "apply_plan",
     "undo_all",
     "check_coverage",
-    "set_forward",
+    "style_for",
+    "replace_forward",
+    "is_adapted",
+    "swapped",
 ]
+
+logger = logging.getLogger(__name__)
+
+#: instance attribute marking a module that carries a PatchRay adapter (the value is the module's path)
+_ADAPTER_ATTR = "_patchray_adapter"
 
 
 class RowState:
@@ -142,15 +157,37 @@ class ClaimedOnly(Style):
         )
 
 
-def set_forward(module: nn.Module, forward: Callable) -> Callable[[], None]:
-    """Give ``module`` an instance-level ``forward``; return the undo (restores any instance forward it hid)."""
+def replace_forward(module: nn.Module, path: str, build: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Give ``module`` the instance-level forward ``build(prior)``; return the undo. The one undo path of ``parallel``.
+
+    ``prior`` is the forward that ran until now: another extension's instance-level forward if one was set, else
+    the class's forward bound to ``module``. Wrapping styles call it (so the other extension keeps working);
+    styles that recompute the layer ignore it. The undo puts back exactly the object that was in the instance
+    dict (or removes ours when there was none), so a forward set by someone else survives apply + remove.
+
+    Raises:
+        RuntimeError: ``module`` already carries a PatchRay adapter (applying twice would wrap the adapter in
+            itself and lose the original on undo); remove the first one.
+    """
+    if _ADAPTER_ATTR in module.__dict__:
+        raise RuntimeError(
+            f"{path or type(module).__name__} ({type(module).__name__}) already carries a PatchRay adapter; "
+            f"remove it (handle.remove()) before applying another"
+        )
     had = "forward" in module.__dict__
     previous = module.__dict__.get("forward")
-    # object.__setattr__: nn.Module.__setattr__ would treat a Module-bound callable like any attribute anyway,
-    # but this makes explicit that nothing is registered (no parameters, buffers or submodules change).
+    forward = build(module.forward)
+    # object.__setattr__: nn.Module.__setattr__ would treat a callable like any attribute anyway, but this makes
+    # explicit that nothing is registered (no parameters, buffers or submodules change, state_dict() is the same)
     object.__setattr__(module, "forward", forward)
+    object.__setattr__(module, _ADAPTER_ATTR, path or type(module).__name__)
 
     def undo():
+        module.__dict__.pop(_ADAPTER_ATTR, None)
+        if module.__dict__.get("forward") is not forward:
+            # someone replaced our forward after us: putting ours (or the original) back would drop theirs
+            logger.warning("%s: its forward was replaced after the PatchRay adapter; left as it is", path)
+            return
         if had:
             object.__setattr__(module, "forward", previous)
         else:
@@ -159,26 +196,84 @@ def set_forward(module: nn.Module, forward: Callable) -> Callable[[], None]:
     return undo
 
 
+def is_adapted(module: nn.Module) -> bool:
+    """Whether ``module`` carries a PatchRay adapter (an instance forward set by :func:`replace_forward`)."""
+    return _ADAPTER_ATTR in module.__dict__
+
+
+@contextlib.contextmanager
+def swapped(module: nn.Module, **attrs):
+    """Set ``module``'s attributes to ``attrs`` for the duration of the block; restore the previous values after.
+
+    For wrapping styles that must run the module's own forward under another configuration (a conv whose row
+    padding the halo replaces): the module is never left changed, even when the forward raises.
+    """
+    saved = {name: getattr(module, name) for name in attrs}
+    for name, value in attrs.items():
+        setattr(module, name, value)
+    try:
+        yield module
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _class_names(module: nn.Module, bases: bool) -> List[str]:
+    if not bases:
+        return [type(module).__name__]
+    return [c.__name__ for c in type(module).__mro__ if c not in (nn.Module, object)]
+
+
+def style_for(plan: Dict[str, Style], path: str, module: nn.Module, bases: bool = False) -> Optional[Style]:
+    """The style ``plan`` gives ``module``: the first key matching its path, else the first matching its class name.
+
+    Keys are ``fnmatch`` globs (case-sensitive). A key names one module by its path (``"conv_in"``,
+    ``"input_blocks.0.0"``) or a layer type by its class name (``"Conv2d"``, ``"*Attention"``); path matches win,
+    so a plan can single out one module of a type. With ``bases`` a class matches through its base classes too
+    (most-derived first), so a host application's subclasses of torch layers are covered by ``"Conv2d"``.
+    """
+    for key, style in plan.items():
+        if path and fnmatch.fnmatchcase(path, key):
+            return style
+    for name in _class_names(module, bases):
+        for key, style in plan.items():
+            if fnmatch.fnmatchcase(name, key):
+                return style
+    return None
+
+
 def check_coverage(root: nn.Module, plan: Dict[str, Style], prefix: str = "") -> None:
-    """Raise ``NotImplementedError`` naming the first module of ``root`` whose class the plan does not cover."""
+    """Raise ``NotImplementedError`` naming the first module of ``root`` that the plan does not cover."""
     for name, module in root.named_modules():
-        cls = type(module).__name__
-        if cls not in plan:
-            path = ".".join(p for p in (prefix, name) if p) or "<root>"
+        path = ".".join(p for p in (prefix, name) if p)
+        if style_for(plan, path, module) is None:
+            cls = type(module).__name__
             raise NotImplementedError(
-                f"row mode has no adapter for module {path} ({cls}); add a Style for {cls} to the family's row plan "
-                f"(distributed/vae/row.py ROW_PLANS) or use a tiled mode"
+                f"row mode has no adapter for module {path or '<root>'} ({cls}); add a Style for {cls} to the family's "
+                f"row plan (distributed/vae/row.py ROW_PLANS) or use a tiled mode"
             )
 
 
-def apply_plan(roots: Sequence[Tuple[str, nn.Module]], plan: Dict[str, Style], state: RowState) -> List[Applied]:
+def apply_plan(
+    roots: Sequence[Tuple[str, nn.Module]], plan: Dict[str, Style], state, *, strict: bool = True
+) -> List[Applied]:
     """Apply ``plan`` to every module under ``roots`` (``(prefix, module)`` pairs); return the undo records.
 
-    Coverage is checked for every root before the first module is patched, so a refusal leaves the model as is.
+    Args:
+        roots: ``(path prefix, module)`` pairs; ``None`` modules are skipped.
+        plan: ``glob -> Style`` (see :func:`style_for`).
+        state: the shared state the styles' adapters read (a :class:`RowState` or a subclass).
+        strict: every module must be covered (checked for every root before the first module is patched, so a
+            refusal leaves the model as is): the VAE row plans, which list every layer type of a family. With
+            ``strict=False`` (a host application's model, whose other layers are row- or token-local), modules the
+            plan does not name run unchanged and classes also match through their bases.
+
+    On any error every style applied so far is undone before the error propagates.
     """
     roots = [(p, m) for p, m in roots if m is not None]
-    for prefix, root in roots:
-        check_coverage(root, plan, prefix)
+    if strict:
+        for prefix, root in roots:
+            check_coverage(root, plan, prefix)
     applied: List[Applied] = []
     claimed: set = set()
     try:
@@ -187,7 +282,10 @@ def apply_plan(roots: Sequence[Tuple[str, nn.Module]], plan: Dict[str, Style], s
                 if id(module) in claimed:
                     continue
                 path = ".".join(p for p in (prefix, name) if p)
-                record = plan[type(module).__name__]._apply(module, path, state)
+                style = style_for(plan, path, module, bases=not strict)
+                if style is None:
+                    continue
+                record = style._apply(module, path, state)
                 applied.append(record)
                 claimed.update(id(c) for c in record.claims)
     except BaseException:

@@ -1,9 +1,9 @@
-"""Patch-parallel sampling with OTIL: row-band UNet adapters, the OTIL latent exchange, presets.
+"""Patch-parallel sampling with OTIL: the UNet plan (adapters from ``distributed/parallel``), OTIL, presets.
 
 Public API (imported lazily, so ``import patchray.distributed.sampling`` stays cheap):
 
 * :class:`~.config.PatchConfig`, :data:`~.config.PRESETS`, :func:`~.config.preset`
-* :func:`~.denoiser.parallelize_unet`, :class:`~.denoiser.PatchParallelDenoiser`
+* :func:`~.denoiser.parallelize_unet`, :func:`~.denoiser.unet_plan`, :class:`~.denoiser.PatchParallelDenoiser`
 * :class:`~.otil.OtilExchange`
 """
 
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["PatchConfig", "PRESETS", "preset", "parallelize_unet", "PatchParallelDenoiser", "OtilExchange"]
+__all__ = ["PatchConfig", "PRESETS", "preset", "parallelize_unet", "unet_plan", "PatchParallelDenoiser", "OtilExchange"]
 
 _WHERE = {
     "PatchConfig": ".config",
     "PRESETS": ".config",
     "preset": ".config",
     "parallelize_unet": ".denoiser",
+    "unet_plan": ".denoiser",
     "PatchParallelDenoiser": ".denoiser",
     "OtilExchange": ".otil",
 }

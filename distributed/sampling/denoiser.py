@@ -1,6 +1,7 @@
 """Patch-parallel sampling: parallelize a UNet, and wrap any denoiser so the caller's sampler loop keeps working.
 
-``parallelize_unet(unet, ctx, config)`` installs the adapters (:mod:`.adapters`) and returns a handle;
+``parallelize_unet(unet, ctx, config)`` applies the UNet plan (:func:`unet_plan`: data, like the VAE families'
+row plans, over the adapters of ``distributed/parallel``) and returns a handle;
 :class:`PatchParallelDenoiser` wraps a denoiser callable ``model(x, t, **cond)`` that runs that UNet. Each call is
 one logical step: the UNet computes this rank's row band (its first conv cuts the band out of the full latent), the
 band is completed into the full output (one all-gather, or OTIL's top-k blocks plus stale memory), and the caller's
@@ -15,9 +16,15 @@ Design decisions:
 * **split_batch** (DistriFusion's CFG split): with an even world size and a caller that batches
   ``[uncond, cond]``, ranks ``[0, N/2)`` compute the first half and ``[N/2, N)`` the second, each half
   patch-parallel over N/2 ranks. With OTIL each rank would otherwise hold the other half's output frozen at the
-  last synchronous step (the seed's CFG bug); ``cfg_repair`` swaps the fresh band with the rank holding the same
+  last synchronous step (a CFG bug of a naive OTIL split); ``cfg_repair`` swaps the fresh band with the rank holding the same
   band of the other half, one all-gather of a band over that pair per step. With ``output="gather"`` the whole
   half is exchanged (DistriFusion's behaviour), so there is nothing to repair.
+* **The UNet plan is data.** Layer types map to ``parallel`` styles (halo convolution, GroupNorm, gathered-K/V
+  attention); the config's modes become the styles' strategies (layer mode -> peer exchange, GroupNorm mode ->
+  statistics mode). Host-application subclasses (ComfyUI's ops) match through their torch base classes.
+* **Process groups have an owner.** A CFG split needs two subgroups; the denoiser that makes them holds them
+  (:class:`SplitGroups`) and releases them in :meth:`PatchParallelDenoiser.remove`. There is no module-level
+  cache of groups.
 * **Collective-safe**: every branch depends on the config, the world size and tensor shapes every rank shares.
 """
 
@@ -25,20 +32,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Hashable, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from .. import comm
 from ..comm import all_gather_padded
 from ..context import ParallelContext
-from .adapters import GroupNormStats, HaloConv2d, PatchState, SelfAttentionKV, is_attention_module
-from .comm_manager import Traffic
-from .config import LayerMode, OutputMode, PatchConfig
+from ..parallel.attention import GatheredAttention
+from ..parallel.bands import band_heights
+from ..parallel.conv import HaloConv
+from ..parallel.exchange import DISPLACED, EXACT, STALE, StepState
+from ..parallel.groupnorm import CorrectedStats, SeparateStats, ShardedGroupNorm, StaleStats, SyncStats
+from ..parallel.plan import Applied, Style, apply_plan, undo_all
+from .comm_manager import CommManager, Traffic
+from .config import GroupNormMode, LayerMode, OutputMode, PatchConfig
 from .otil import OtilExchange, choose_k, measure_link_bandwidth
 
-__all__ = ["parallelize_unet", "UNetPatchHandle", "PatchParallelDenoiser", "SplitLayout"]
+__all__ = ["unet_plan", "parallelize_unet", "UNetPatchHandle", "PatchParallelDenoiser", "SplitLayout", "SplitGroups"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +62,12 @@ class UNetPatchHandle:
     does when memory is short) passes a stream key per call so each keeps its own halos, K/V and statistics.
     """
 
-    def __init__(self, unet: nn.Module, state: PatchState, adapters: list):
+    def __init__(self, unet: nn.Module, state: StepState, config: PatchConfig, applied: List[Applied]):
         self.unet = unet
         self.state = state
-        self.adapters = adapters
+        self.config = config
+        #: the undo records of the adapted modules (layers the plan left row-local are not listed)
+        self.adapters = [a for a in applied if a.undo is not None]
         self._removed = False
         self._streams: dict = {}  # stream -> {"hw": (H, W), "cm": CommManager, "steps": int}
         self._current: Optional[dict] = None
@@ -62,16 +76,23 @@ class UNetPatchHandle:
     def traffic(self) -> Traffic:
         return self.state.traffic
 
+    def _set_latent(self, height: int, width: int, cm: Optional[CommManager] = None) -> None:
+        """The band table for a latent size; a new (empty) stale memory unless ``cm`` (a stream's) is given."""
+        if cm is None:
+            rows = band_heights(height, self.state.ctx.world_size, self.state.align)
+            cm = CommManager(self.state.ctx, rows, self.state.traffic, self.config.comm_checkpoint)
+        self.state.set_bands(height, width, cm)
+
     def prepare(self, height: int, width: int, stream: Any = None) -> bool:
         """Select ``stream`` at latent size (height, width); True (fresh, empty memory) when new or resized."""
         entry = self._streams.get(stream)
         if entry is not None and entry["hw"] == (height, width):
-            self.state.set_latent(height, width, cm=entry["cm"])
+            self._set_latent(height, width, cm=entry["cm"])
             self._current = entry
             return False
         if entry is not None:
             entry["cm"].wait()
-        self.state.set_latent(height, width)
+        self._set_latent(height, width)
         self._current = self._streams[stream] = {"hw": (height, width), "cm": self.state.cm, "steps": 0}
         return True
 
@@ -92,7 +113,7 @@ class UNetPatchHandle:
         st = self.state
         if st.cm is None or self._current is None:
             raise RuntimeError("call prepare(height, width) before the first step")
-        if self._current["steps"] == 0 and not sync and st.ctx.world_size > 1 and st.config.layer_mode is not LayerMode.FULL_SYNC:
+        if self._current["steps"] == 0 and not sync and st.ctx.world_size > 1 and self.config.layer_mode is not LayerMode.FULL_SYNC:
             # backstop, not the guard: PatchConfig requires warmup_steps >= 1 for stale modes
             raise RuntimeError("the first step after prepare() must be synchronous: stale memories are empty")
         st.cm.wait()
@@ -113,8 +134,7 @@ class UNetPatchHandle:
             return
         for entry in self._streams.values():
             entry["cm"].wait()
-        for a in reversed(self.adapters):
-            a.remove()
+        undo_all(self.adapters)
         self._removed = True
 
 
@@ -125,12 +145,41 @@ def _row_align(convs) -> int:
     return align
 
 
+_EXCHANGES = {LayerMode.FULL_SYNC: EXACT, LayerMode.NO_SYNC: STALE, LayerMode.DISPLACED: DISPLACED}
+_STATISTICS = {
+    GroupNormMode.SYNC: SyncStats(),
+    GroupNormMode.STALE: StaleStats(),
+    GroupNormMode.CORRECTED_ASYNC: CorrectedStats(),
+    GroupNormMode.SEPARATE: SeparateStats(),
+}
+
+
+def unet_plan(input_conv: str, config: PatchConfig) -> Dict[str, Style]:
+    """The UNet's plan: ``glob -> Style`` over module paths and layer types (see ``parallel/plan.py``).
+
+    Args:
+        input_conv: path of the conv that receives the full latent (it cuts the band plus halo locally).
+        config: the modes: ``layer_mode`` picks the peer exchange of halos and K/V, ``groupnorm`` the statistics.
+
+    Every ``Conv2d`` whose kernel reaches across rows gets a halo; every ``GroupNorm`` whole-image statistics;
+    every ``*Attention`` (diffusers' ``Attention``, ComfyUI's ``CrossAttention``) gathered K/V on self-attention
+    calls. Everything else in a UNet is row- or token-local and runs unchanged.
+    """
+    exchange = _EXCHANGES[config.layer_mode]
+    return {
+        input_conv: HaloConv(exchange=exchange, cut_input=True),
+        "Conv2d": HaloConv(exchange=exchange),
+        "GroupNorm": ShardedGroupNorm(stats=_STATISTICS[config.groupnorm]),
+        "*Attention": GatheredAttention(kv=exchange),
+    }
+
+
 def parallelize_unet(unet: nn.Module, ctx: ParallelContext, config: PatchConfig, *, input_conv: Optional[str] = None) -> UNetPatchHandle:
     """Install row-band patch parallelism on ``unet`` (diffusers' UNet2DConditionModel or ComfyUI's UNetModel).
 
     Args:
-        unet: the model. Layers are matched by torch type (``nn.Conv2d``, ``nn.GroupNorm``) and duck typing
-            (attention modules with ``to_q``/``to_k``/``to_v``/``to_out``), so ComfyUI's subclasses are covered.
+        unet: the model. Layers are matched by :func:`unet_plan` through their torch base classes
+            (``nn.Conv2d``, ``nn.GroupNorm``), so ComfyUI's subclasses are covered, and attention by class name.
         ctx: the patch group (all ranks computing the same batch).
         config: the :class:`PatchConfig`.
         input_conv: name of the conv that receives the full latent (default: the first ``nn.Conv2d`` registered,
@@ -139,6 +188,9 @@ def parallelize_unet(unet: nn.Module, ctx: ParallelContext, config: PatchConfig,
     Returns:
         :class:`UNetPatchHandle`; call ``prepare(H, W)`` then ``begin_step``/``end_step`` around each call, or let
         :class:`PatchParallelDenoiser` do it. ``handle.remove()`` restores the model.
+
+    Raises:
+        RuntimeError: the UNet already carries PatchRay adapters (remove that handle first).
 
     Example:
         >>> handle = parallelize_unet(unet, ctx, preset("displaced"))   # doctest: +SKIP
@@ -152,23 +204,11 @@ def parallelize_unet(unet: nn.Module, ctx: ParallelContext, config: PatchConfig,
     first = input_conv if input_conv is not None else convs[0][0]
     if first not in dict(convs):
         raise ValueError(f"input_conv={input_conv!r} is not an nn.Conv2d of {type(unet).__name__}")
-    state = PatchState(ctx, config, align=_row_align([c for c in convs if c[1].stride[0] > 1]))
-    adapters: list = []
+    state = StepState(ctx, align=_row_align([c for c in convs if c[1].stride[0] > 1]), traffic=Traffic())
+    applied: List[Applied] = []
     if ctx.world_size > 1:
-        try:
-            for name, m in unet.named_modules():
-                if isinstance(m, nn.Conv2d):
-                    if m.kernel_size[0] > 1 or m.padding[0] != 0 or name == first:
-                        adapters.append(HaloConv2d(m, name, state, is_input=name == first))
-                elif isinstance(m, nn.GroupNorm):
-                    adapters.append(GroupNormStats(m, name, state))
-                elif is_attention_module(m):
-                    adapters.append(SelfAttentionKV(m, name, state))
-        except BaseException:
-            for a in reversed(adapters):
-                a.remove()
-            raise
-    return UNetPatchHandle(unet, state, adapters)
+        applied = apply_plan([("", unet)], unet_plan(first, config), state, strict=False)
+    return UNetPatchHandle(unet, state, config, applied)
 
 
 # ------------------------------------------------------------------------------------------------- denoiser
@@ -196,9 +236,8 @@ def _subgroup(ctx: ParallelContext, members: List[int]) -> ParallelContext:
     global_members = [ctx.global_ranks[i] for i in members] if ctx.global_ranks else members
     if len(members) == 1:
         return ParallelContext.single(ctx.device)
-    group = dist.new_group(ranks=global_members, use_local_synchronization=True)
     return ParallelContext(
-        group=group,
+        group=comm.new_group(global_members),
         rank=members.index(ctx.rank),
         world_size=len(members),
         global_ranks=tuple(global_members),
@@ -207,25 +246,24 @@ def _subgroup(ctx: ParallelContext, members: List[int]) -> ParallelContext:
     )
 
 
-# Process groups are expensive (connections, threads) and a ComfyUI process samples many times with the same
-# cluster, so one split layout is built per parent group and reused. Keyed by the parent group object (kept alive
-# by the entry), its members and backend; entries are only ever added, one per parent group.
-_SPLIT_LAYOUTS: dict = {}
+class SplitGroups:
+    """The two subgroups of a CFG split, owned by the object that made them (a :class:`PatchParallelDenoiser`).
 
+    Ranks ``[0, N/2)`` compute the first batch half and ``[N/2, N)`` the second (the patch groups); ranks ``p``
+    and ``p + N/2`` hold the same band of opposite halves (the pair groups). Only the members of a group create
+    it. :meth:`close` releases them; the owner calls it when it is removed.
+    """
 
-def _split_layout(ctx: ParallelContext) -> SplitLayout:
-    key = (id(ctx.group), ctx.global_ranks, ctx.backend, ctx.rank)
-    hit = _SPLIT_LAYOUTS.get(key)
-    if hit is not None and hit[0] is ctx.group:
-        return SplitLayout(hit[1].half, dataclasses.replace(hit[1].patch, device=ctx.device),
-                           dataclasses.replace(hit[1].pair, device=ctx.device))
-    m = ctx.world_size // 2
-    half, p = divmod(ctx.rank, m)
-    patch = _subgroup(ctx, [half * m + q for q in range(m)])
-    pair = _subgroup(ctx, [p, p + m])
-    layout = SplitLayout(half, patch, pair)
-    _SPLIT_LAYOUTS[key] = (ctx.group, layout)
-    return layout
+    def __init__(self, ctx: ParallelContext):
+        m = ctx.world_size // 2
+        half, p = divmod(ctx.rank, m)
+        patch = _subgroup(ctx, [half * m + q for q in range(m)])
+        pair = _subgroup(ctx, [p, p + m])
+        self.layout: Optional[SplitLayout] = SplitLayout(half, patch, pair)
+
+    def close(self) -> None:
+        """Release the groups (idempotent): the owner's references are the only ones."""
+        self.layout = None
 
 
 def _as_tensor(out: Any) -> torch.Tensor:
@@ -293,9 +331,15 @@ class PatchParallelDenoiser:
         if config.split_batch and not split and ctx.world_size > 1 and ctx.rank == 0:
             why = "the world size is odd" if ctx.world_size % 2 else "the caller does not batch CFG (cfg_in_batch=False)"
             logger.warning("split_batch is off for this run because %s; set split_batch=False to silence this", why)
-        self.split: Optional[SplitLayout] = _split_layout(ctx) if split else None
+        self._groups: Optional[SplitGroups] = SplitGroups(ctx) if split else None
+        self.split: Optional[SplitLayout] = self._groups.layout if split else None
         self.patch_ctx = self.split.patch if split else ctx
-        self.handle = parallelize_unet(unet, self.patch_ctx, config, input_conv=input_conv)
+        try:
+            self.handle = parallelize_unet(unet, self.patch_ctx, config, input_conv=input_conv)
+        except BaseException:
+            if self._groups is not None:
+                self._groups.close()
+            raise
         self.traffic = self.handle.traffic
         self._streams: dict = {}  # stream key -> _Stream
         self._cur: Optional[_Stream] = None
@@ -324,7 +368,10 @@ class PatchParallelDenoiser:
         self.handle.drop_streams()
 
     def remove(self) -> None:
+        """Restore the UNet and release the process groups this denoiser made (idempotent)."""
         self.handle.remove()
+        if self._groups is not None:
+            self._groups.close()
 
     def __call__(self, x: torch.Tensor, t: Any, *, patch_stream: Hashable = None, patch_step: Optional[int] = None, **cond) -> torch.Tensor:
         """One logical step of stream ``patch_stream`` (default: one stream; pass e.g. "cond"/"uncond" when the
@@ -410,7 +457,7 @@ class PatchParallelDenoiser:
             both = all_gather_padded(band, pair, dim=0, sizes=[b, b])
             self.traffic.add("cfg", band.numel() * band.element_size(), collectives=1)
             self._cur.other[:, :, s:e] = both.chunk(2, dim=0)[1 - self.split.half]
-        # else: the guide's behaviour, kept to reproduce the bug: the other half stays as of the last sync step
+        # else: no repair, kept to reproduce the bug: the other half stays as of the last sync step
         halves = [own, self._cur.other] if self.split.half == 0 else [self._cur.other, own]
         return torch.cat(halves, dim=0)
 

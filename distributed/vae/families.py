@@ -3,7 +3,7 @@
 Design decision: everything family-specific that is *data* lives in :data:`FAMILIES` (the diffusers class, named
 as a string and resolved lazily so a missing class disables only its family; the compression ratios; a reduced
 CI config of the same architecture; the released model's config). Which adapter each layer type gets lives in
-``distributed/parallel/plan.py`` (``FAMILY_PLANS``), so adding a family is one row here plus whatever adapter
+``distributed/vae/row.py`` (``ROW_PLANS``), so adding a family is one row here plus whatever adapter
 its layers still lack.
 
 ``tiny_config`` keeps every block type, the number of resolution levels (so the spatial/temporal ratios hold)

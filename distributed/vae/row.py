@@ -26,7 +26,8 @@ from ..comm import gather_to
 from ..context import ParallelContext
 from ..parallel.attention import GatheredAttention, GatheredCausalAttnBlock, GatheredFrameAttention, RecordVideoLayout
 from ..parallel.conv import HaloConv, HaloPadThenConv, HaloPaddedCausalConv, HaloWanCausalConv
-from ..parallel.groupnorm import ExactGroupNorm
+from ..parallel.bands import row_bands
+from ..parallel.groupnorm import ShardedGroupNorm
 from ..parallel.plan import Applied, ClaimedOnly, RowLocal, RowState, apply_plan, undo_all
 from .families import FAMILIES, family_of, get_family
 
@@ -38,7 +39,7 @@ _LOCAL = RowLocal()
 _TORCH_COMMON = {
     "Conv2d": HaloConv(),
     "Conv3d": HaloConv(),
-    "GroupNorm": ExactGroupNorm(),
+    "GroupNorm": ShardedGroupNorm(),  # exact statistics, one collective per call
     "SiLU": _LOCAL,
     "Dropout": _LOCAL,
     "Identity": _LOCAL,
@@ -146,34 +147,7 @@ assert set(ROW_PLANS) == set(FAMILIES), "every family needs a row plan"
 
 
 # --------------------------------------------------------------------------------------------------
-# bands and validation
-
-
-def row_bands(latent_height: int, world_size: int, min_rows: int = 1) -> List[Tuple[int, int]]:
-    """Split ``latent_height`` rows into ``world_size`` contiguous bands (the first ones one row taller if uneven).
-
-    Raises:
-        ValueError: when a band would hold fewer than ``min_rows`` rows; names the largest rank count that fits.
-
-    Example:
-        >>> row_bands(7, 3)
-        [(0, 3), (3, 5), (5, 7)]
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1 (got {world_size})")
-    if latent_height < world_size * min_rows:
-        fits = max(1, latent_height // max(min_rows, 1))
-        raise ValueError(
-            f"a latent of {latent_height} rows cannot give each of {world_size} ranks {min_rows} row(s); "
-            f"use at most {fits} ranks, or a taller image"
-        )
-    base, extra = divmod(latent_height, world_size)
-    bands, start = [], 0
-    for r in range(world_size):
-        stop = start + base + (1 if r < extra else 0)
-        bands.append((start, stop))
-        start = stop
-    return bands
+# validation (the band table itself, row_bands, is parallel/bands.py's; re-exported here)
 
 
 def _latent_channels(vae) -> int:

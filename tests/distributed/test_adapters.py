@@ -14,7 +14,7 @@ import torch.nn as nn
 from patchray.distributed.comm import log_comm
 from patchray.distributed.context import ParallelContext
 from patchray.distributed.parallel.conv import HaloConv, halo_plan
-from patchray.distributed.parallel.groupnorm import ExactGroupNorm, exact_group_norm, merge_group_stats, group_stats
+from patchray.distributed.parallel.groupnorm import ShardedGroupNorm, exact_group_norm, merge_group_stats, group_stats
 from patchray.distributed.parallel.plan import ClaimedOnly, RowLocal, RowState, apply_plan, undo_all
 from patchray.distributed.spawn import run_ranks
 
@@ -82,7 +82,7 @@ def _adapter_task(ctx):
         rows_dim = x.dim() - 2
         scale = shape[rows_dim] // LATENT_BOUNDS[-1]
         bounds = tuple(b * scale for b in LATENT_BOUNDS)
-        applied = apply_plan([("", norm)], {"GroupNorm": ExactGroupNorm()}, state)
+        applied = apply_plan([("", norm)], {"GroupNorm": ShardedGroupNorm()}, state)
         with log_comm() as log, torch.no_grad():
             got = norm(_band(x, bounds, ctx.rank, rows_dim))
         undo_all(applied)

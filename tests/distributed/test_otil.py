@@ -1,4 +1,4 @@
-"""OTIL exchange self-test properties (seed 001) on real gloo ranks, uneven bands, N = 2, 3, 4.
+"""OTIL exchange properties on real gloo ranks, uneven bands, N = 2, 3, 4.
 
 * the local band comes out bit-exact fresh;
 * every remote block is either the block received this step (bit-exact the peer's fresh block) or the stale
