@@ -1,9 +1,14 @@
 """Run a function on N local CPU/GPU ranks with ``torch.multiprocessing`` (no Ray).
 
-The Ray cluster (``cluster.py``) is what users run. This launcher is the lighter harness the
-adapter tests and ``torchrun``-free benchmarks use: real processes, a real gloo or NCCL process
-group, a fresh free port per launch (retried on a clash), and each rank's return value (or its
-exception, re-raised with the rank named) handed back to the caller.
+The Ray cluster (``cluster.py``) is what users run. This launcher is the lighter harness the adapter tests
+and ``torchrun``-free benchmarks use: real processes, a real gloo or NCCL process group, and each rank's
+return value (or its exception, re-raised with the rank named) handed back to the caller.
+
+Design decision: the ranks meet through a ``torch.distributed.FileStore`` in a fresh temporary folder,
+as the cluster's one-machine rendezvous does, and the folder is removed when the ranks are done. A
+"pick a free TCP port, close it, hand it to the ranks" scheme has a window in which another process can
+take the port, and it opens a listening socket on the machine; a file in a private folder has neither.
+The process group is joined and left through ``comm`` (the one module that calls ``torch.distributed``).
 """
 
 from __future__ import annotations
@@ -11,36 +16,34 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import socket
+import queue as _queue
+import shutil
+import tempfile
 import traceback
 from typing import Any, Callable, List
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import comm
 from .context import ParallelContext
 
-__all__ = ["run_ranks", "RankError", "free_port"]
+__all__ = ["run_ranks", "RankError"]
 
 
 class RankError(RuntimeError):
     """A rank raised; the message names the rank and carries its traceback."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world_size, port, backend, device_kind, fn, args, kwargs, queue, timeout_s):
+def _worker(rank, world_size, store_path, backend, device_kind, fn, args, kwargs, queue, timeout_s):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
+        from torch.distributed import FileStore  # a store object, not a call into the process group
+
+        comm.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=FileStore(store_path, world_size),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -56,8 +59,7 @@ def _worker(rank, world_size, port, backend, device_kind, fn, args, kwargs, queu
     except BaseException as exc:  # report every failure, then exit non-zero
         queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        comm.destroy_process_group()
 
 
 def run_ranks(
@@ -71,30 +73,41 @@ def run_ranks(
 ) -> List[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` spawned ranks; return the results by rank.
 
-    ``fn`` must be importable (module level). Raises :class:`RankError` naming the first failing rank.
+    Args:
+        fn: a module-level (importable) function taking the rank's :class:`ParallelContext` first.
+        world_size: number of rank processes.
+        backend: ``"gloo"`` (CPU, or several ranks sharing one GPU) or ``"nccl"``.
+        device: ``"cpu"`` or ``"cuda"`` (every rank uses ``cuda:0`` of what it sees).
+        timeout_s: bound on forming the group and on each collective.
+
+    Raises:
+        RankError: naming the first failing rank, with its traceback.
+
+    Example:
+        >>> run_ranks(my_module.rank_of, 2)  # doctest: +SKIP
+        [0, 1]
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    rendezvous = tempfile.mkdtemp(prefix="patchray-spawn-")
+    store_path = os.path.join(rendezvous, "store")
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, device, fn, args, kwargs, queue, timeout_s),
+            args=(r, world_size, store_path, backend, device, fn, args, kwargs, queue, timeout_s),
             daemon=True,
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
     results: dict = {}
     errors: dict = {}
     try:
-        import queue as _q
-
+        for p in procs:
+            p.start()
         while len(results) + len(errors) < world_size:
             try:
                 rank, ok, payload = queue.get(timeout=timeout_s + 30)
-            except _q.Empty:
+            except _queue.Empty:
                 missing = sorted(set(range(world_size)) - set(results) - set(errors))
                 raise RankError(f"ranks {missing} did not finish within {timeout_s + 30:.0f} s") from None
             (results if ok else errors)[rank] = payload
@@ -103,10 +116,13 @@ def run_ranks(
                 break
     finally:
         for p in procs:
+            if p.pid is None:
+                continue  # never started
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        shutil.rmtree(rendezvous, ignore_errors=True)
     if errors:
         rank = min(errors)
         raise RankError(f"rank {rank} failed: {errors[rank]}")

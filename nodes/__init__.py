@@ -1,15 +1,18 @@
 """PatchRay's ComfyUI nodes (V3 schema). Imported only by ``comfy_entrypoint`` (ComfyUI present).
 
-Every node is a thin ``io.ComfyNode``: ``execute`` validates, converts ComfyUI objects, calls one function
-from ``distributed/`` and converts the result back. Node ids are prefixed ``PatchRay`` and never renamed.
+Layers, dependencies pointing one way: the node modules here (schema + one call) -> :mod:`.bridge` (ComfyUI's
+objects <-> the library, and the code the ranks run inside ComfyUI) -> ``distributed/`` (no ComfyUI knowledge).
+Node ids are prefixed ``PatchRay`` and never renamed.
 
-The node modules load lazily (``NODES`` / ``PatchRayExtension`` on first access): the rank processes import
-``patchray.nodes._ksampler_rank`` (ComfyUI's sampler, run on each rank) without pulling in the V3 schema API.
+Importing this package first installs the bridge's import shim (:mod:`.bridge.shim`): the library runs as
+``patchray.distributed`` however ComfyUI named the pack. The node modules load lazily (``NODES`` /
+``PatchRayExtension`` on first access): the rank processes import ``patchray.nodes.bridge.ksampler_rank``
+(ComfyUI's sampler, run on each rank) without pulling in the V3 schema API.
 """
 
 from __future__ import annotations
 
-from ._library import use_canonical_library
+from .bridge.shim import use_canonical_library
 
 use_canonical_library(__name__.rsplit(".", 1)[0])  # before any node module imports ..distributed
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 from ._comfy import interrupt_check, io, output_directory, progress_callback
-from ._images import png_to_image
+from .bridge import diagnostics
 from .planner import FAMILY_NAMES
 from .types import CATEGORY, CLUSTER
 
@@ -46,30 +45,8 @@ class PatchRayBenchmark(io.ComfyNode):
 
     @classmethod
     def execute(cls, cluster, family, shape, size="full", half="decoder", iters=3) -> io.NodeOutput:
-        from ..distributed.bench.report import format_table
-        from ..distributed.bench.vae_bench import SetupError, run_bench
-        from ..distributed.cluster import get_cluster
-
-        folder = os.path.join(output_directory(), "patchray")
-        os.makedirs(folder, exist_ok=True)
-        clean = shape.strip().replace(" ", "")
-        out = os.path.join(folder, f"bench_{family}_{clean}_{cluster.num_ranks}r_{time.strftime('%Y%m%d-%H%M%S')}.json")
-        argv = ["--family", family, "--shape", clean, "--size", size, "--half", half, "--warmup", "1", "--iters", str(int(iters)), "--out", out]
-        cancel = interrupt_check()
-        if cancel is not None:
-            cancel()
-        progress = progress_callback(1)  # rank 0 reports (cases done, cases) while the benchmark runs
-        try:
-            result = run_bench(argv, cluster=get_cluster(cluster), cancel_check=cancel, progress=progress)
-        except SetupError as exc:
-            raise ValueError(f"benchmark refused: {exc}") from None
-        with open(result.json_path) as fh:
-            data = json.load(fh)
-        if result.chart_path is None or not os.path.exists(result.chart_path):
-            raise RuntimeError(f"the benchmark wrote {result.json_path} but no chart")
-        summary = format_table(result.records)
-        if result.exit_code != 0:
-            summary = "FAILED (see the report's error fields)\n" + summary
-        records = data if isinstance(data, list) else [data]  # the JSON file's form: NaN/inf already made null
-        ui = {"text": [summary], "patchray_bench": [{"records": records, "file": os.path.basename(result.json_path)}]}
-        return io.NodeOutput(json.dumps(data, indent=1), png_to_image(result.chart_path), summary, ui=ui)
+        # rank 0 reports (cases done, cases) while the benchmark runs
+        report = diagnostics.benchmark(cluster, family, shape, size, half, iters, os.path.join(output_directory(), "patchray"),
+                                       cancel_check=interrupt_check(), progress=progress_callback(1))
+        ui = {"text": [report.text], "patchray_bench": [{"records": report.data["records"], "file": report.data["file"]}]}
+        return io.NodeOutput(json.dumps(report.data["report"], indent=1), report.image, report.text, ui=ui)

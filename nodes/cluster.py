@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 from ._comfy import interrupt_check, io, ui
+from .bridge import diagnostics
+from .bridge.diagnostics import cluster_config
 from .types import CATEGORY, CLUSTER
 
 __all__ = ["PatchRayCluster", "cluster_config"]
-
-
-def cluster_config(num_ranks: int, device: str, address: str = "", gpu_ids: str = ""):
-    """Validate the widget values and build the ``ClusterConfig`` the wire carries."""
-    from ..distributed.cluster import ClusterConfig
-
-    kwargs = dict(num_ranks=int(num_ranks), device=device, address=address.strip() or None)
-    try:
-        gpus = tuple(int(g) for g in gpu_ids.replace(" ", "").split(",") if g) if gpu_ids and gpu_ids.strip() else ()
-    except ValueError:
-        raise ValueError(f"gpu_ids must be comma-separated GPU indices such as '0,1' (got {gpu_ids!r})") from None
-    if gpus:
-        kwargs["gpu_ids"] = gpus  # ClusterConfig checks one GPU per rank, distinct, embedded, not cpu
-    return ClusterConfig(**kwargs)
 
 
 class PatchRayCluster(io.ComfyNode):
@@ -62,13 +48,6 @@ class PatchRayCluster(io.ComfyNode):
 
     @classmethod
     def execute(cls, num_ranks, device, address="", gpu_ids="") -> io.NodeOutput:
-        from ..distributed.cluster import get_cluster
-
         config = cluster_config(num_ranks, device, address, gpu_ids)
-        interrupt = interrupt_check()
-        if interrupt is not None:
-            interrupt()
-        info = get_cluster(config).describe()
-        text = json.dumps(info, indent=1, default=str)
-        summary = f"{info['num_ranks']} {info['device_kind']} rank(s), {info['backend']}: " + ", ".join(map(str, info["devices"]))
+        text, summary = diagnostics.start_cluster(config, cancel_check=interrupt_check())
         return io.NodeOutput(config, text, ui=ui.PreviewText(summary))

@@ -3,45 +3,17 @@
 Every rank runs ComfyUI's own sampler and scheduler on the MODEL as loaded (LoRAs and patches applied); each
 rank's UNet computes one band of latent rows (DistriFusion-style patch parallelism, with OTIL's top-k output
 exchange in the ``otil`` preset). ``full_sync`` equals the stock KSampler within floating-point tolerance.
+Schema only; the work is one call into the bridge (:mod:`.bridge.ksampler`).
 """
 
 from __future__ import annotations
 
-import logging
-
-from . import _model
 from ._comfy import interrupt_check, io, progress_callback, sampler_lists
-from ._library import CANONICAL
+from .bridge import ksampler as bridge_ksampler
+from .bridge.ksampler import PRESET_NAMES
 from .types import CATEGORY, CLUSTER
 
-__all__ = ["PatchRayKSampler", "patch_config"]
-
-log = logging.getLogger(__name__)
-
-_RANK = f"{CANONICAL}.nodes._ksampler_rank"
-
-PRESET_NAMES = ["full_sync", "displaced", "otil", "balanced"]
-# samplers whose step control reads the whole latent: with OTIL's approximate remote regions the ranks would take
-# different numbers of steps, and their collectives would not line up
-_ADAPTIVE = {"dpm_adaptive"}
-
-
-def patch_config(preset: str, warmup_steps: int = -1, refresh_every: int = -1, k_ratio: float = 0.25, block_size: int = 8):
-    """The PatchConfig for the node's widgets (-1: the preset's own value). CFG is not split across ranks."""
-    from ..distributed.sampling.config import OutputMode, preset as make
-
-    if preset not in PRESET_NAMES:
-        raise ValueError(f"preset must be one of {PRESET_NAMES} (got {preset!r})")
-    over = {"split_batch": False}  # ComfyUI may evaluate cond and uncond in separate calls: every rank takes both
-    if preset != "full_sync":
-        if int(warmup_steps) >= 0:
-            over["warmup_steps"] = int(warmup_steps)
-        if int(refresh_every) >= 0:
-            over["refresh_every"] = int(refresh_every)
-    config = make(preset, **over)
-    if config.output is OutputMode.OTIL:
-        config = config.replace(k_ratio=float(k_ratio), block_size=int(block_size))
-    return config
+__all__ = ["PatchRayKSampler"]
 
 
 class PatchRayKSampler(io.ComfyNode):
@@ -93,46 +65,12 @@ class PatchRayKSampler(io.ComfyNode):
         cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster,
         preset="full_sync", warmup_steps=-1, refresh_every=-1, k_ratio=0.25, block_size=8,
     ) -> io.NodeOutput:
-        from ..distributed.cluster import ClusterConfig, get_cluster
-        from ..distributed.sampling.config import OutputMode
-        from ..distributed.sampling.remote import distributed_sample, ship_model
-
-        config = patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size)
-        if sampler_name in _ADAPTIVE and config.output is OutputMode.OTIL:
-            raise ValueError(f"sampler {sampler_name!r} adapts its step count to the whole latent, which OTIL leaves approximate on each rank; pick another sampler or preset")
-        if not isinstance(cluster, ClusterConfig):
-            raise TypeError(f"cluster must come from a PatchRay Cluster node (got {type(cluster).__name__})")
-        if not isinstance(latent_image, dict) or "samples" not in latent_image:
-            raise TypeError("latent_image must be a ComfyUI LATENT (a dict with 'samples')")
-        _model.check_conditioning("positive", positive)
-        _model.check_conditioning("negative", negative)
-        key, make_payload = _model.portable_model(model)
-
-        latent, noise = _model.latent_and_noise(model, latent_image, seed)
-        inputs = {
-            "noise": noise, "latent_image": latent, "noise_mask": latent_image.get("noise_mask"), "seed": int(seed),
-            "steps": int(steps), "cfg": float(cfg), "sampler_name": sampler_name, "scheduler": scheduler,
-            "denoise": float(denoise), "positive": positive, "negative": negative, "model_options": model.model_options,
-            "object_patches": dict(model.object_patches),
-        }
-        root = _model.comfy_root()
-        rank_cluster = get_cluster(cluster)
-        cancel = interrupt_check()
-        ship_model(rank_cluster, key, make_payload, f"{_RANK}:build", prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel)
+        config = bridge_ksampler.patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size)
         progress = progress_callback(steps)
-        result = distributed_sample(
-            rank_cluster, key, f"{_RANK}:sample", inputs, config,
-            prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel, progress=progress,
-            timeout_s=cluster.call_timeout_s,
+        latent = bridge_ksampler.sample(
+            model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster, config,
+            cancel_check=interrupt_check(), progress=progress,
         )
-        if result["calls"] == 0 and float(denoise) > 0:
-            raise RuntimeError(
-                "PatchRay Distributed KSampler: the ranks sampled without calling the UNet through PatchRay's wrapper "
-                "(another extension replaced ComfyUI's diffusion-model call?); refusing to return an unsharded result"
-            )
-        log.info("PatchRay KSampler: %d UNet calls on %d ranks, preset %s", result["calls"], cluster.num_ranks, preset)
         if progress is not None:
             progress(steps, steps)
-        out = latent_image.copy()
-        out["samples"] = result["latent"]
-        return io.NodeOutput(out)
+        return io.NodeOutput(latent)

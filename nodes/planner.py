@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ._comfy import io, ui
-from ._preview import draw_plan
+from .bridge import diagnostics
 from .types import CATEGORY, TILE_PLAN
 
 __all__ = ["PatchRayTilePlanner", "FAMILY_NAMES"]
@@ -16,15 +16,6 @@ def _family_names():
 
 
 FAMILY_NAMES = _family_names()
-
-
-def _describe(p: dict) -> str:
-    o = p["objectives"]
-    return (
-        f"{p['name']:>8}: window {p['window'][0]}x{p['window'][1]} px, overlap {p['overlap'][0]}x{p['overlap'][1]}, "
-        f"{o['tile_count']} tiles ({p['grid'][0]}x{p['grid'][1]}), decoded area x{o['coverage']:.2f}, "
-        f"imbalance {o['imbalance']:.1%}, runs {[tuple(r) for r in p['runs']]}"
-    )
 
 
 class PatchRayTilePlanner(io.ComfyNode):
@@ -57,13 +48,5 @@ class PatchRayTilePlanner(io.ComfyNode):
 
     @classmethod
     def execute(cls, family, width, height, frames=1, ranks=2, choice="balanced", image=None) -> io.NodeOutput:
-        from ..distributed.vae.planner import plan_tiles
-
-        report = plan_tiles(family, int(height), int(width), frames=int(frames), world_size=int(ranks))
-        chosen = getattr(report, choice) or report.coarse  # balanced is None when the frontier has two windows
-        plan = chosen.to_dict()
-        lines = [_describe(p.to_dict()) for p in report.plans]
-        if getattr(report, choice) is None:
-            lines.append(f"(no distinct {choice} plan for this shape: using coarse)")
-        text = "\n".join(lines)
-        return io.NodeOutput(plan, draw_plan(plan, image), text, ui=ui.PreviewText(text))
+        plan, preview, text = diagnostics.plan_preview(family, width, height, frames, ranks, choice, image)
+        return io.NodeOutput(plan, preview, text, ui=ui.PreviewText(text))

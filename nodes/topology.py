@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 
 from ._comfy import io
-from ._images import png_to_image
+from .bridge import diagnostics
 from .types import CATEGORY, CLUSTER
 
 __all__ = ["PatchRayTopologyProbe"]
@@ -41,20 +39,6 @@ class PatchRayTopologyProbe(io.ComfyNode):
 
     @classmethod
     def execute(cls, measure=True, cluster=None) -> io.NodeOutput:
-        from ..distributed.topology import probe_topology, render_heatmap, summary_text
-
-        report = probe_topology(measure=bool(measure))
-        if cluster is not None:
-            from ..distributed.cluster import check_cluster
-
-            report.cluster = check_cluster(cluster)  # the report's slot for the rank cluster check
-        data = report.to_dict()
-        fd, path = tempfile.mkstemp(prefix="patchray_topology_", suffix=".png")
-        os.close(fd)
-        try:
-            render_heatmap(report, path)
-            image = png_to_image(path)
-        finally:
-            os.unlink(path)
-        text = summary_text(report)
-        return io.NodeOutput(image, text, json.dumps(data, indent=1), ui={"text": [text], "patchray_topology": [data]})
+        report = diagnostics.probe(bool(measure), cluster)
+        return io.NodeOutput(report.image, report.text, json.dumps(report.data, indent=1),
+                             ui={"text": [report.text], "patchray_topology": [report.data]})

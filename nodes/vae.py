@@ -1,16 +1,16 @@
-"""Distributed VAE Decode / Encode: ComfyUI's own VAE and LATENT/IMAGE in, the stock nodes' outputs out."""
+"""Distributed VAE Decode / Encode: ComfyUI's own VAE and LATENT/IMAGE in, the stock nodes' outputs out.
+
+Schemas only; the work is one call into the bridge (:mod:`.bridge.vae`).
+"""
 
 from __future__ import annotations
 
-import logging
-
-from . import _convert as cv
 from ._comfy import interrupt_check, io, progress_callback, ui
+from .bridge import vae as bridge_vae
 from .types import CATEGORY, CLUSTER, TILE_PLAN
 
 __all__ = ["PatchRayVAEDecode", "PatchRayVAEEncode"]
 
-log = logging.getLogger(__name__)
 
 def _precision_input():
     return io.Combo.Input(
@@ -21,10 +21,10 @@ def _precision_input():
     )
 
 
-def _fallback_note(exc: Exception, what: str) -> str:
-    msg = f"PatchRay cannot shard this VAE ({exc}); used ComfyUI's own single-device {what} instead."
-    log.warning(msg)
-    return msg
+def _output(result: "bridge_vae.Result") -> io.NodeOutput:
+    if result.fallback_note is None:
+        return io.NodeOutput(result.value)
+    return io.NodeOutput(result.value, ui=ui.PreviewText(result.fallback_note))
 
 
 class PatchRayVAEDecode(io.ComfyNode):
@@ -62,31 +62,11 @@ class PatchRayVAEDecode(io.ComfyNode):
 
     @classmethod
     def execute(cls, samples, vae, cluster, mode="auto", precision="auto", gn_sync=False, plan=None) -> io.NodeOutput:
-        from ..distributed.cluster import get_cluster
-        from ..distributed.vae.api import distributed_decode
-        from ..distributed.vae.convert import UnsupportedVaeError
-
-        z = cv.latent_tensor(samples)
-        plan = cv.plan_dict(plan)
-        try:
-            spec = cv.vae_spec(vae)
-        except UnsupportedVaeError as exc:
-            note = _fallback_note(exc, "decode")
-            return io.NodeOutput(cv.stock_decode(vae, samples), ui=ui.PreviewText(note))
         progress = progress_callback(1)
-        x = distributed_decode(
-            get_cluster(cluster),
-            spec,
-            z,
-            mode=mode,
-            plan=plan,
-            dtype=cv.resolve_dtype(precision, vae),
-            gn_sync=bool(gn_sync),
-            cancel_check=interrupt_check(),
-        )
+        result = bridge_vae.decode(samples, vae, cluster, mode, precision, gn_sync, plan, cancel_check=interrupt_check())
         if progress is not None:
             progress(1)
-        return io.NodeOutput(cv.decoded_to_image(x))
+        return _output(result)
 
 
 class PatchRayVAEEncode(io.ComfyNode):
@@ -111,18 +91,4 @@ class PatchRayVAEEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, pixels, vae, cluster, precision="auto") -> io.NodeOutput:
-        from ..distributed.cluster import get_cluster
-        from ..distributed.vae.api import distributed_encode
-        from ..distributed.vae.convert import UnsupportedVaeError
-        from ..distributed.vae.families import get_family
-
-        try:
-            spec = cv.vae_spec(vae)
-        except UnsupportedVaeError as exc:
-            note = _fallback_note(exc, "encode")
-            return io.NodeOutput({"samples": cv.stock_encode(vae, pixels)}, ui=ui.PreviewText(note))
-        fam = get_family(spec.family)
-        ratio = 2 ** (len(spec.config["block_out_channels"]) - 1) if "block_out_channels" in spec.config else fam.spatial_ratio
-        x = cv.image_to_sample(pixels, ratio, fam.is_video)
-        z = distributed_encode(get_cluster(cluster), spec, x, dtype=cv.resolve_dtype(precision, vae), cancel_check=interrupt_check())
-        return io.NodeOutput({"samples": z})
+        return _output(bridge_vae.encode(pixels, vae, cluster, precision, cancel_check=interrupt_check()))

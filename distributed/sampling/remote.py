@@ -15,7 +15,7 @@ This is how a host application (ComfyUI) samples on the cluster without giving u
 Design decisions:
 
 * **The sampler runs on every rank, not on the driver.** OTIL leaves each rank's latent approximate outside its
-  band (seed 001: ranks disagree in remote regions; only the final gather is exact), so the loop must run where
+  band (the ranks disagree in remote regions; only the final gather is exact), so the loop must run where
   the band is fresh. Driving the UNet call by call from the driver would turn OTIL into a plain gather.
 * **Inputs travel as one object reference, resolved on the ranks after ``prepare``** (see
   :func:`distributed_sample`): a payload that pickles host-application classes (ComfyUI's model, conditioning)
@@ -35,11 +35,10 @@ import zlib
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..cluster import RankFailure, _fn_ref, _resolve, caused_by, rank_cache, report_progress
-from ..comm import all_gather_padded, all_reduce
+from ..comm import all_gather_padded
 from ..context import ParallelContext
 from .comm_manager import Traffic
 from .config import PatchConfig
@@ -120,13 +119,16 @@ class RankSession:
             self.denoiser.reset()
 
     def agree_min(self, value: float) -> float:
-        """The minimum of ``value`` over the ranks (one tiny all-reduce): for host decisions that read local state.
+        """The minimum of ``value`` over the ranks (one tiny all-gather): for host decisions that read local state.
 
         ComfyUI, for one, decides from the device's free memory whether cond and uncond share a UNet call; ranks
         that decided differently would make different collective calls. Feed such inputs through here.
         """
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.ctx.device)
-        return float(all_reduce(t, self.ctx, op=dist.ReduceOp.MIN).item())
+        if self.ctx.world_size == 1:
+            return float(value)
+        t = torch.tensor([[float(value)]], dtype=torch.float64, device=self.ctx.device)
+        every = all_gather_padded(t, self.ctx, dim=0, sizes=[1] * self.ctx.world_size)
+        return float(every.min().item())
 
     def _check_same_call(self, stream: Hashable, x: torch.Tensor) -> None:
         """Every rank must be making the same UNet call (stream and shape); raise instead of mismatching collectives."""

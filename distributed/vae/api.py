@@ -12,6 +12,13 @@ Design decisions:
 * **Plans are data.** A tile plan travels as ``TilePlan.to_dict()`` and is rebuilt on the ranks.
 * **auto** picks row mode (exact: equals the single-GPU decode) unless the link is slow enough that the
   topology advice prefers whole tiles (:func:`choose_mode`).
+* **Refuse on the driver.** What can be checked from shapes (latent rank and channels against the VAE, rows
+  against the rank count, input size against the compression ratio) is checked here, with the same verdicts
+  the ranks would reach, before any weights or tensors are shipped; the ranks keep their own checks as the
+  backstop.
+* **One weight format.** A spec holds a diffusers config and a diffusers-layout state dict
+  (:func:`spec_from_diffusers`, checked by ``convert.check_state_dict``); host applications convert their own
+  layouts before they call here.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import torch
 
 from ..context import ParallelContext
 
-__all__ = ["VaeSpec", "spec_for_family", "spec_from_state_dict", "distributed_decode", "distributed_encode", "choose_mode", "MODES"]
+__all__ = ["VaeSpec", "spec_for_family", "spec_from_diffusers", "distributed_decode", "distributed_encode", "choose_mode", "MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +44,7 @@ class VaeSpec(NamedTuple):
     Args:
         family: a key of ``families.FAMILIES``.
         config: keyword arguments for the family's diffusers class (``None``: the family's ``size`` config).
-        state_dict: diffusers-layout weights (``None``: deterministic synthetic weights, seed 0).
+        state_dict: diffusers-layout weights (``None``: deterministic synthetic weights, seeded from ``key``).
         key: content key; equal keys mean equal models (see ``convert.state_dict_key``).
         size: ``"full"`` or ``"tiny"``, used only when ``config`` is ``None``.
     """
@@ -57,12 +64,27 @@ def spec_for_family(family: str, size: str = "full", seed: int = 0) -> VaeSpec:
     return VaeSpec(family=family, config=None, state_dict=None, key=f"synthetic:{family}:{size}:{seed}", size=size)
 
 
-def spec_from_state_dict(comfy_state_dict: Mapping[str, torch.Tensor]) -> VaeSpec:
-    """Convert a ComfyUI VAE state dict (ldm layout) into a spec; raises ``UnsupportedVaeError`` with the reason."""
-    from .convert import convert_comfy_vae, state_dict_key
+def spec_from_diffusers(family: str, config: dict, state_dict: Mapping[str, torch.Tensor]) -> VaeSpec:
+    """A spec for real weights in the diffusers format, checked against the family's diffusers class.
 
-    conv = convert_comfy_vae(comfy_state_dict)
-    return VaeSpec(family=conv.family, config=conv.config, state_dict=conv.state_dict, key=state_dict_key(conv.state_dict, conv.family))
+    Args:
+        family: a key of ``families.FAMILIES`` (``"kl"``, ``"wan"``...).
+        config: keyword arguments for the family's diffusers class.
+        state_dict: that model's weights, diffusers layout (the tensors are kept, not copied).
+
+    Raises:
+        ValueError: unknown family.
+        UnsupportedVaeError: the weights do not fit ``diffusers.<class>(**config)`` (the message names what differs).
+
+    Example:
+        >>> vae = diffusers.AutoencoderKL(**cfg)  # doctest: +SKIP
+        >>> spec = spec_from_diffusers("kl", cfg, vae.state_dict())  # doctest: +SKIP
+    """
+    from .convert import check_state_dict, state_dict_key
+    from .families import get_family
+
+    check_state_dict(get_family(family).diffusers_class, config, state_dict)
+    return VaeSpec(family=family, config=dict(config), state_dict=state_dict, key=state_dict_key(state_dict, family))
 
 
 def _dtype(dtype) -> torch.dtype:
@@ -191,6 +213,64 @@ def _is_need_weights(exc: BaseException) -> bool:
     return caused_by(exc, _NeedWeights)
 
 
+def _latent_channels(spec: VaeSpec) -> Optional[int]:
+    """The latent channels the ranks' VAE will expect (None when only the diffusers class default knows)."""
+    from .families import get_family
+
+    fam = get_family(spec.family)
+    if spec.config is None and spec.size == "full":
+        return fam.latent_channels
+    config = fam.tiny_config if spec.config is None else spec.config
+    for key in ("latent_channels", "z_dim"):
+        if key in config:
+            return int(config[key])
+    # a tiny config without the key builds the released width (families.latent_shape); a given config without it
+    # leaves the diffusers class default, which only the ranks see: their own check decides
+    return fam.latent_channels if spec.config is None else None
+
+
+def _check_latent(spec: VaeSpec, z: torch.Tensor, world_size: int, mode: str) -> None:
+    """The ranks' latent checks (``row.validate_latent``), made here before anything is shipped."""
+    from .families import get_family
+    from .row import row_bands
+
+    fam = get_family(spec.family)
+    want_dim = 5 if fam.is_video else 4
+    if not torch.is_tensor(z) or z.dim() != want_dim:
+        layout = "[B, C, T, h, w]" if fam.is_video else "[B, C, h, w]"
+        raise ValueError(f"{spec.family} latents are {want_dim}-D {layout}; got shape {tuple(getattr(z, 'shape', ()))}")
+    channels = _latent_channels(spec)
+    if channels is not None and z.shape[1] != channels:
+        raise ValueError(
+            f"latent has {z.shape[1]} channels but this {spec.family} VAE expects {channels}; "
+            "pass a latent made by this VAE (or load the matching VAE)"
+        )
+    if mode == "row":
+        row_bands(z.shape[-2], world_size)  # too few rows for the ranks: ValueError naming the rank count that fits
+
+
+def _check_input(spec: VaeSpec, x: torch.Tensor, world_size: int) -> None:
+    """The ranks' encode-input checks (``row.row_encode``), made here before anything is shipped."""
+    from .families import get_family
+    from .row import row_bands
+
+    fam = get_family(spec.family)
+    want_dim = 5 if fam.is_video else 4
+    if not torch.is_tensor(x) or x.dim() != want_dim:
+        raise ValueError(f"{spec.family} inputs are {want_dim}-D; got shape {tuple(getattr(x, 'shape', ()))}")
+    in_channels = int((spec.config or {}).get("in_channels", 3))
+    if x.shape[1] != in_channels:
+        raise ValueError(f"input has {x.shape[1]} channels but this {spec.family} VAE expects {in_channels}")
+    ratio = fam.spatial_ratio
+    height, width = x.shape[-2], x.shape[-1]
+    if height % ratio or width % ratio:
+        raise ValueError(
+            f"{spec.family} encodes sizes divisible by {ratio}; got {height}x{width}: crop or pad to "
+            f"{height // ratio * ratio}x{width // ratio * ratio}"
+        )
+    row_bands(height // ratio, world_size)
+
+
 def _latent_frames_hw(spec_family: str, z: torch.Tensor):
     from .families import get_family
 
@@ -216,7 +296,7 @@ def distributed_decode(
 
     Args:
         cluster: a :class:`~patchray.distributed.cluster.RankCluster`.
-        spec: which VAE (:func:`spec_from_state_dict`, :func:`spec_for_family`).
+        spec: which VAE (:func:`spec_from_diffusers`, :func:`spec_for_family`).
         z: the latent, ``[B, C, h, w]`` (images) or ``[B, C, T, h, w]`` (video).
         mode: ``"auto"``, ``"row"`` (exact) or ``"tile-runs"`` (whole tiles, blended).
         plan: a ``TilePlan.to_dict()`` for tile-runs (default: the planner's balanced plan, else coarse).
@@ -227,14 +307,20 @@ def distributed_decode(
 
     Returns:
         ``[B, 3, H, W]`` or ``[B, 3, F, H, W]`` float32 on the CPU.
+
+    Raises:
+        ValueError: a bad mode or dtype, a latent whose rank or channels do not fit the VAE, too few rows for the
+            ranks in row mode, a plan for another rank count (all before anything is shipped).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
     dt = _dtype(dtype)
     n = cluster.config.num_ranks
+    _check_latent(spec, z, n, "any")
     height, width, frames = _latent_frames_hw(spec.family, z)
     if mode == "auto":
         mode = choose_mode(spec.family, height, width, frames, n, topology if topology is not None else _cluster_topology(cluster))
+    _check_latent(spec, z, n, mode)
     if mode == "tile-runs":
         from .planner import TilePlan, plan_tiles
 
@@ -258,7 +344,13 @@ def distributed_encode(
     cancel_check: Optional[Callable[[], None]] = None,
     timeout_s: Optional[float] = None,
 ) -> torch.Tensor:
-    """Row-sharded encode of ``x`` (in [-1, 1], ``[B, 3, H, W]`` or ``[B, 3, F, H, W]``); returns the latent mean on the CPU."""
+    """Row-sharded encode of ``x`` (in [-1, 1], ``[B, 3, H, W]`` or ``[B, 3, F, H, W]``); returns the latent mean on the CPU.
+
+    Raises:
+        ValueError: an input whose rank, channels or size do not fit the VAE, or too few rows for the ranks
+            (before anything is shipped).
+    """
     dt = _dtype(dtype)
+    _check_input(spec, x, cluster.config.num_ranks)
     results = _run_with_weights(cluster, _encode_task, spec, x.detach().cpu(), dt, cancel_check=cancel_check, timeout_s=timeout_s)
     return results[0]

@@ -1,7 +1,7 @@
 """The Distributed KSampler's rank side on N spawned processes, without Ray: for machines where Ray is absent.
 
 The lent H200 machine has no Ray (and no network), so the node itself cannot run there. This script runs exactly
-what the node's ranks run — ``nodes/_ksampler_rank.py`` (ComfyUI's ``comfy.sample.sample`` with PatchRay's
+what the node's ranks run — ``nodes/bridge/ksampler_rank.py`` (ComfyUI's ``comfy.sample.sample`` with PatchRay's
 DIFFUSION_MODEL wrapper) and ``sampling.remote.RankSession`` (the patch-parallel denoiser, the exact final gather) —
 on ``spawn.run_ranks`` processes, and compares each preset with the stock sampling of the same ModelPatcher on
 rank 0 (no wrapper). What it leaves out is only the transport (Ray, the model shipping; covered on CPU ranks by
@@ -72,7 +72,7 @@ def _rank(ctx, opts):
     from patchray.distributed.sampling.comm_manager import Traffic
     from patchray.distributed.sampling.config import preset
     from patchray.distributed.sampling.remote import RankSession
-    from patchray.nodes import _ksampler_rank as kr
+    from patchray.nodes.bridge import ksampler_rank as kr
 
     kr.prepare(ctx, opts["comfy"])
     import comfy.sample
@@ -147,7 +147,7 @@ def main(argv=None):
     results = run_ranks(_rank, args.ranks, opts, backend="gloo", device=args.device, timeout_s=1800.0)
     report = {
         "setup": f"{args.ranks} gloo rank processes on {args.device}" + (" sharing one GPU (memory per rank is honest; speed is not)" if args.device == "cuda" else ""),
-        "model": "ckpt " + os.path.basename(args.ckpt) if args.ckpt else "SDXL base UNet architecture, random weights (seed 0)",
+        "model": "ckpt " + os.path.basename(args.ckpt) if args.ckpt else "SDXL base UNet architecture, random weights (sdxl.build_unet(seed=0))",
         "size": args.size, "steps": args.steps, "sampler": args.sampler, "scheduler": "karras", "dtype": args.dtype,
         "torch": torch.__version__, "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "stock_rank0": results[0].get("stock"),

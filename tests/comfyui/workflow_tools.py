@@ -5,7 +5,7 @@
   ``/object_info``) plus PatchRay's nodes read from their schemas.
 * :func:`ui_to_api` -- the UI-format -> API-format conversion the frontend performs on Queue (for graphs
   without subgraphs, reroutes or primitive nodes): positional ``widgets_values`` -> named inputs, skipping the
-  frontend-only values (a seed's "control after generate", an upload combo's "upload"), links -> ``[id, slot]``,
+  frontend-only values (the "control after generate" of a seed widget, an upload combo's "upload"), links -> ``[id, slot]``,
   virtual nodes (Note, MarkdownNote) and muted/bypassed nodes dropped.
 """
 

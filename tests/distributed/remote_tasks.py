@@ -98,3 +98,11 @@ def diverge(ctx, unet, session, inp):
 def fail_after_a_step(ctx, unet, session, inp):
     _one_call(unet, session, inp["latent"], inp["cond"])
     raise ValueError("the sampler failed after its first step")
+
+
+def agreed_minimum(ctx, values):
+    """``RankSession.agree_min`` of this rank's entry of ``values``: every rank must get the smallest."""
+    from patchray.distributed.sampling.config import preset
+    from patchray.distributed.sampling.remote import RankSession
+
+    return RankSession(ctx, "agree", preset("full_sync", split_batch=False)).agree_min(values[ctx.rank])

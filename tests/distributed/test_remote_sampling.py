@@ -118,3 +118,9 @@ def test_failures_after_the_collectives_began_stop_the_cluster_and_the_next_run_
     ship_model(fresh, key, lambda: payload, tasks.build)
     out = distributed_sample(fresh, key, tasks.sample, inp, preset("full_sync", split_batch=False))
     assert _rel(out["latent"], tasks.reference(payload, inp)) < 2e-5
+
+
+def test_ranks_agree_on_the_minimum_of_a_local_value():
+    # e.g. each rank's free memory: ComfyUI's batching decision must be the same on every rank
+    cluster = _cluster(3)
+    assert cluster.run(tasks.agreed_minimum, [7.5, 2.25, 9.0]) == [2.25, 2.25, 2.25]

@@ -24,10 +24,16 @@ def test_row_decode_and_encode_equal_single_process_and_weights_travel_once():
     out = api.distributed_decode(cluster, spec, z, mode="row")
     with torch.no_grad():
         ref = vae.decode(z).sample
-    # fp32, exact row mode: only reduction-order differences (issue bound 1e-4 on outputs in about [-1, 1])
+    # fp32, exact row mode: only reduction-order differences (bound 1e-4 on outputs in about [-1, 1])
     assert out.shape == ref.shape
     assert (out - ref).abs().max().item() <= 1e-4
-    assert spec.key in cluster._patchray_weights_on_ranks
+    def cached_vae_keys(ctx):  # defined here so Ray sends it by value (this test module is not importable on the ranks)
+        from patchray.distributed.cluster import rank_cache
+
+        return [k[1] for k in rank_cache() if isinstance(k, tuple) and k and k[0] == "vae"]
+
+    # what the ranks hold, asked of the ranks: one VAE each, under this spec's key
+    assert cluster.run(cached_vae_keys) == [[spec.key], [spec.key]]
 
     # second call: only the key travels; the ranks answer from their cache
     out2 = api.distributed_decode(cluster, spec._replace(state_dict=None), z, mode="row")
@@ -40,13 +46,26 @@ def test_row_decode_and_encode_equal_single_process_and_weights_travel_once():
     assert (lat - ref_lat).abs().max().item() <= 1e-4
 
 
-def test_tile_runs_decode_returns_the_image_and_auto_picks_row():
+def test_tile_runs_decode_equals_one_rank_and_auto_decodes_exactly_without_a_topology():
+    from patchray.distributed.vae.planner import TilePlan, plan_tiles
+    from patchray.distributed.vae.tiled import decode_local
+
     vae, spec = _tiny_kl_spec()
     cluster = get_cluster(ClusterConfig(num_ranks=2, device="cpu"))
     z = torch.randn(1, vae.config.latent_channels, 40, 40)
-    tiled = api.distributed_decode(cluster, spec, z, mode="tile-runs")
-    assert tiled.shape == (1, 3, 320, 320) and torch.isfinite(tiled).all()
-    assert api.choose_mode("kl", 320, 320, 1, 2) == "row"
+    report = plan_tiles("kl", 320, 320, 1, 2)
+    plan = (report.balanced or report.coarse).to_dict()
+    tiled = api.distributed_decode(cluster, spec, z, mode="tile-runs", plan=plan)
+    with torch.no_grad():
+        one = decode_local(vae, z, TilePlan.from_dict(plan))  # the same tiles, decoded and blended in this process
+        full = vae.decode(z).sample
+    assert tiled.shape == one.shape == (1, 3, 320, 320)
+    # the same tiles decoded on two ranks or one: equal up to fp32 reassociation
+    assert (tiled - one).abs().max().item() <= 1e-4
+    assert (tiled - full).abs().max().item() > 1e-3  # tiles are not the full decode: the next check can tell them apart
+    # auto on CPU ranks (no topology to consult) decodes in row mode: exact, unlike the tiles
+    auto = api.distributed_decode(cluster, spec, z, mode="auto")
+    assert (auto - full).abs().max().item() <= 1e-4
 
 
 def test_rebuilt_cluster_gets_the_weights_again():
@@ -74,6 +93,40 @@ def test_bad_requests_are_refused_with_the_fix():
         api.distributed_decode(cluster, spec, torch.randn(1, 7, 16, 16), mode="row")
     with pytest.raises(ValueError, match="unknown family|known families"):
         api.spec_for_family("sd35")
+
+
+def test_latents_and_inputs_that_cannot_fit_are_refused_on_the_driver():
+    # refused here, before anything is shipped: a plain ValueError with the message alone, not a rank's error
+    # wrapped by Ray (whose type would be RayTaskError(ValueError) and whose text carries the rank's traceback)
+    _, spec = _tiny_kl_spec()
+    cluster = get_cluster(ClusterConfig(num_ranks=2, device="cpu"))
+    channels = spec.config["latent_channels"]
+    cases = [
+        (lambda: api.distributed_decode(cluster, spec, torch.randn(1, channels + 3, 16, 16), mode="row"), "channels"),
+        (lambda: api.distributed_decode(cluster, spec, torch.randn(1, channels + 3, 16, 16), mode="tile-runs"), "channels"),
+        (lambda: api.distributed_decode(cluster, spec, torch.randn(1, channels, 1, 16), mode="row"), "at most 1 ranks"),
+        (lambda: api.distributed_decode(cluster, spec, torch.randn(channels, 16, 16), mode="row"), "4-D"),
+        (lambda: api.distributed_encode(cluster, spec, torch.rand(1, 3, 8, 64)), "at most 1 ranks"),
+        (lambda: api.distributed_encode(cluster, spec, torch.rand(1, 3, 60, 64)), "divisible by 8"),
+        (lambda: api.distributed_encode(cluster, spec, torch.rand(1, 4, 64, 64)), "channels"),
+    ]
+    for call, words in cases:
+        with pytest.raises(ValueError, match=words) as info:
+            call()
+        assert type(info.value) is ValueError and "ray::" not in str(info.value), str(info.value)
+
+
+def test_weights_in_the_diffusers_format_are_checked_before_they_travel():
+    from patchray.distributed.vae.convert import UnsupportedVaeError
+
+    vae, spec = _tiny_kl_spec()
+    checked = api.spec_from_diffusers("kl", spec.config, spec.state_dict)
+    assert checked.family == "kl" and checked.state_dict is spec.state_dict
+    assert checked.key == api.spec_from_diffusers("kl", spec.config, {k: v.clone() for k, v in spec.state_dict.items()}).key
+    broken = dict(spec.state_dict)
+    del broken["decoder.conv_out.weight"]
+    with pytest.raises(UnsupportedVaeError, match="missing.*decoder.conv_out.weight"):
+        api.spec_from_diffusers("kl", spec.config, broken)
 
 
 def _saved_report(name):

@@ -10,18 +10,35 @@ import pytest
 
 from patchray.distributed.sampling.config import PRESETS, OutputMode
 
+# What each preset of the node is documented to be (the preset widget's tooltip and docs/), written out by hand:
+# (layer_mode, groupnorm, output, warmup_steps, refresh_every). No preset splits CFG across ranks in the node.
+_DOCUMENTED = {
+    "full_sync": ("full_sync", "sync", "gather", 0, 0),
+    "displaced": ("displaced", "corrected_async", "gather", 4, 0),
+    "otil": ("no_sync", "sync", "otil", 4, 10),
+    "balanced": ("no_sync", "sync", "gather", 4, 5),
+}
+
 
 @pytest.fixture(scope="module")
 def ks():
+    from types import SimpleNamespace
+
     from patchray.nodes import ksampler
+    from patchray.nodes.bridge import ksampler as bridge_ksampler
 
-    return ksampler
+    # the node (schema + one call) and its widget -> PatchConfig mapping, which lives in the bridge
+    return SimpleNamespace(PatchRayKSampler=ksampler.PatchRayKSampler, patch_config=bridge_ksampler.patch_config)
 
 
-@pytest.mark.parametrize("name", ["full_sync", "displaced", "otil", "balanced"])
-def test_presets_map_to_the_library_presets_without_cfg_split(ks, name):
+@pytest.mark.parametrize("name", sorted(_DOCUMENTED))
+def test_presets_are_the_documented_ones_without_cfg_split(ks, name):
     cfg = ks.patch_config(name)
-    assert cfg == PRESETS[name].replace(split_batch=False)
+    got = (cfg.layer_mode.value, cfg.groupnorm.value, cfg.output.value, cfg.warmup_steps, cfg.refresh_every)
+    assert got == _DOCUMENTED[name]
+    assert cfg.split_batch is False
+    if cfg.output is OutputMode.OTIL:  # the OTIL paper's exchange: a quarter of the 8x8 latent blocks
+        assert (cfg.k_ratio, cfg.block_size) == (0.25, 8)
 
 
 def test_knobs_override_the_preset(ks):
@@ -66,7 +83,7 @@ def test_schema_offers_comfyuis_samplers_and_the_presets(ks):
 def test_conditioning_the_bands_cannot_honour_is_refused_with_the_reason(key):
     import torch
 
-    from patchray.nodes import _model
+    from patchray.nodes.bridge import model as _model
 
     cond = [[torch.zeros(1, 77, 8), {"pooled_output": torch.zeros(1, 8), key: object()}]]
     with pytest.raises(NotImplementedError, match="use the stock KSampler"):

@@ -1,9 +1,10 @@
-"""distributed/vae/convert.py: ComfyUI's VAE state dict -> the diffusers model PatchRay shards."""
+"""nodes/bridge/vae_layout.py: ComfyUI's VAE state dict -> the diffusers model PatchRay shards (checked by the library)."""
 
 import pytest
 import torch
 
-from patchray.distributed.vae.convert import UnsupportedVaeError, convert_comfy_vae, detect_family, state_dict_key
+from patchray.distributed.vae.convert import UnsupportedVaeError, state_dict_key
+from patchray.nodes.bridge.vae_layout import convert_comfy_vae, detect_family
 
 from .comfy_shapes import kl_to_ldm, tiny_kl
 

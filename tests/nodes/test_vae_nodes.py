@@ -1,5 +1,7 @@
 """Distributed VAE Decode / Encode nodes with ComfyUI-shaped inputs (LATENT dict, IMAGE [B,H,W,C], a VAE object
-holding ComfyUI's ldm-layout weights) on real CPU Ray ranks, compared with the stock nodes' maths."""
+holding ComfyUI's ldm-layout weights) on real CPU Ray ranks, compared with a stand-in of ComfyUI's VAE: the stock
+nodes' pre/post-processing around a one-process diffusers decode/encode of the same weights. The comparison with
+ComfyUI's own VAE Decode is the opt-in test in tests/comfyui."""
 
 import pytest
 import torch
@@ -39,7 +41,7 @@ def vae8():
     return _kl_vae(4)  # spatial ratio 8, like every KL VAE ComfyUI loads
 
 
-def test_row_decode_matches_the_stock_decode(cluster, vae8):
+def test_row_decode_matches_a_one_process_decode_with_comfyuis_processing(cluster, vae8):
     from patchray.nodes.vae import PatchRayVAEDecode
 
     z = torch.randn(2, 4, 12, 10)
@@ -47,7 +49,7 @@ def test_row_decode_matches_the_stock_decode(cluster, vae8):
     image = out.args[0]
     stock = vae8.decode(z)
     assert image.shape == stock.shape == (2, 96, 80, 3) and image.dtype == torch.float32
-    # the issue's bound for fp32: within 1/255 of the stock VAE Decode (row mode is exact up to fp32 reassociation)
+    # the bound for fp32: within 1/255 of the one-process decode (row mode is exact up to fp32 reassociation)
     assert (image - stock).abs().max() <= 1 / 255
     assert out.ui is None  # no fallback warning
 
@@ -77,7 +79,7 @@ def test_a_plan_for_another_rank_count_is_refused(cluster, vae8):
                                   precision="fp32", gn_sync=False, plan=plan)
 
 
-def test_encode_matches_the_stock_encode(cluster, vae8):
+def test_encode_matches_a_one_process_encode_with_comfyuis_cropping(cluster, vae8):
     from patchray.nodes.vae import PatchRayVAEEncode
 
     pixels = torch.rand(1, 100, 84, 3)  # not multiples of 8: cropped to 96x80 about the centre, as ComfyUI does
@@ -88,7 +90,7 @@ def test_encode_matches_the_stock_encode(cluster, vae8):
     torch.testing.assert_close(latent["samples"], stock, rtol=1e-4, atol=1e-4)
 
 
-def test_unsupported_family_falls_back_to_the_stock_decode_with_a_warning(cluster):
+def test_unsupported_family_falls_back_to_the_vaes_own_decode_with_a_warning(cluster):
     from patchray.nodes.vae import PatchRayVAEDecode
 
     vae = _kl_vae(2)

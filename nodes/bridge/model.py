@@ -1,6 +1,6 @@
 """ComfyUI MODEL -> what the ranks need to rebuild it: a weightless skeleton, the patched weights, the patches.
 
-Runs in ComfyUI's process (driver side). The rank side is :mod:`._ksampler_rank`.
+Runs in ComfyUI's process (driver side). The rank side is :mod:`.ksampler_rank`.
 
 * The **weights** are ComfyUI's weights with the MODEL's weight patches (LoRAs, merges) applied exactly the way
   ``ModelPatcher.patch_weight_to_device`` applies them (fp32 ``comfy.lora.calculate_weight``, then
@@ -25,7 +25,7 @@ from typing import Callable, Hashable, Tuple
 
 import torch
 
-__all__ = ["comfy_root", "portable_model", "check_conditioning", "latent_and_noise"]
+__all__ = ["comfy_root", "portable_model", "check_conditioning", "check_rows", "latent_and_noise"]
 
 _UNSUPPORTED_COND_KEYS = {
     "control": "ControlNet conditioning (its residuals are full-image tensors added inside the UNet)",
@@ -51,6 +51,24 @@ def latent_and_noise(mp, latent_dict: dict, seed: int):
     if latent.dim() != 4:
         raise ValueError(f"Distributed KSampler takes image latents [B, C, H, W]; got shape {tuple(latent.shape)}")
     return latent, comfy.sample.prepare_noise(latent, seed, latent_dict.get("batch_index"))
+
+
+def check_rows(mp, latent: torch.Tensor, num_ranks: int) -> None:
+    """Refuse, before anything is shipped, a latent whose rows cannot give every rank a band of the UNet.
+
+    The bands are multiples of the UNet's row downsampling (the product of its row-strided convolutions' strides),
+    the rule the ranks' adapters apply (``distributed.sampling.adapters.split_rows``), so the verdict is theirs.
+    """
+    from ...distributed.sampling.adapters import split_rows
+
+    align = 1
+    for m in mp.model.diffusion_model.modules():
+        if isinstance(m, torch.nn.Conv2d) and m.stride[0] > 1:
+            align *= m.stride[0]
+    try:
+        split_rows(int(latent.shape[-2]), int(num_ranks), align)
+    except ValueError as exc:
+        raise ValueError(f"latent_image: {exc}") from None
 
 
 def _refuse(what: str) -> NotImplementedError:

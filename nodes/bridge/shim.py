@@ -1,11 +1,24 @@
-"""Load PatchRay's library under its canonical name, ``patchray``, even when ComfyUI loaded the pack by path.
+"""The bridge's one import shim: the library is ``patchray`` however ComfyUI loaded the pack.
 
 ComfyUI imports a custom-node folder under its full path (``/x/ComfyUI/custom_nodes/PatchRay``), so a plain relative
 import would load ``distributed/`` as ``/x/.../PatchRay.distributed.*``. Ray pickles classes and functions by their
 module name, and a rank process cannot import a module named after a path: the rank actors would fail to start.
-So the nodes map ``<pack>.distributed.*`` onto ``patchray.distributed.*`` (one module object under the canonical
-name) and make ``patchray`` importable here and in the rank processes, through a folder that holds only a
-``patchray`` link to this pack (putting the pack's parent folder on the path would shadow ComfyUI's own ``nodes``).
+
+What :func:`use_canonical_library` guarantees, once ``<pack>.nodes`` is imported (``nodes/__init__.py`` calls it
+before any node module is imported):
+
+1. ``import patchray`` in this process resolves to this pack's folder: either the installed package already is this
+   folder, or a folder holding only a ``patchray`` link to the pack (``$TMPDIR/patchray-import-<uid>``) is put first
+   on ``sys.path`` and on ``os.environ["PYTHONPATH"]``, which the rank processes inherit. Only that one name is
+   exposed: the pack's parent folder on the path would shadow ComfyUI's own ``nodes`` module.
+2. Every module ``<pack>.distributed[.x]`` is the module object ``patchray.distributed[.x]`` (a meta-path finder
+   maps the names; the module is executed once, under the canonical name). So every class and function of
+   ``distributed/`` the nodes reach has ``__module__`` ``patchray.distributed...`` and Ray pickles it by a name the
+   ranks can import; ``distributed/`` itself always runs as ``patchray.distributed``.
+3. The node modules keep ComfyUI's name (``<pack>.nodes...``): nothing of theirs travels to the ranks. The code the
+   ranks run from the bridge is named by its canonical string (``patchray.nodes.bridge.ksampler_rank:sample``).
+4. If another package named ``patchray`` shadows this pack, importing the nodes fails with an ``ImportError``
+   that says so, rather than running two copies of the library.
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ import tempfile
 __all__ = ["use_canonical_library", "CANONICAL"]
 
 CANONICAL = "patchray"
-_PACK_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+_PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # nodes/bridge/shim.py
 
 
 class _CanonicalFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..distributed.vae.planner import TilePlan
+from ...distributed.vae.planner import TilePlan
 
 __all__ = ["draw_plan"]
 

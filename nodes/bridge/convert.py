@@ -1,6 +1,7 @@
 """Conversions between ComfyUI's objects and what ``distributed/`` takes. No algorithm lives here.
 
-* ComfyUI VAE (``comfy.sd.VAE``) -> ``VaeSpec`` via ``distributed.vae.convert`` (pure state-dict work).
+* ComfyUI VAE (``comfy.sd.VAE``) -> ``VaeSpec``: its weights converted to the diffusers layout by
+  :mod:`.vae_layout`, then checked by the library (``distributed.vae.api.spec_from_diffusers``).
 * LATENT dict <-> latent tensor, IMAGE ``[B, H, W, C]`` in 0..1 <-> sample ``[B, 3, (T,) H, W]`` in -1..1,
   exactly as the stock VAE Decode / VAE Encode do it (``comfy/sd.py``: ``process_output`` =
   ``clamp((x + 1) / 2, 0, 1)``, ``process_input`` = ``x * 2 - 1``, the centre crop to the compression ratio,
@@ -19,7 +20,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DTYPES", "vae_spec", "decoded_to_image", "image_to_sample", "latent_tensor", "stock_decode"]
+__all__ = [
+    "DTYPES", "vae_spec", "decoded_to_image", "image_to_sample", "latent_tensor", "stock_decode", "stock_encode",
+    "resolve_dtype", "plan_dict", "spatial_ratio",
+]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,7 +40,8 @@ def _first_stage(vae):
 
 def vae_spec(vae):
     """The ``VaeSpec`` for a ComfyUI VAE (cached per VAE object). Raises ``UnsupportedVaeError`` with the reason."""
-    from ..distributed.vae.api import spec_from_state_dict
+    from ...distributed.vae.api import spec_from_diffusers
+    from .vae_layout import convert_comfy_vae
 
     try:
         cached = _SPECS.get(vae)
@@ -45,7 +50,8 @@ def vae_spec(vae):
     if cached is not None:
         return cached
     sd = {k: v.detach().to("cpu") for k, v in _first_stage(vae).state_dict().items()}
-    spec = spec_from_state_dict(sd)
+    conv = convert_comfy_vae(sd)
+    spec = spec_from_diffusers(conv.family, conv.config, conv.state_dict)
     try:
         _SPECS[vae] = spec
     except TypeError:
@@ -104,6 +110,7 @@ def stock_decode(vae, samples) -> torch.Tensor:
 
 
 def stock_encode(vae, pixels) -> torch.Tensor:
+    """ComfyUI's own encode, as the stock VAE Encode node does it (the fallback for families PatchRay cannot shard)."""
     return vae.encode(pixels[:, :, :, :3])
 
 
@@ -118,7 +125,18 @@ def resolve_dtype(name: str, vae=None) -> torch.dtype:
         raise ValueError(f"precision must be auto, fp32, bf16 or fp16 (got {name!r})") from None
 
 
+def spatial_ratio(spec) -> int:
+    """Pixels per latent row of the spec's VAE: its own levels when the config says, else the family's ratio."""
+    from ...distributed.vae.families import get_family
+
+    config = spec.config or {}
+    if "block_out_channels" in config:
+        return 2 ** (len(config["block_out_channels"]) - 1)
+    return get_family(spec.family).spatial_ratio
+
+
 def plan_dict(plan) -> Optional[dict]:
+    """The TILE_PLAN wire's dict, checked (None when the input is not connected)."""
     if plan is None:
         return None
     if not isinstance(plan, dict) or "latent_window" not in plan or "runs" not in plan:

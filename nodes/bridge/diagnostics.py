@@ -1,0 +1,135 @@
+"""The one call of each cluster and diagnostics node: the cluster handle, tile plans, the topology probe, benchmarks.
+
+Each function takes the node's widget values, calls the library, and returns what the node outputs in ComfyUI's
+shapes (IMAGE tensors from the library's PNG charts, JSON text, a one-line summary). Rank and Ray errors leave as
+clean messages (:mod:`.errors`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from .errors import rank_errors_for_user
+from .images import png_to_image
+from .preview import draw_plan
+
+__all__ = ["cluster_config", "start_cluster", "plan_preview", "probe", "benchmark", "Report"]
+
+
+class Report(NamedTuple):
+    """A diagnostics node's outputs: an IMAGE, the text summary and the full data (JSON-able)."""
+
+    image: torch.Tensor
+    text: str
+    data: object
+
+
+def cluster_config(num_ranks: int, device: str, address: str = "", gpu_ids: str = ""):
+    """Validate the Cluster node's widget values and build the ``ClusterConfig`` the wire carries."""
+    from ...distributed.cluster import ClusterConfig
+
+    kwargs = dict(num_ranks=int(num_ranks), device=device, address=address.strip() or None)
+    try:
+        gpus = tuple(int(g) for g in gpu_ids.replace(" ", "").split(",") if g) if gpu_ids and gpu_ids.strip() else ()
+    except ValueError:
+        raise ValueError(f"gpu_ids must be comma-separated GPU indices such as '0,1' (got {gpu_ids!r})") from None
+    if gpus:
+        kwargs["gpu_ids"] = gpus  # ClusterConfig checks one GPU per rank, distinct, embedded, not cpu
+    return ClusterConfig(**kwargs)
+
+
+def start_cluster(config, cancel_check: Optional[Callable[[], None]] = None):
+    """Start (or reuse) the cluster for ``config``; returns ``(info as JSON text, one-line summary)``."""
+    from ...distributed.cluster import get_cluster
+
+    if cancel_check is not None:
+        cancel_check()
+    with rank_errors_for_user():
+        info = get_cluster(config).describe()
+    text = json.dumps(info, indent=1, default=str)
+    summary = f"{info['num_ranks']} {info['device_kind']} rank(s), {info['backend']}: " + ", ".join(map(str, info["devices"]))
+    return text, summary
+
+
+def _describe(p: dict) -> str:
+    o = p["objectives"]
+    return (
+        f"{p['name']:>8}: window {p['window'][0]}x{p['window'][1]} px, overlap {p['overlap'][0]}x{p['overlap'][1]}, "
+        f"{o['tile_count']} tiles ({p['grid'][0]}x{p['grid'][1]}), decoded area x{o['coverage']:.2f}, "
+        f"imbalance {o['imbalance']:.1%}, runs {[tuple(r) for r in p['runs']]}"
+    )
+
+
+def plan_preview(family: str, width: int, height: int, frames: int, ranks: int, choice: str, image=None):
+    """The planner's plans for a shape: ``(chosen plan dict, preview IMAGE, the plans as text)``."""
+    from ...distributed.vae.planner import plan_tiles
+
+    report = plan_tiles(family, int(height), int(width), frames=int(frames), world_size=int(ranks))
+    chosen = getattr(report, choice) or report.coarse  # balanced is None when the frontier has two windows
+    plan = chosen.to_dict()
+    lines = [_describe(p.to_dict()) for p in report.plans]
+    if getattr(report, choice) is None:
+        lines.append(f"(no distinct {choice} plan for this shape: using coarse)")
+    return plan, draw_plan(plan, image), "\n".join(lines)
+
+
+def probe(measure: bool, cluster_config=None) -> Report:
+    """The topology probe (and the rank cluster's check when a cluster is given) as a heatmap, text and a dict."""
+    from ...distributed.topology import probe_topology, render_heatmap, summary_text
+
+    report = probe_topology(measure=bool(measure))
+    if cluster_config is not None:
+        from ...distributed.cluster import check_cluster
+
+        with rank_errors_for_user():
+            report.cluster = check_cluster(cluster_config)  # the report's slot for the rank cluster check
+    data = report.to_dict()
+    fd, path = tempfile.mkstemp(prefix="patchray_topology_", suffix=".png")
+    os.close(fd)
+    try:
+        render_heatmap(report, path)
+        image = png_to_image(path)
+    finally:
+        os.unlink(path)
+    return Report(image, summary_text(report), data)
+
+
+def benchmark(
+    cluster_config, family: str, shape: str, size: str, half: str, iters: int, folder: str,
+    cancel_check: Optional[Callable[[], None]] = None, progress: Optional[Callable[[int, int], None]] = None,
+) -> Report:
+    """Run the VAE benchmark on the cluster; the report JSON and chart go to ``folder``.
+
+    Returns the chart, the table (prefixed FAILED when a case failed) and ``{"report": the JSON file's content,
+    "records": its records as a list, "file": its name}``.
+    """
+    from ...distributed.bench.report import format_table
+    from ...distributed.bench.vae_bench import SetupError, run_bench
+    from ...distributed.cluster import get_cluster
+
+    os.makedirs(folder, exist_ok=True)
+    clean = shape.strip().replace(" ", "")
+    out = os.path.join(folder, f"bench_{family}_{clean}_{cluster_config.num_ranks}r_{time.strftime('%Y%m%d-%H%M%S')}.json")
+    argv = ["--family", family, "--shape", clean, "--size", size, "--half", half, "--warmup", "1", "--iters", str(int(iters)), "--out", out]
+    if cancel_check is not None:
+        cancel_check()
+    try:
+        with rank_errors_for_user():
+            result = run_bench(argv, cluster=get_cluster(cluster_config), cancel_check=cancel_check, progress=progress)
+    except SetupError as exc:
+        raise ValueError(f"benchmark refused: {exc}") from None
+    with open(result.json_path) as fh:
+        data = json.load(fh)
+    if result.chart_path is None or not os.path.exists(result.chart_path):
+        raise RuntimeError(f"the benchmark wrote {result.json_path} but no chart")
+    summary = format_table(result.records)
+    if result.exit_code != 0:
+        summary = "FAILED (see the report's error fields)\n" + summary
+    records = data if isinstance(data, list) else [data]  # the JSON file's form: NaN/inf already made null
+    return Report(png_to_image(result.chart_path), summary, {"report": data, "records": records, "file": os.path.basename(result.json_path)})

@@ -1,0 +1,80 @@
+"""What the user reads when a rank fails (nodes/bridge/errors.py), on error texts produced by real Ray."""
+
+import pytest
+
+from patchray.distributed.cluster import ClusterConfig, RankFailure, get_cluster
+from patchray.nodes.bridge.errors import for_user, rank_errors_for_user, user_message
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+_RAY_MARKS = ("\x1b[", "ray::", "pid=", "actor_id", "RayTaskError", "Traceback", 'File "')
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return get_cluster(ClusterConfig(num_ranks=2, device="cpu"))
+
+
+def _ray_task_error(exc):
+    """The exception Ray itself hands the driver for ``exc`` raised in a task (no PatchRay code in between)."""
+    import ray
+
+    @ray.remote(num_cpus=0.01)
+    def fails():
+        raise exc
+
+    with pytest.raises(Exception) as info:
+        ray.get(fails.remote())
+    return info.value
+
+
+def test_a_ray_wrapped_value_error_becomes_its_own_message(cluster):
+    wrapped = _ray_task_error(ValueError("latent has 7 channels but this kl VAE expects 4"))
+    text = str(wrapped)
+    assert type(wrapped).__name__ == "RayTaskError(ValueError)" and "ray::" in text
+    assert "\x1b[" in text or "pid=" in text  # Ray's decoration is really there to strip
+    assert user_message(wrapped) == "latent has 7 channels but this kl VAE expects 4"
+    clean = for_user(wrapped)
+    assert type(clean) is ValueError and str(clean) == "latent has 7 channels but this kl VAE expects 4"
+
+
+def test_a_rank_failure_keeps_the_rank_and_the_original_type(cluster):
+    def boom(ctx):
+        if ctx.rank == 1:
+            raise RuntimeError("out of cheese")
+        return ctx.rank
+
+    with pytest.raises(Exception) as info:
+        cluster.run(boom)  # a real rank raising through the real cluster
+    clean = for_user(info.value)
+    message = str(clean)
+    assert isinstance(clean, RankFailure) and clean.ranks == info.value.ranks
+    assert "rank 1" in message and "RuntimeError: out of cheese" in message
+    assert not any(mark in message for mark in _RAY_MARKS), message
+
+
+def test_a_rank_failure_built_from_ray_text_is_cleaned(cluster):
+    # the form the cluster has used: its own context, then Ray's whole text of the rank's exception
+    cause = _ray_task_error(RuntimeError("boom on 1"))
+    failure = RankFailure(f"rank 1 raised while calling boom: {type(cause).__name__}: {cause}", [1], cause)
+    assert user_message(failure) == "rank 1 raised while calling boom: RuntimeError: boom on 1"
+
+
+def test_the_context_manager_chains_the_original_and_leaves_other_errors_alone(cluster):
+    def refuse(ctx):
+        raise ValueError("rows do not fit")
+
+    with pytest.raises(ValueError) as info:
+        with rank_errors_for_user():
+            cluster.run(refuse)
+    assert str(info.value) == "rows do not fit" and type(info.value) is ValueError
+    assert info.value.__cause__ is not None  # the full trace stays in the chain ComfyUI's log prints
+
+    class Interrupted(Exception):  # e.g. ComfyUI's InterruptProcessingException: must reach ComfyUI unchanged
+        pass
+
+    original = Interrupted()
+    with pytest.raises(Interrupted) as info:
+        with rank_errors_for_user():
+            raise original
+    assert info.value is original
