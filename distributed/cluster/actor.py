@@ -47,7 +47,7 @@ def report_progress(done: int, total: int) -> None:
     """From inside a function run by :meth:`RankCluster.run`: report ``done`` of ``total`` units of work.
 
     The driver polls rank 0's figure while it waits and hands it to the ``progress`` callback of ``run``
-    (ComfyUI's progress bar). Cheap (two ints in this process); report from rank 0, other ranks may too.
+    (e.g. a progress bar). Cheap (two ints in this process); report from rank 0, other ranks may too.
     """
     _PROGRESS[0], _PROGRESS[1] = int(done), int(total)
 

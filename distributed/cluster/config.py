@@ -27,7 +27,7 @@ class ClusterConfig:
         connect_timeout_s: bound on reaching an existing Ray cluster (``address=``) and on placing the ranks
             on its nodes; past it PatchRay reports what is missing instead of waiting. Default 30 s.
         call_timeout_s: default bound on one :meth:`RankCluster.run` call.
-        extra_pythonpath: extra import paths for the rank processes (e.g. a ComfyUI checkout).
+        extra_pythonpath: extra import paths for the rank processes (e.g. the checkout of an application whose code the ranks run).
         object_store_mb: embedded Ray's object store size; ``None`` sizes it from this machine's memory.
         dashboard: start Ray's dashboard (embedded mode only; off by default, bound to 127.0.0.1 when on).
         gpu_ids: embedded mode only: the physical GPUs the ranks may use (one per rank, e.g. ``(1, 2)``);

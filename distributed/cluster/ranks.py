@@ -288,8 +288,8 @@ class RankCluster:
         Args:
             fn: a module-level function (sent by name) or any picklable callable.
             timeout_s: bound on the whole call (default ``config.call_timeout_s``).
-            cancel_check: called about twice a second while waiting; if it raises (e.g. ComfyUI's
-                ``throw_exception_if_processing_interrupted``), every rank is stopped and the exception propagates.
+            cancel_check: called about twice a second while waiting; if it raises (e.g. an application's
+                "interrupted" check), every rank is stopped and the exception propagates.
             progress: ``progress(done, total)`` is called while waiting whenever rank 0's
                 :func:`report_progress` figure changes (polled about twice a second).
 

@@ -210,7 +210,7 @@ def ensure_ray(config: ClusterConfig):
     if config.address is None:
         _apply_embedded_env()
         # Ray 2.60 announces at every start that token auth is on and how to turn it off; PatchRay keeps it on
-        # (README, "Security defaults"), so the announcement is only noise in a ComfyUI console.
+        # (README, "Security defaults"), so the announcement is only noise in the caller's console.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     else:
         _check_reachable(config.address, config.connect_timeout_s)
