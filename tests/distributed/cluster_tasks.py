@@ -70,3 +70,29 @@ def report_steps(ctx, n, pause_s):
         report_progress(i + 1, n)
         time.sleep(pause_s)
     return ctx.rank
+
+
+def raise_while_peers_wait(ctx, failing_rank, delay_s):
+    """``failing_rank`` raises a ValueError after ``delay_s`` while its peers block in a collective with it."""
+    if ctx.rank == failing_rank:
+        time.sleep(delay_s)
+        raise ValueError(f"the real cause on rank {ctx.rank}: bad band height 7")
+    t = torch.ones(1)
+    comm.all_reduce(t, ctx)
+    return t.item()
+
+
+def peers_time_out_before_the_cause(ctx, failing_rank, delay_s):
+    """The peers of ``failing_rank`` wait for it in a collective on a group with a 1 s timeout, so their (secondary)
+    timeout errors reach the driver before ``failing_rank`` reports the root cause, ``delay_s`` later."""
+    import datetime
+
+    import torch.distributed as dist  # a group with its own short timeout: test scaffolding, not library code
+
+    group = dist.new_group(list(range(ctx.world_size)), timeout=datetime.timedelta(seconds=1))
+    if ctx.rank == failing_rank:
+        time.sleep(delay_s)
+        raise ValueError("the root cause: latent height 7 is not divisible by 2")
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    return t.item()

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from patchray.distributed.cluster import ClusterSetupError, RankFailure, check_cluster, get_cluster
+from patchray.distributed.cluster import ClusterSetupError, RankFailure, caused_by, check_cluster, get_cluster
 
 from ..conftest import TEST_PYTHONPATH
 from . import cluster_tasks as tasks
@@ -108,6 +108,14 @@ def test_hung_rank_becomes_an_error_within_the_bound():
     assert get_cluster(cfg).run(tasks.refuse, 2) == [2, 2]
 
 
+def test_an_overrun_reports_the_bound_the_call_was_given():
+    # the config's call_timeout_s (1800 s by default) is not the bound of a call made with timeout_s=4
+    cluster = get_cluster(ClusterConfig(num_ranks=2, device="cpu"))
+    with pytest.raises(RankFailure, match=r"within 4 s") as info:
+        cluster.run(tasks.hang_on, 1, timeout_s=4)
+    assert "1800" not in str(info.value)
+
+
 def test_cancel_check_stops_every_rank():
     cfg = ClusterConfig(num_ranks=2, device="cpu")
     cluster = get_cluster(cfg)
@@ -173,3 +181,72 @@ def test_progress_reported_by_rank_0_reaches_the_driver():
     # each value stays up 1.2 s; the driver polls rank 0 about twice a second
     assert cluster.run(tasks.report_steps, 3, 1.2, progress=lambda d, t: seen.append((d, t))) == [0, 1]
     assert seen == [(1, 3), (2, 3), (3, 3)], seen
+
+
+_RAY_NOISE = ("\x1b[", "RayTaskError", "actor_id", "ray::", "pid=", "patchray-import", "Traceback")
+
+
+def _assert_clean(message):
+    for noise in _RAY_NOISE:
+        assert noise not in message, f"{noise!r} in the user's message: {message!r}"
+
+
+def test_a_rank_error_reaches_the_user_as_rank_type_and_message(caplog):
+    cluster = get_cluster(ClusterConfig(num_ranks=3, device="cpu"))
+    with caplog.at_level("ERROR", logger="patchray.distributed.cluster"):
+        with pytest.raises(RankFailure) as info:
+            cluster.run(tasks.raise_while_peers_wait, 2, 0.2, timeout_s=120)
+    err = info.value
+    message = str(err)
+    _assert_clean(message)
+    # the root cause first: the rank, the original type and message; then who was left waiting
+    assert message.startswith("rank 2 raised ValueError: the real cause on rank 2: bad band height 7"), message
+    assert "ranks [0, 1] were left waiting" in message
+    assert err.ranks[0] == 2 and set(err.ranks) == {0, 1, 2}
+    assert caused_by(err, ValueError) and isinstance(err.cause, ValueError)
+    # the full trace stays available: on the exception and in the log
+    assert "raise_while_peers_wait" in err.trace and "Traceback" in err.trace
+    assert any("raise_while_peers_wait" in r.getMessage() for r in caplog.records)
+
+
+def test_the_root_cause_comes_first_when_the_peers_errors_arrive_earlier():
+    cluster = get_cluster(ClusterConfig(num_ranks=3, device="cpu"))
+    with pytest.raises(RankFailure) as info:
+        cluster.run(tasks.peers_time_out_before_the_cause, 1, 4.0, timeout_s=120)
+    message = str(info.value)
+    _assert_clean(message)
+    assert message.startswith("rank 1 raised ValueError: the root cause: latent height 7 is not divisible by 2"), message
+    assert info.value.ranks[0] == 1
+    assert caused_by(info.value, ValueError)
+    # the peers' own errors are secondary: named after the root cause, never instead of it
+    assert "ranks [0, 2] failed after it" in message, message
+
+
+def test_a_refusal_raised_on_every_rank_is_the_original_exception():
+    cluster = get_cluster(ClusterConfig(num_ranks=2, device="cpu"))
+    with pytest.raises(ValueError) as info:
+        cluster.run(tasks.refuse, -1)
+    assert type(info.value) is ValueError  # not Ray's RayTaskError(ValueError) subclass
+    assert str(info.value) == "value must be >= 0 (got -1); pass a non-negative value"
+    assert "refuse" in info.value.trace
+
+
+def test_a_library_imported_under_another_root_name_is_refused_with_the_fix(tmp_path):
+    # The ranks import the library as `patchray`; a driver that imported it under another name could not start
+    # the rank actor there (its class would be looked up under that name), so it is refused before Ray starts.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "OtherRoot").symlink_to(Path(__file__).resolve().parents[2])
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "import OtherRoot.distributed.cluster as c\n"
+        "try:\n"
+        "    c.get_cluster(c.ClusterConfig(num_ranks=2, device='cpu'))\n"
+        "except c.ClusterSetupError as exc:\n"
+        "    import ray; print('ray started:', ray.is_initialized()); print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120, cwd="/")
+    assert "ray started: False" in out.stdout, out.stdout + out.stderr
+    assert "imported as 'OtherRoot.distributed'" in out.stdout and "import it as 'patchray'" in out.stdout, out.stdout

@@ -1,0 +1,170 @@
+"""The rank side: one Ray actor per rank, its rendezvous, and what a function run on it can use.
+
+Design decisions:
+
+* **The device is what Ray assigned** (``ray.get_gpu_ids()`` / ``CUDA_VISIBLE_DEVICES``), never derived from the
+  rank number.
+* **Race-free rendezvous.** On one machine the ranks meet through a ``FileStore`` in a fresh temporary folder
+  (no listening socket at all). Across nodes, rank 0 opens the ``TCPStore`` on port 0 and reports the port the
+  OS gave it; the others connect to it. That store is the one listener PatchRay itself opens (torch binds it
+  on every interface; it lives as long as the group). There is no "pick a free port, close it, hope" window.
+* **Collectives use the interface Ray uses.** On a cluster, unless ``GLOO_SOCKET_IFNAME`` is set, gloo is
+  pointed at the interface that holds the rank's Ray node address: the one the nodes already reach each
+  other on (loopback for a loopback cluster), not whatever the host name resolves to.
+* **Functions run with** ``fn(ctx, *args, **kwargs)``; :func:`rank_cache` keeps models between calls and
+  :func:`report_progress` feeds the driver's progress callback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .. import comm
+from ..context import ParallelContext
+from .errors import ClusterSetupError
+from .imports import resolve_fn
+from .ray_setup import package_versions
+
+__all__ = ["rank_cache", "report_progress"]
+
+_RANK_CACHE: Dict[Any, Any] = {}
+
+
+def rank_cache() -> Dict[Any, Any]:
+    """A dict that lives as long as this rank's actor: cache models here by content key."""
+    return _RANK_CACHE
+
+
+# (done, total) of the call running in this process; read by the driver through _RankActor.progress()
+_PROGRESS: List[int] = [0, 0]
+
+
+def report_progress(done: int, total: int) -> None:
+    """From inside a function run by :meth:`RankCluster.run`: report ``done`` of ``total`` units of work.
+
+    The driver polls rank 0's figure while it waits and hands it to the ``progress`` callback of ``run``
+    (e.g. a progress bar). Cheap (two ints in this process); report from rank 0, other ranks may too.
+    """
+    _PROGRESS[0], _PROGRESS[1] = int(done), int(total)
+
+
+class _RankActor:
+    """Hosts one rank. Methods are called by :class:`RankCluster` only."""
+
+    def __init__(self, rank: int, world_size: int, device_kind: str):
+        self.rank, self.world_size, self.device_kind = rank, world_size, device_kind
+        self.ctx: Optional[ParallelContext] = None
+        self._store = None
+        if device_kind == "cpu":
+            threads = max(1, (os.cpu_count() or 1) // max(1, world_size))
+            torch.set_num_threads(threads)
+
+    def _device(self) -> torch.device:
+        if self.device_kind != "cuda":
+            return torch.device("cpu")
+        import ray
+
+        ids = ray.get_gpu_ids()
+        if not ids:
+            raise ClusterSetupError(f"rank {self.rank} was given no GPU by Ray")
+        # Ray sets CUDA_VISIBLE_DEVICES to the assigned GPU(s): the first visible one is ours.
+        if os.environ.get("CUDA_VISIBLE_DEVICES"):
+            return torch.device("cuda", 0)
+        return torch.device("cuda", int(ids[0]))
+
+    def describe(self) -> dict:
+        import ray
+        import socket
+
+        dev = self._device()
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "node_ip": _node_ip(),
+            "device": str(dev),
+            "device_name": name,
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "versions": package_versions(),
+        }
+
+    def open_store(self, host: str, timeout_s: float) -> int:
+        """Rank 0 only (several nodes): open the rendezvous store on a port the OS picks, return the port."""
+        from torch.distributed import TCPStore
+
+        self._store = TCPStore(host, 0, self.world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        return self._store.port
+
+    def init_group(self, rendezvous: dict, backend: str, timeout_s: float) -> str:
+        """Join the process group. ``rendezvous`` is ``{"file": path}`` (one machine) or ``{"host", "port"}``."""
+        from torch.distributed import FileStore, TCPStore
+
+        if "host" in rendezvous and "GLOO_SOCKET_IFNAME" not in os.environ:
+            ifname = _interface_of(_node_ip())
+            if ifname:
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self._store is None:
+            if "file" in rendezvous:
+                self._store = FileStore(rendezvous["file"], self.world_size)
+            else:
+                self._store = TCPStore(rendezvous["host"], rendezvous["port"], self.world_size, is_master=False, timeout=timeout)
+        device = self._device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        comm.init_process_group(backend, store=self._store, rank=self.rank, world_size=self.world_size, timeout=timeout)
+        self.ctx = ParallelContext.from_group(None, device)
+        return str(device)
+
+    def call(self, fn, packed):
+        """Run ``fn(ctx, *args, **kwargs)``; ``packed`` is the ``(args, kwargs)`` put once by the driver."""
+        args, kwargs = packed
+        if self.ctx is None:
+            raise ClusterSetupError(f"rank {self.rank}: process group not initialised")
+        fn = resolve_fn(fn)
+        try:
+            return fn(self.ctx, *args, **kwargs)
+        finally:
+            # reset when a call ends (its figure starts at 0 on a new actor): the driver's first poll of the next
+            # call may run before that call starts, and must not see this call's figure
+            _PROGRESS[0] = _PROGRESS[1] = 0
+
+    def ping(self) -> int:
+        return self.rank
+
+    def progress(self) -> tuple:
+        """(done, total) last reported by the running call (answered by the actor's second thread)."""
+        return (_PROGRESS[0], _PROGRESS[1])
+
+    def close(self) -> None:
+        _RANK_CACHE.clear()
+        try:
+            comm.destroy_process_group()
+        except Exception:  # the group may be broken; the process is about to go anyway
+            pass
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _interface_of(ip: str) -> Optional[str]:
+    """The network interface holding ``ip`` (``"lo"`` for 127.0.0.1), or ``None``."""
+    try:
+        import psutil  # a dependency of Ray
+    except ImportError:  # pragma: no cover
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            return name
+    return None

@@ -1,0 +1,84 @@
+"""How the rank processes import this library and the functions the driver sends them.
+
+Design decisions:
+
+* **One name on the ranks: ``patchray``.** Ray pickles classes and functions by module name, so the driver must
+  use the library under the name the ranks import it by. A driver that imported the library under another
+  root name (a checkout imported by its folder name) is refused at once with the fix
+  (:func:`require_canonical_root`), rather than failing later on a rank with ``No module named ...``: the
+  rank actor's own class could not be found there. Whoever loads the package under another name maps that
+  name onto ``patchray`` before importing the library (the pack's node layer does).
+* **The ranks can import ``patchray`` even when it is not pip-installed** (a checkout loaded by path): a folder
+  holding only a ``patchray`` link to this package goes on the ranks' import path (:func:`staging_pythonpath`).
+  Only that one name is exposed; putting the package's parent folder on the path would expose its siblings.
+* **Library functions travel by name** (``patchray.x:y``, :func:`fn_ref` / :func:`resolve_fn`); any other
+  callable is pickled by Ray as usual.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import tempfile
+from typing import Any, Callable
+
+__all__ = ["CANONICAL", "DRIVER_ROOT", "PACK_DIR", "fn_ref", "resolve_fn", "require_canonical_root", "staging_pythonpath"]
+
+#: the name this package has on the ranks
+CANONICAL = "patchray"
+#: the name this package has in this process
+DRIVER_ROOT = __name__.rsplit(".distributed.cluster", 1)[0]
+#: the package's folder (the repository root)
+PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def require_canonical_root() -> None:
+    """Refuse a driver that imported this library under another root name (see the module docstring)."""
+    if DRIVER_ROOT != CANONICAL:
+        from .errors import ClusterSetupError
+
+        raise ClusterSetupError(
+            f"this library was imported as '{DRIVER_ROOT}.distributed', but the rank processes import it as "
+            f"'{CANONICAL}.distributed', so Ray could not find its classes there: import it as '{CANONICAL}' "
+            f"(pip install the package, or map '{DRIVER_ROOT}.distributed' onto '{CANONICAL}.distributed' before "
+            "importing the library)"
+        )
+
+
+def staging_pythonpath() -> str:
+    """A folder that makes ``import patchray`` find this package, or ``""`` when it is installed as ``patchray``."""
+    spec = importlib.util.find_spec(CANONICAL)
+    if spec is not None and spec.origin and os.path.dirname(os.path.abspath(spec.origin)) == PACK_DIR:
+        return ""  # installed (editable or not): the ranks find it in the same site-packages
+    root = os.path.join(tempfile.gettempdir(), f"patchray-import-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    os.makedirs(root, exist_ok=True)
+    link = os.path.join(root, CANONICAL)
+    if not (os.path.islink(link) and os.path.realpath(link) == os.path.realpath(PACK_DIR)):
+        tmp = f"{link}.{os.getpid()}"
+        try:
+            os.symlink(PACK_DIR, tmp)
+            os.replace(tmp, link)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+    return root
+
+
+def fn_ref(fn: Callable) -> Any:
+    """A library function as ``"patchray.module:qualname"``; any other callable unchanged (Ray pickles it)."""
+    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if mod and "<" not in qual and (mod == DRIVER_ROOT or mod.startswith(DRIVER_ROOT + ".")):
+        return f"{CANONICAL}{mod[len(DRIVER_ROOT):]}:{qual}"
+    return fn
+
+
+def resolve_fn(fn: Any) -> Any:
+    """The callable named by :func:`fn_ref`'s string (``"module:qualname"``), or ``fn`` itself."""
+    if isinstance(fn, str):
+        mod, _, qual = fn.partition(":")
+        obj = importlib.import_module(mod)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+        return obj
+    return fn

@@ -1,0 +1,435 @@
+"""The driver side: N rank actors forming one process group, run-on-all, faults and progress.
+
+Design decisions:
+
+* **One bundle per rank** in a placement group (PACK by default, SPREAD for several nodes). A GPU rank asks
+  for ``{"GPU": 1}``; CPU ranks (tests, CI, demos) ask for a sliver of a CPU. What the cluster cannot hold
+  (too few GPUs, too few nodes for STRICT_SPREAD) is refused before anything is placed; a placement that
+  does not complete within ``connect_timeout_s`` is reported with the cluster's resources.
+* **Every node runs the same software.** Each rank reports its node and package versions when it starts; a
+  rank that cannot start (a node without PatchRay) or whose PatchRay/torch/diffusers/Ray/Python differ
+  from the driver's is named, with its node, before any work runs.
+* **Bounded failure.** :meth:`RankCluster.run` waits with a deadline; a rank that dies, raises while its
+  peers block in a collective, or overruns the deadline turns into a :class:`RankFailure` whose message is
+  the root cause (see ``errors.py``). The actors are then killed (a group with a lost member cannot be
+  trusted) and the next call rebuilds the cluster. An interrupt (Ctrl-C, or a caller's ``cancel_check``)
+  stops every rank the same way.
+* **Reused across calls.** :func:`get_cluster` keeps one cluster per process and rebuilds it only when its
+  configuration changes or after a fault, so a second call pays no start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from .actor import _RankActor
+from .config import ClusterConfig
+from .errors import (
+    ClusterSetupError,
+    RankError,
+    RankFailure,
+    all_traces,
+    describe_rank_error,
+    failure_message,
+    involved_ranks,
+    root_cause,
+)
+from .imports import fn_ref, require_canonical_root, staging_pythonpath
+from .ray_setup import ensure_ray, forget_ray, package_versions
+
+__all__ = ["RankCluster", "get_cluster", "shutdown_cluster"]
+
+log = logging.getLogger(__name__)
+
+#: the exceptions the ranks raise to refuse an input (computed from shared data, so the group stays usable)
+_REFUSALS = (ValueError, TypeError, NotImplementedError, KeyError)
+#: how long the other ranks may take to finish once one rank has failed (they may be blocked on it)
+_GRACE_S = 10.0
+#: package versions every node must share with the driver
+_SHARED_PACKAGES = ("patchray", "torch", "diffusers", "ray", "python")
+
+
+class RankCluster:
+    """N rank actors forming one process group. Build it with :func:`get_cluster`.
+
+    Example:
+        >>> cluster = get_cluster(ClusterConfig(num_ranks=2, device="cpu"))  # doctest: +SKIP
+        >>> cluster.run(my_module.my_fn, 3)  # my_fn(ctx, 3) on both ranks  # doctest: +SKIP
+    """
+
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.broken = False
+        self._actors: List[Any] = []
+        self._pg = None
+        self._lock = threading.Lock()
+        t0 = time.perf_counter()
+        require_canonical_root()
+        ray = ensure_ray(config)
+        self.device_kind = self._pick_device(ray)
+        self.backend = "nccl" if self.device_kind == "cuda" else "gloo"
+        try:
+            self._start(ray)
+        except BaseException:
+            self._kill()
+            raise
+        self.seconds_to_ready = time.perf_counter() - t0
+
+    # -- formation
+
+    def _pick_device(self, ray) -> str:
+        n = self.config.num_ranks
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        if self.config.device == "cpu":
+            return "cpu"
+        if self.config.device == "cuda" or (self.config.device == "auto" and gpus > 0):
+            if gpus < n:
+                raise ClusterSetupError(
+                    f"asked for {n} GPU ranks but the Ray cluster has {gpus} GPU(s); "
+                    f"use num_ranks <= {gpus}" + (" or device='cpu'" if gpus == 0 or self.config.device == "auto" else "")
+                )
+            return "cuda"
+        return "cpu"
+
+    def _check_capacity(self, ray) -> None:
+        """Refuse at once what the cluster can never hold (waiting for the placement would only time out)."""
+        cfg, n = self.config, self.config.num_ranks
+        nodes = [node for node in ray.nodes() if node.get("Alive")]
+        if cfg.strategy == "STRICT_SPREAD" and len(nodes) < n:
+            raise ClusterSetupError(
+                f"strategy STRICT_SPREAD puts each of the {n} ranks on its own node, but the Ray cluster has "
+                f"{len(nodes)} alive node(s): add nodes, lower num_ranks or use strategy='SPREAD'"
+            )
+        if self.device_kind == "cpu" and ray.cluster_resources().get("CPU", 0) < 0.01 * n:
+            raise ClusterSetupError(
+                f"{n} CPU ranks need {0.01 * n:g} CPU in all, but the Ray cluster offers "
+                f"{ray.cluster_resources().get('CPU', 0):g}: start its nodes with CPUs (ray start --num-cpus ...)"
+            )
+
+    def _start(self, ray):
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cfg = self.config
+        n = cfg.num_ranks
+        self._check_capacity(ray)
+        bundle = {"GPU": 1, "CPU": 0.01} if self.device_kind == "cuda" else {"CPU": 0.01}
+        self._pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.strategy)
+        try:
+            ray.get(self._pg.ready(), timeout=cfg.connect_timeout_s)
+        except Exception as exc:
+            remove_placement_group(self._pg)
+            self._pg = None
+            raise ClusterSetupError(
+                f"could not place {n} {self.device_kind.upper()} ranks ({cfg.strategy}) within "
+                f"connect_timeout_s={cfg.connect_timeout_s:g} s; the Ray cluster has {ray.cluster_resources()} in "
+                f"all and {ray.available_resources()} free: free or add resources, or lower num_ranks "
+                f"({type(exc).__name__})"
+            ) from None
+
+        pythonpath = [p for p in (staging_pythonpath(), *cfg.extra_pythonpath) if p]
+        env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+        if cfg.address is None:
+            # one machine: the ranks inherit this process's import path, and keep their sockets on loopback
+            inherited = os.environ.get("PYTHONPATH", "")
+            env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+        else:
+            # a cluster: each node keeps its own import path (expanded by Ray on the node), this one means nothing there
+            inherited = "${PYTHONPATH}"
+        if pythonpath or cfg.address is not None:
+            env["PYTHONPATH"] = os.pathsep.join(pythonpath + [inherited]).rstrip(os.pathsep)
+        if self.device_kind == "cpu":
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+        actor_cls = ray.remote(_RankActor)
+        for r in range(n):
+            opts = dict(
+                num_cpus=0.01,
+                num_gpus=1 if self.device_kind == "cuda" else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=r),
+                runtime_env={"env_vars": env},
+                max_concurrency=2,  # a second thread answers ping() while a call runs
+                name=None,
+            )
+            self._actors.append(actor_cls.options(**opts).remote(r, n, self.device_kind))
+
+        deadline = time.monotonic() + cfg.init_timeout_s
+        try:
+            self.ranks_info = self._get([a.describe.remote() for a in self._actors], deadline, "starting the rank actors", cfg.init_timeout_s)
+        except RankFailure as exc:
+            raise ClusterSetupError(
+                f"{exc}: every node needs the same PatchRay, torch, diffusers and Ray as this machine (pip install "
+                "them there, or add the package's folder with extra_pythonpath)"
+            ) from exc
+        self._check_versions()
+        if cfg.address is None:
+            # One machine: rendezvous through a file. A TCPStore's server socket binds every interface
+            # (torch offers no bind address), which the embedded cluster must not open.
+            rendezvous = {"file": os.path.join(tempfile.mkdtemp(prefix="patchray-rdzv-"), "store")}
+        else:
+            host = self.ranks_info[0]["node_ip"]
+            port = self._get([self._actors[0].open_store.remote(host, cfg.init_timeout_s)], deadline, "opening the rendezvous store", cfg.init_timeout_s)[0]
+            rendezvous = {"host": host, "port": port}
+            log.info("rendezvous: rank 0 listens on %s:%d (TCPStore) while the group forms", host, port)
+        self.devices = self._get(
+            [a.init_group.remote(rendezvous, self.backend, cfg.init_timeout_s) for a in self._actors],
+            deadline,
+            "forming the process group",
+            cfg.init_timeout_s,
+        )
+        self.rendezvous = rendezvous
+
+    def _check_versions(self) -> None:
+        mine = package_versions()
+        for info in self.ranks_info:
+            theirs = info.get("versions", {})
+            differ = [f"{k} {theirs.get(k, 'missing')} (here {mine[k]})" for k in _SHARED_PACKAGES if theirs.get(k) != mine[k]]
+            if differ:
+                raise ClusterSetupError(
+                    f"rank {info['rank']} runs on node {info['node_ip']} ({info['host']}, Ray node {info['node_id'][:12]}) "
+                    f"with {', '.join(differ)}: install the same versions on every node of the Ray cluster"
+                )
+
+    # -- calls
+
+    def _get(
+        self,
+        refs,
+        deadline: float,
+        what: str,
+        bound_s: float,
+        cancel_check: Optional[Callable[[], None]] = None,
+        progress: Optional[Callable[[int, int], None]] = None,
+    ):
+        """Wait for one ref per rank; turn death, errors, interrupts and overruns into RankFailure.
+
+        ``bound_s`` is the bound ``deadline`` was computed from, for the message.
+        """
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        pending = {ref: i for i, ref in enumerate(refs)}
+        poll = _ProgressPoll(self._actors[0], progress) if progress is not None and self._actors else None
+        results: Dict[int, Any] = {}
+        errors: List[RankError] = []
+        grace_deadline = None
+        try:
+            while pending:
+                now = time.monotonic()
+                limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
+                if now >= limit:
+                    stuck = sorted(pending.values())
+                    if errors:
+                        raise self._rank_failure(errors, what, stuck)
+                    raise self._failure(f"rank(s) {stuck} did not finish {what} within {bound_s:.0f} s", stuck, None)
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(0.5, max(0.01, limit - now)))
+                if cancel_check is not None:
+                    cancel_check()
+                if poll is not None:
+                    poll()
+                for ref in ready:
+                    rank = pending.pop(ref)
+                    try:
+                        results[rank] = ray.get(ref)
+                    except (RayTaskError, RayActorError) as exc:
+                        errors.append(describe_rank_error(rank, exc))
+                        if isinstance(exc, RayActorError):
+                            # a dead rank never answers its peers: stop now
+                            raise self._rank_failure(errors, what, sorted(pending.values()))
+                        if grace_deadline is None:
+                            # peers that raise the same validation error finish at once; peers blocked in a
+                            # collective with the failed rank never will: give them a short grace period.
+                            grace_deadline = time.monotonic() + _GRACE_S
+        except BaseException as exc:
+            if isinstance(exc, RankFailure):
+                raise
+            # KeyboardInterrupt, a caller's cancel, anything unexpected: stop every rank, re-raise
+            self._kill()
+            raise
+        if errors:
+            # every rank returned or raised
+            root = root_cause(errors)
+            if any(e.communication for e in errors):
+                raise self._rank_failure(errors, what, [])  # collectives failed: the group cannot be trusted
+            log.warning("%s\n%s", failure_message(errors, what), all_traces(errors))
+            if isinstance(root.cause, _REFUSALS):
+                # a refusal computed from shared data: the group is intact, the caller gets the original exception
+                _annotate(root.cause, root)
+                raise root.cause
+            raise RankFailure(failure_message(errors, what), involved_ranks(errors), root.cause, all_traces(errors))
+        return [results[i] for i in range(len(refs))]
+
+    def _rank_failure(self, errors: List[RankError], what: str, waiting) -> RankFailure:
+        message = failure_message(errors, what, waiting)
+        log.error("%s\n%s", message, all_traces(errors))
+        return self._failure(message, involved_ranks(errors, waiting), root_cause(errors).cause, all_traces(errors))
+
+    def _failure(self, message: str, ranks, cause, trace: str = "") -> RankFailure:
+        """Stop every rank and return the :class:`RankFailure` to raise (the next call rebuilds the cluster)."""
+        self._kill()
+        return RankFailure(message + "; the cluster was stopped and will be rebuilt on the next call", ranks, cause, trace)
+
+    def run(
+        self,
+        fn: Callable,
+        *args,
+        timeout_s: Optional[float] = None,
+        cancel_check: Optional[Callable[[], None]] = None,
+        progress: Optional[Callable[[int, int], None]] = None,
+        **kwargs,
+    ) -> List[Any]:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the results in rank order.
+
+        Args:
+            fn: a module-level function (sent by name) or any picklable callable.
+            timeout_s: bound on the whole call (default ``config.call_timeout_s``).
+            cancel_check: called about twice a second while waiting; if it raises (e.g. an application's
+                "interrupted" check), every rank is stopped and the exception propagates.
+            progress: ``progress(done, total)`` is called while waiting whenever rank 0's
+                :func:`report_progress` figure changes (polled about twice a second).
+
+        Raises:
+            RankFailure: a rank died, hung past the bound, or failed while its peers waited.
+            ValueError/TypeError/NotImplementedError/KeyError: the ranks refused the input (the group stays usable);
+                the rank's original exception, with its trace in ``.trace``.
+        """
+        import ray
+
+        if self.broken:
+            raise RankFailure("this cluster was stopped after an earlier failure; call get_cluster() for a new one")
+        with self._lock:
+            payload = ray.put((args, kwargs))
+            ref_fn = fn_ref(fn)
+            # one ObjectRef for the arguments: they travel once, Ray resolves it on each rank
+            refs = [a.call.remote(ref_fn, payload) for a in self._actors]
+            bound = timeout_s or self.config.call_timeout_s
+            deadline = time.monotonic() + bound
+            return self._get(refs, deadline, f"calling {getattr(fn, '__qualname__', fn)}", bound, cancel_check, progress)
+
+    def describe(self) -> dict:
+        return {
+            "num_ranks": self.config.num_ranks,
+            "backend": self.backend,
+            "device_kind": self.device_kind,
+            "devices": list(self.devices),
+            "ranks": self.ranks_info,
+            "seconds_to_ready": round(self.seconds_to_ready, 3),
+            "address": self.config.address or "embedded (127.0.0.1)",
+            "nodes": sorted({r["node_id"] for r in self.ranks_info}),
+        }
+
+    def ping(self, timeout_s: float = 10.0) -> bool:
+        import ray
+
+        if self.broken:
+            return False
+        try:
+            ray.get([a.ping.remote() for a in self._actors], timeout=timeout_s)
+            return True
+        except Exception:
+            return False
+
+    def _kill(self):
+        import ray
+
+        self.broken = True
+        for a in self._actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        self._actors = []
+        if self._pg is not None:
+            try:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self._pg)
+            except Exception:
+                pass
+            self._pg = None
+
+    def shutdown(self):
+        """Destroy the process group on every rank, then stop the actors."""
+        import ray
+
+        if not self.broken and self._actors:
+            try:
+                ray.get([a.close.remote() for a in self._actors], timeout=30)
+            except Exception:
+                pass
+        self._kill()
+
+
+class _ProgressPoll:
+    """Keeps one ``progress()`` request to rank 0 in flight; forwards changed figures to the callback."""
+
+    def __init__(self, actor, callback: Callable[[int, int], None]):
+        self.actor, self.callback = actor, callback
+        self.ref = actor.progress.remote()
+        self.last = (0, 0)
+
+    def __call__(self) -> None:
+        import ray
+
+        ready, _ = ray.wait([self.ref], timeout=0)
+        if not ready:
+            return
+        try:
+            value = tuple(ray.get(self.ref))
+        except Exception:  # the rank died: the wait loop reports it
+            return
+        if value != self.last and value[1] > 0:
+            self.last = value
+            self.callback(*value)
+        self.ref = self.actor.progress.remote()
+
+
+_current: Optional[RankCluster] = None
+_current_lock = threading.Lock()
+
+
+def get_cluster(config: Optional[ClusterConfig] = None, **overrides) -> RankCluster:
+    """Return the process-wide cluster for ``config``, building (or rebuilding) it when needed."""
+    global _current
+    config = config or ClusterConfig()
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
+    with _current_lock:
+        if _current is not None and _current.config == config and not _current.broken:
+            return _current
+        if _current is not None:
+            _current.shutdown()
+            _current = None
+        _current = RankCluster(config)
+        return _current
+
+
+def shutdown_cluster(stop_ray: bool = False) -> None:
+    """Stop the process-wide cluster (and the embedded Ray if ``stop_ray``)."""
+    global _current
+    with _current_lock:
+        if _current is not None:
+            _current.shutdown()
+            _current = None
+    if stop_ray:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        forget_ray()
+
+
+def _annotate(exc: BaseException, err: RankError) -> None:
+    """Give a rank's original exception its rank and trace (the user's message stays the original one)."""
+    try:
+        exc.rank = err.rank
+        exc.trace = err.trace
+    except AttributeError:  # an exception type with __slots__: the log still has the trace
+        pass
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"(raised on rank {err.rank}; its full trace is in the log and in .trace)")
