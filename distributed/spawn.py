@@ -39,17 +39,15 @@ def _worker(rank, world_size, store_path, backend, device_kind, fn, args, kwargs
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        from torch.distributed import FileStore  # a store object, not a call into the process group
-
         comm.init_process_group(
             backend,
-            store=FileStore(store_path, world_size),
+            store=comm.file_store(store_path, world_size),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         device = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
-        ctx = ParallelContext.from_group(None, device)
+        ctx = comm.context_for_group(None, device)
         result = fn(ctx, *args, **kwargs)
         # Tensors in a multiprocessing queue travel as shared-memory handles that die with this process;
         # serialise the result so the parent can read it after the rank has exited.

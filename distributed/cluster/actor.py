@@ -96,15 +96,13 @@ class _RankActor:
 
     def open_store(self, host: str, timeout_s: float) -> int:
         """Rank 0 only (several nodes): open the rendezvous store on a port the OS picks, return the port."""
-        from torch.distributed import TCPStore
-
-        self._store = TCPStore(host, 0, self.world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        self._store = comm.tcp_store(
+            host, 0, self.world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
         return self._store.port
 
     def init_group(self, rendezvous: dict, backend: str, timeout_s: float) -> str:
         """Join the process group. ``rendezvous`` is ``{"file": path}`` (one machine) or ``{"host", "port"}``."""
-        from torch.distributed import FileStore, TCPStore
-
         if "host" in rendezvous and "GLOO_SOCKET_IFNAME" not in os.environ:
             ifname = _interface_of(_node_ip())
             if ifname:
@@ -112,14 +110,14 @@ class _RankActor:
         timeout = datetime.timedelta(seconds=timeout_s)
         if self._store is None:
             if "file" in rendezvous:
-                self._store = FileStore(rendezvous["file"], self.world_size)
+                self._store = comm.file_store(rendezvous["file"], self.world_size)
             else:
-                self._store = TCPStore(rendezvous["host"], rendezvous["port"], self.world_size, is_master=False, timeout=timeout)
+                self._store = comm.tcp_store(rendezvous["host"], rendezvous["port"], self.world_size, is_master=False, timeout=timeout)
         device = self._device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
         comm.init_process_group(backend, store=self._store, rank=self.rank, world_size=self.world_size, timeout=timeout)
-        self.ctx = ParallelContext.from_group(None, device)
+        self.ctx = comm.context_for_group(None, device)
         return str(device)
 
     def call(self, fn, packed):

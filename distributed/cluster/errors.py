@@ -106,12 +106,9 @@ def _task_trace(exc: BaseException) -> str:
 
 
 def _dist_error_types() -> tuple:
-    try:
-        from torch.distributed import DistError
+    from .. import comm
 
-        return (DistError,)
-    except ImportError:  # pragma: no cover - torch without distributed
-        return ()
+    return comm.comm_error_types()
 
 
 def _raised_in_torch_distributed(cause: Optional[BaseException], trace: str) -> bool:

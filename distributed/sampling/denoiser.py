@@ -262,8 +262,12 @@ class SplitGroups:
         self.layout: Optional[SplitLayout] = SplitLayout(half, patch, pair)
 
     def close(self) -> None:
-        """Release the groups (idempotent): the owner's references are the only ones."""
-        self.layout = None
+        """Destroy the groups (idempotent); every member calls this when its owner is removed."""
+        layout, self.layout = self.layout, None
+        if layout is not None:
+            for sub in (layout.patch, layout.pair):
+                if sub is not None:
+                    comm.destroy_group(sub.group)
 
 
 def _as_tensor(out: Any) -> torch.Tensor:

@@ -126,7 +126,7 @@ def _cfg_check(ctx, repair):
     unet = sdxl.build_unet(True)
     cond = sdxl.synthetic_cond(unet, 1)
     over = {"cfg_repair": True, "cfg_repair_half": True} if repair == "half" else {"cfg_repair": repair}
-    den = PatchParallelDenoiser(sdxl.unet_denoiser(unet), ctx, preset("guide", warmup_steps=1, **over), unet=unet)
+    den = PatchParallelDenoiser(sdxl.unet_denoiser(unet), ctx, preset("otil_unsynced", warmup_steps=1, **over), unet=unet)
     g = torch.Generator().manual_seed(9)
     xs = [torch.randn(2, 4, H, W, generator=g) for _ in range(2)]
     t = torch.tensor([500.0, 500.0])
