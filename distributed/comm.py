@@ -70,7 +70,6 @@ __all__ = [
     "barrier",
     "new_group",
     "all_gather_object",
-    "destroy_group",
     "comm_error_types",
 ]
 
@@ -466,12 +465,6 @@ def all_gather_object(obj, ctx: ParallelContext) -> list:
     out = [None] * ctx.world_size
     dist.all_gather_object(out, obj, group=ctx.group)
     return out
-
-
-def destroy_group(group) -> None:
-    """Release a subgroup made by :func:`new_group` (a no-op for ``None`` or once the WORLD group is gone)."""
-    if group is not None and is_initialized():
-        dist.destroy_process_group(group)
 
 
 def comm_error_types() -> tuple:

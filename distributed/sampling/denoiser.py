@@ -262,12 +262,10 @@ class SplitGroups:
         self.layout: Optional[SplitLayout] = SplitLayout(half, patch, pair)
 
     def close(self) -> None:
-        """Destroy the groups (idempotent); every member calls this when its owner is removed."""
-        layout, self.layout = self.layout, None
-        if layout is not None:
-            for sub in (layout.patch, layout.pair):
-                if sub is not None:
-                    comm.destroy_group(sub.group)
+        """Release the groups (idempotent): the owner's references are the only ones. They are not destroyed
+        here: destroying a gloo subgroup while a peer may still be inside a collective on it hangs that peer (seen in
+        the CPU tests); torch.distributed keeps them registered until the WORLD group is destroyed with the cluster."""
+        self.layout = None
 
 
 def _as_tensor(out: Any) -> torch.Tensor:

@@ -68,7 +68,8 @@ def test_the_context_manager_chains_the_original_and_leaves_other_errors_alone(c
         with rank_errors_for_user():
             cluster.run(refuse)
     assert str(info.value) == "rows do not fit" and type(info.value) is ValueError
-    assert info.value.__cause__ is not None  # the full trace stays in the chain ComfyUI's log prints
+    # the rank's full trace stays with the exception (and the cluster logs it), only the message is shown plainly
+    assert 'raise ValueError("rows do not fit")' in info.value.trace and info.value.rank in (0, 1)
 
     class Interrupted(Exception):  # e.g. ComfyUI's InterruptProcessingException: must reach ComfyUI unchanged
         pass
