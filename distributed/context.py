@@ -61,17 +61,6 @@ class ParallelContext:
         """A one-rank context: every collective becomes a no-op."""
         return cls(group=None, rank=0, world_size=1, global_ranks=(0,), device=torch.device(device or "cpu"))
 
-    @classmethod
-    def from_group(cls, group=None, device: Optional[torch.device] = None) -> "ParallelContext":
-        """Build a context for ``group`` (default: WORLD) of an initialised ``torch.distributed``.
-
-        The group is asked through :func:`patchray.distributed.comm.context_for_group` (comm.py is the one module
-        that calls ``torch.distributed``; it is imported here, not at the top, because comm builds contexts).
-        """
-        from .comm import context_for_group
-
-        return context_for_group(group, device)
-
     @property
     def is_first(self) -> bool:
         return self.rank == 0

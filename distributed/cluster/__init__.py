@@ -26,9 +26,6 @@ from .errors import ClusterSetupError, RankFailure, caused_by
 from .imports import fn_ref, resolve_fn
 from .ranks import RankCluster, get_cluster, shutdown_cluster
 
-# the names sampling/remote.py imported before the split (kept so that module needs no change)
-_fn_ref, _resolve = fn_ref, resolve_fn
-
 __all__ = [
     "ClusterConfig",
     "RankCluster",

@@ -37,7 +37,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..cluster import RankFailure, _fn_ref, _resolve, caused_by, rank_cache, report_progress
+from ..cluster import RankFailure, caused_by, fn_ref, rank_cache, report_progress, resolve_fn
 from ..comm import all_gather_padded
 from ..context import ParallelContext
 from .comm_manager import Traffic
@@ -89,9 +89,9 @@ def _load_model(ctx: ParallelContext, key: Hashable, build, payload_ref, prepare
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     if prepare is not None:
-        _resolve(prepare)(ctx, *prepare_args)
+        resolve_fn(prepare)(ctx, *prepare_args)
     payload = ray.get(payload_ref)
-    model = _resolve(build)(ctx, payload)
+    model = resolve_fn(build)(ctx, payload)
     del payload
     cache[_MODEL] = (key, model)
     return True
@@ -207,7 +207,7 @@ def _sample_on_rank(ctx: ParallelContext, key, sample, inputs_ref, config: dict,
     import ray
 
     if prepare is not None:
-        _resolve(prepare)(ctx, *prepare_args)
+        resolve_fn(prepare)(ctx, *prepare_args)
     try:
         inputs = ray.get(inputs_ref)
     except Exception as exc:
@@ -220,7 +220,7 @@ def _sample_on_rank(ctx: ParallelContext, key, sample, inputs_ref, config: dict,
     session.begin()
     before = session.traffic.snapshot() if session.traffic is not None else None
     try:
-        latent = _resolve(sample)(ctx, model, session, inputs)
+        latent = resolve_fn(sample)(ctx, model, session, inputs)
         if not isinstance(latent, torch.Tensor):
             raise TypeError(f"the sample function returned {type(latent).__name__}; it must return the final latent tensor")
         out = session.finalize(latent)
@@ -275,7 +275,7 @@ def ship_model(
     ref = ray.put(make_payload())
     try:
         cluster.run(
-            _load_model, key, _fn_ref(build), ref, _fn_ref(prepare) if prepare is not None else None, tuple(prepare_args),
+            _load_model, key, fn_ref(build), ref, fn_ref(prepare) if prepare is not None else None, tuple(prepare_args),
             timeout_s=timeout_s, cancel_check=cancel_check,
         )
     finally:
@@ -317,8 +317,8 @@ def distributed_sample(
     ref = ray.put(inputs)
     try:
         results = cluster.run(
-            _sample_on_rank, key, _fn_ref(sample), ref, config.to_dict(), input_conv,
-            _fn_ref(prepare) if prepare is not None else None, tuple(prepare_args), return_traffic,
+            _sample_on_rank, key, fn_ref(sample), ref, config.to_dict(), input_conv,
+            fn_ref(prepare) if prepare is not None else None, tuple(prepare_args), return_traffic,
             timeout_s=timeout_s, cancel_check=cancel_check, progress=progress,
         )
     except RankFailure as exc:

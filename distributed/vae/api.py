@@ -250,25 +250,10 @@ def _check_latent(spec: VaeSpec, z: torch.Tensor, world_size: int, mode: str) ->
 
 
 def _check_input(spec: VaeSpec, x: torch.Tensor, world_size: int) -> None:
-    """The ranks' encode-input checks (``row.row_encode``), made here before anything is shipped."""
-    from .families import get_family
-    from .row import row_bands
+    """The ranks' encode-input checks (``row.check_encode_input``), made here before anything is shipped."""
+    from .row import check_encode_input
 
-    fam = get_family(spec.family)
-    want_dim = 5 if fam.is_video else 4
-    if not torch.is_tensor(x) or x.dim() != want_dim:
-        raise ValueError(f"{spec.family} inputs are {want_dim}-D; got shape {tuple(getattr(x, 'shape', ()))}")
-    in_channels = int((spec.config or {}).get("in_channels", 3))
-    if x.shape[1] != in_channels:
-        raise ValueError(f"input has {x.shape[1]} channels but this {spec.family} VAE expects {in_channels}")
-    ratio = fam.spatial_ratio
-    height, width = x.shape[-2], x.shape[-1]
-    if height % ratio or width % ratio:
-        raise ValueError(
-            f"{spec.family} encodes sizes divisible by {ratio}; got {height}x{width}: crop or pad to "
-            f"{height // ratio * ratio}x{width // ratio * ratio}"
-        )
-    row_bands(height // ratio, world_size)
+    check_encode_input(spec.family, x, int((spec.config or {}).get("in_channels", 3)), world_size)
 
 
 def _latent_frames_hw(spec_family: str, z: torch.Tensor):

@@ -31,7 +31,7 @@ from ..parallel.groupnorm import ShardedGroupNorm
 from ..parallel.plan import Applied, ClaimedOnly, RowLocal, RowState, apply_plan, undo_all
 from .families import FAMILIES, family_of, get_family
 
-__all__ = ["ROW_PLANS", "row_bands", "parallelize_vae", "RowShardHandle", "row_decode", "row_encode", "validate_latent"]
+__all__ = ["ROW_PLANS", "row_bands", "parallelize_vae", "RowShardHandle", "row_decode", "row_encode", "validate_latent", "check_encode_input"]
 
 _HANDLE_ATTR = "_patchray_row_shard"
 _LOCAL = RowLocal()
@@ -311,6 +311,27 @@ def row_decode(vae: nn.Module, z: torch.Tensor, ctx: ParallelContext) -> Optiona
 
 
 @torch.no_grad()
+def check_encode_input(family: str, x: torch.Tensor, in_channels: int, world_size: int):
+    """Refuse an encode input that cannot work (rank, channels, size multiple, rows vs ranks); return the bands.
+
+    The same checks run on the driver before anything is shipped and on every rank, from shared data only.
+    """
+    fam = get_family(family)
+    want_dim = 5 if fam.is_video else 4
+    if not torch.is_tensor(x) or x.dim() != want_dim:
+        raise ValueError(f"{family} inputs are {want_dim}-D; got shape {tuple(getattr(x, 'shape', ()))}")
+    if x.shape[1] != in_channels:
+        raise ValueError(f"input has {x.shape[1]} channels but this {family} VAE expects {in_channels}")
+    ratio = fam.spatial_ratio
+    height, width = x.shape[-2], x.shape[-1]
+    if height % ratio or width % ratio:
+        raise ValueError(
+            f"{family} encodes sizes divisible by {ratio}; got {height}x{width}: crop or pad to "
+            f"{height // ratio * ratio}x{width // ratio * ratio}"
+        )
+    return row_bands(height // ratio, world_size)
+
+
 def row_encode(vae: nn.Module, x: torch.Tensor, ctx: ParallelContext, *, return_parameters: bool = False):
     """Encode ``x`` with the rows split across the ranks; the latent mean arrives on group rank 0 only.
 
@@ -328,21 +349,8 @@ def row_encode(vae: nn.Module, x: torch.Tensor, ctx: ParallelContext, *, return_
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
     family = family_of(vae)
-    spec = get_family(family)
-    want_dim = 5 if spec.is_video else 4
-    if x.dim() != want_dim:
-        raise ValueError(f"{family} inputs are {want_dim}-D; got shape {tuple(x.shape)}")
-    in_channels = int(vae.config.get("in_channels", x.shape[1]))
-    if x.shape[1] != in_channels:
-        raise ValueError(f"input has {x.shape[1]} channels but this {family} VAE expects {in_channels}")
-    ratio = spec.spatial_ratio
-    height, width = x.shape[-2], x.shape[-1]
-    if height % ratio or width % ratio:
-        raise ValueError(
-            f"{family} encodes sizes divisible by {ratio}; got {height}x{width}: crop or pad to "
-            f"{height // ratio * ratio}x{width // ratio * ratio}"
-        )
-    bands = row_bands(height // ratio, ctx.world_size)
+    ratio = get_family(family).spatial_ratio
+    bands = check_encode_input(family, x, int(vae.config.get("in_channels", x.shape[1])), ctx.world_size)
     dtype, device = _param_dtype_device(vae)
     start, stop = bands[ctx.rank]
     with _sharded(vae, ctx, "encoder", _bounds(bands)):

@@ -17,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from patchray.distributed.comm import gather_to, log_comm
+from patchray.distributed.comm import context_for_group, gather_to, log_comm
 from patchray.distributed.context import ParallelContext
 from patchray.distributed.spawn import run_ranks
 from patchray.distributed.vae.families import FAMILIES, build_vae, latent_shape
@@ -231,7 +231,7 @@ def _all_world_sizes(ctx):
     out = {}
     for n, group in groups.items():
         if ctx.rank < n:
-            sub = ParallelContext.from_group(group, ctx.device)
+            sub = context_for_group(group, ctx.device)
             out[n] = _to_numpy(_row_task(sub, _EXTRAS[n]))
     return out
 
