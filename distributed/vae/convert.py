@@ -4,7 +4,7 @@ Design decision: PatchRay shards *diffusers* VAE modules, so the one weight form
 diffusers one: a family of ``families.FAMILIES``, keyword arguments for its diffusers class, and that class's
 state dict (what ``model.state_dict()`` of the diffusers model holds, or what ``diffusers`` single-file converters
 return). A host application whose VAE weights use another layout converts them first (ComfyUI's layout is
-converted by the node pack's bridge, ``nodes/bridge/vae_layout.py``); this module knows no such layout.
+converted by the node pack's bridge, ``nodes/bridge/vae_layouts/``); this module knows no such layout.
 
 :func:`check_state_dict` makes the format a contract: the keys and shapes must equal those of the diffusers model
 built from the config (built on the meta device, so the check costs no memory). A state dict that does not match

@@ -4,7 +4,7 @@ The layer between the node modules (``nodes/*.py``: schema + one call) and the l
 neither imports ComfyUI nor knows its layouts). Dependencies point one way: nodes -> bridge -> distributed.
 
 * :mod:`.shim` -- the one import shim: the library runs as ``patchray.distributed`` however ComfyUI loaded the pack.
-* :mod:`.vae`, :mod:`.convert`, :mod:`.vae_layout` -- VAE Decode/Encode: ComfyUI's VAE, LATENT and IMAGE <-> the
+* :mod:`.vae`, :mod:`.convert`, :mod:`.vae_layouts` -- VAE Decode/Encode: ComfyUI's VAE, LATENT and IMAGE <-> the
   library's diffusers-format spec and tensors; the fallback to ComfyUI's own VAE.
 * :mod:`.ksampler`, :mod:`.model` -- the Distributed KSampler, driver side: MODEL -> a portable model, the stock
   KSampler's latent and noise, refusals before anything is shipped.

@@ -1,7 +1,7 @@
 """Conversions between ComfyUI's objects and what ``distributed/`` takes. No algorithm lives here.
 
 * ComfyUI VAE (``comfy.sd.VAE``) -> ``VaeSpec``: its weights converted to the diffusers layout by
-  :mod:`.vae_layout`, then checked by the library (``distributed.vae.api.spec_from_diffusers``).
+  :mod:`.vae_layouts`, then checked by the library (``distributed.vae.api.spec_from_diffusers``).
 * LATENT dict <-> latent tensor, IMAGE ``[B, H, W, C]`` in 0..1 <-> sample ``[B, 3, (T,) H, W]`` in -1..1,
   exactly as the stock VAE Decode / VAE Encode do it (``comfy/sd.py``: ``process_output`` =
   ``clamp((x + 1) / 2, 0, 1)``, ``process_input`` = ``x * 2 - 1``, the centre crop to the compression ratio,
@@ -41,7 +41,7 @@ def _first_stage(vae):
 def vae_spec(vae):
     """The ``VaeSpec`` for a ComfyUI VAE (cached per VAE object). Raises ``UnsupportedVaeError`` with the reason."""
     from ...distributed.vae.api import spec_from_diffusers
-    from .vae_layout import convert_comfy_vae
+    from .vae_layouts import convert_comfy_vae
 
     try:
         cached = _SPECS.get(vae)

@@ -1,10 +1,10 @@
-"""nodes/bridge/vae_layout.py: ComfyUI's VAE state dict -> the diffusers model PatchRay shards (checked by the library)."""
+"""nodes/bridge/vae_layouts/: ComfyUI's VAE state dict -> the diffusers model PatchRay shards (checked by the library)."""
 
 import pytest
 import torch
 
 from patchray.distributed.vae.convert import UnsupportedVaeError, state_dict_key
-from patchray.nodes.bridge.vae_layout import convert_comfy_vae, detect_family
+from patchray.nodes.bridge.vae_layouts import convert_comfy_vae, detect_family
 
 from .comfy_shapes import kl_to_ldm, tiny_kl
 
