@@ -9,13 +9,17 @@ no cancel button.
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
+import time
 from typing import Callable, Optional
 
 from comfy_api.latest import ComfyExtension, io, ui  # noqa: F401  (re-exported for the node modules)
 
-__all__ = ["ComfyExtension", "io", "ui", "progress_callback", "interrupt_check", "output_directory", "sampler_lists"]
+__all__ = [
+    "ComfyExtension", "io", "ui", "progress_callback", "interrupt_check", "output_directory", "sampler_lists", "measure_again",
+]
 
 # ComfyUI 0.3.64's sampler and scheduler names, for the schema when ComfyUI is absent (CI); inside ComfyUI its live
 # lists are used, so samplers added later appear in the node too
@@ -76,3 +80,16 @@ def output_directory() -> str:
         path = os.environ.get("PATCHRAY_OUTPUT_DIR") or os.path.join(tempfile.gettempdir(), "patchray-output")
         os.makedirs(path, exist_ok=True)
         return path
+
+
+_runs = itertools.count()
+
+
+def measure_again(**_inputs) -> str:
+    """A ``fingerprint_inputs`` for measurement nodes: a value no earlier prompt had, so the node runs every time.
+
+    ComfyUI (0.3.64) reuses a node's cached output while its inputs and fingerprint are unchanged; the schema's
+    ``not_idempotent`` only keeps two identical nodes of one prompt from sharing a result (it adds the node id to the
+    cache key), so a re-queued Topology Probe or Benchmark would return the earlier report without this.
+    """
+    return f"{time.time_ns()}-{os.getpid()}-{next(_runs)}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ._comfy import io
+from ._comfy import io, measure_again
 from .bridge import diagnostics
 from .types import CATEGORY, CLUSTER
 
@@ -36,6 +36,10 @@ class PatchRayTopologyProbe(io.ComfyNode):
                 io.String.Output(display_name="report_json", tooltip="The full topology report (schema 1) as JSON, e.g. to attach to a bug report."),
             ],
         )
+
+    @classmethod
+    def fingerprint_inputs(cls, **inputs):
+        return measure_again(**inputs)  # a measurement runs again on every prompt, never from the cache
 
     @classmethod
     def execute(cls, measure=True, cluster=None) -> io.NodeOutput:

@@ -50,3 +50,32 @@ def test_every_package_folder_is_listed_for_setuptools():
         if p.parent.parts[len(ROOT.parts)] in ("distributed", "nodes")
     }
     assert folders == listed, (sorted(folders - listed), sorted(listed - folders))
+
+
+def test_registry_metadata_follows_the_comfy_registry_rules():
+    """docs.comfy.org/registry/specifications: the node id (``[project].name``) is < 100 characters of letters,
+    digits, ``-_.``, no two special characters in a row, starts with a letter, and should not contain "ComfyUI";
+    the version is X.Y.Z; the license is ``{file = ...}`` or ``{text = ...}``."""
+    project, comfy = _toml()["project"], _toml()["tool"]["comfy"]
+    name = project["name"]
+    assert len(name) < 100 and re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]*", name), name
+    assert not re.search(r"[-_.]{2}", name) and "comfyui" not in name.lower(), name
+    assert re.fullmatch(r"\d+\.\d+\.\d+", project["version"])
+    license_file = project["license"]["file"]
+    assert "Apache License" in (ROOT / license_file).read_text()[:200] and "Version 2.0" in (ROOT / license_file).read_text()[:200]
+    assert comfy["PublisherId"] and comfy["DisplayName"] == "PatchRay"
+    # no invented address: a Repository URL, when present, is one the publisher wrote (not a placeholder of ours)
+    assert "patchray/comfyui-patchray" not in (ROOT / "pyproject.toml").read_text()
+    # web/ is registered once, by WEB_DIRECTORY under the folder name (a `web` key would register it a second time
+    # under [project].name and the frontend would load patchray.js twice)
+    assert "web" not in comfy
+    # the installed distribution's name is what provenance records as PatchRay's version
+    assert f'version("{name}")' in (ROOT / "distributed" / "bench" / "provenance.py").read_text()
+
+
+def test_the_registry_icon_is_a_small_square_png_in_the_repository():
+    icon = ROOT / _toml()["tool"]["comfy"]["Icon"]
+    data = icon.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")  # the IHDR chunk
+    assert width == height <= 400 and len(data) < 100_000

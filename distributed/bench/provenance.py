@@ -83,7 +83,7 @@ def versions() -> dict:
     try:
         from importlib.metadata import version
 
-        out["patchray"] = version("comfyui-patchray")
+        out["patchray"] = version("patchray")
     except Exception:  # not installed as a distribution: the revision and digest still identify it
         out["patchray"] = None
     out["cuda"] = torch.version.cuda

@@ -11,7 +11,8 @@ The package is split along its seams; this module re-exports the public names:
   :func:`get_cluster` / :func:`shutdown_cluster` keep one cluster per process;
 * ``errors``    :class:`RankFailure`, :class:`ClusterSetupError`, clean messages from Ray's errors;
 * ``imports``   how the ranks import the library and the functions sent to them;
-* ``check``     :func:`check_cluster`, the probe's collective and bandwidth check.
+* ``check``     :func:`check_cluster`, the probe's collective and bandwidth check;
+* ``limits``    :func:`check_rank_count`: how many GPU or CPU ranks this machine holds, checked before Ray starts.
 
 Example:
     >>> from patchray.distributed.cluster import ClusterConfig, get_cluster  # doctest: +SKIP
@@ -24,7 +25,8 @@ from .check import check_cluster
 from .config import ClusterConfig
 from .errors import ClusterSetupError, RankFailure, caused_by
 from .imports import fn_ref, resolve_fn
-from .ranks import RankCluster, get_cluster, shutdown_cluster
+from .limits import check_rank_count
+from .ranks import RankCluster, free_rank_caches, get_cluster, shutdown_cluster
 
 __all__ = [
     "ClusterConfig",
@@ -33,6 +35,8 @@ __all__ = [
     "ClusterSetupError",
     "get_cluster",
     "shutdown_cluster",
+    "free_rank_caches",
+    "check_rank_count",
     "check_cluster",
     "rank_cache",
     "report_progress",

@@ -18,6 +18,7 @@ Design decisions:
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from typing import Any, Dict, List, Optional
 
@@ -139,6 +140,19 @@ class _RankActor:
     def progress(self) -> tuple:
         """(done, total) last reported by the running call (answered by the actor's second thread)."""
         return (_PROGRESS[0], _PROGRESS[1])
+
+    def free_cache(self) -> int:
+        """Drop what functions cached on this rank (models, weights); returns how many entries were dropped.
+
+        Answered by the actor's second thread, so it also runs while a call is in progress: that call keeps the
+        objects it already holds, and the next call loads them again.
+        """
+        count = len(_RANK_CACHE)
+        _RANK_CACHE.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return count
 
     def close(self) -> None:
         _RANK_CACHE.clear()

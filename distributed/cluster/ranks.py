@@ -41,9 +41,10 @@ from .errors import (
     root_cause,
 )
 from .imports import fn_ref, require_canonical_root, staging_pythonpath
+from .limits import check_rank_count
 from .ray_setup import ensure_ray, forget_ray, package_versions
 
-__all__ = ["RankCluster", "get_cluster", "shutdown_cluster"]
+__all__ = ["RankCluster", "get_cluster", "shutdown_cluster", "free_rank_caches"]
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +64,19 @@ class RankCluster:
         >>> cluster.run(my_module.my_fn, 3)  # my_fn(ctx, 3) on both ranks  # doctest: +SKIP
     """
 
-    def __init__(self, config: ClusterConfig):
+    def __init__(self, config: ClusterConfig, cancel_check: Optional[Callable[[], None]] = None):
         self.config = config
         self.broken = False
         self._actors: List[Any] = []
         self._pg = None
         self._lock = threading.Lock()
+        self._cancel_check = cancel_check
         t0 = time.perf_counter()
         require_canonical_root()
+        # what this machine cannot hold is refused before Ray starts (embedded) or anything is placed
+        check_rank_count(config.num_ranks, config.device, embedded=config.address is None, gpu_ids=config.gpu_ids)
+        if cancel_check is not None:
+            cancel_check()
         ray = ensure_ray(config)
         self.device_kind = self._pick_device(ray)
         self.backend = "nccl" if self.device_kind == "cuda" else "gloo"
@@ -89,10 +95,14 @@ class RankCluster:
         if self.config.device == "cpu":
             return "cpu"
         if self.config.device == "cuda" or (self.config.device == "auto" and gpus > 0):
+            if gpus == 0:  # device 'cuda' on a cluster without GPUs: lowering num_ranks cannot help
+                raise ClusterSetupError(
+                    "device is cuda but the Ray cluster has no GPU: set device to cpu for CPU ranks, or add nodes with GPUs"
+                )
             if gpus < n:
                 raise ClusterSetupError(
-                    f"asked for {n} GPU ranks but the Ray cluster has {gpus} GPU(s); "
-                    f"use num_ranks <= {gpus}" + (" or device='cpu'" if gpus == 0 or self.config.device == "auto" else "")
+                    f"num_ranks is {n}, but the Ray cluster has {gpus} GPU(s) and each GPU rank needs its own: set num_ranks "
+                    f"to at most {gpus}" + (", or device to cpu for CPU ranks" if self.config.device == "auto" else "")
                 )
             return "cuda"
         return "cpu"
@@ -122,8 +132,10 @@ class RankCluster:
         bundle = {"GPU": 1, "CPU": 0.01} if self.device_kind == "cuda" else {"CPU": 0.01}
         self._pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.strategy)
         try:
-            ray.get(self._pg.ready(), timeout=cfg.connect_timeout_s)
+            self._wait_placed(ray, cfg.connect_timeout_s)
         except Exception as exc:
+            if self._cancelled(exc):
+                raise
             remove_placement_group(self._pg)
             self._pg = None
             raise ClusterSetupError(
@@ -159,8 +171,11 @@ class RankCluster:
             self._actors.append(actor_cls.options(**opts).remote(r, n, self.device_kind))
 
         deadline = time.monotonic() + cfg.init_timeout_s
+        cancel = self._cancel_check
         try:
-            self.ranks_info = self._get([a.describe.remote() for a in self._actors], deadline, "starting the rank actors", cfg.init_timeout_s)
+            self.ranks_info = self._get(
+                [a.describe.remote() for a in self._actors], deadline, "starting the rank actors", cfg.init_timeout_s, cancel
+            )
         except RankFailure as exc:
             raise ClusterSetupError(
                 f"{exc}: every node needs the same PatchRay, torch, diffusers and Ray as this machine (pip install "
@@ -173,7 +188,9 @@ class RankCluster:
             rendezvous = {"file": os.path.join(tempfile.mkdtemp(prefix="patchray-rdzv-"), "store")}
         else:
             host = self.ranks_info[0]["node_ip"]
-            port = self._get([self._actors[0].open_store.remote(host, cfg.init_timeout_s)], deadline, "opening the rendezvous store", cfg.init_timeout_s)[0]
+            port = self._get(
+                [self._actors[0].open_store.remote(host, cfg.init_timeout_s)], deadline, "opening the rendezvous store", cfg.init_timeout_s, cancel
+            )[0]
             rendezvous = {"host": host, "port": port}
             log.info("rendezvous: rank 0 listens on %s:%d (TCPStore) while the group forms", host, port)
         self.devices = self._get(
@@ -181,8 +198,29 @@ class RankCluster:
             deadline,
             "forming the process group",
             cfg.init_timeout_s,
+            cancel,
         )
         self.rendezvous = rendezvous
+        self._cancel_check = None  # the caller's check belongs to the prompt that started the cluster
+
+    def _wait_placed(self, ray, bound_s: float) -> None:
+        """Wait for the placement group, polling the caller's cancel check about twice a second."""
+        ready_ref = self._pg.ready()
+        deadline = time.monotonic() + bound_s
+        while True:
+            ready, _ = ray.wait([ready_ref], timeout=max(0.01, min(0.5, deadline - time.monotonic())))
+            if ready:
+                ray.get(ready_ref)
+                return
+            if self._cancel_check is not None:
+                self._cancel_check()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"placement not ready within {bound_s:g} s")
+
+    @staticmethod
+    def _cancelled(exc: BaseException) -> bool:
+        """An exception from the caller's cancel check (not one of Ray's): it propagates unchanged."""
+        return not type(exc).__module__.startswith("ray") and not isinstance(exc, TimeoutError)
 
     def _check_versions(self) -> None:
         mine = package_versions()
@@ -334,6 +372,14 @@ class RankCluster:
         except Exception:
             return False
 
+    def free_cached(self, timeout_s: float = 10.0) -> List[int]:
+        """Drop every rank's cached models and weights (the ranks stay up); per rank, the entries dropped."""
+        import ray
+
+        if self.broken or not self._actors:
+            return []
+        return ray.get([a.free_cache.remote() for a in self._actors], timeout=timeout_s)
+
     def _kill(self):
         import ray
 
@@ -393,8 +439,12 @@ _current: Optional[RankCluster] = None
 _current_lock = threading.Lock()
 
 
-def get_cluster(config: Optional[ClusterConfig] = None, **overrides) -> RankCluster:
-    """Return the process-wide cluster for ``config``, building (or rebuilding) it when needed."""
+def get_cluster(config: Optional[ClusterConfig] = None, cancel_check: Optional[Callable[[], None]] = None, **overrides) -> RankCluster:
+    """Return the process-wide cluster for ``config``, building (or rebuilding) it when needed.
+
+    ``cancel_check`` is polled about twice a second while a new cluster starts (placing, starting the ranks, forming
+    the group); when it raises, the ranks started so far are stopped and its exception propagates.
+    """
     global _current
     config = config or ClusterConfig()
     if overrides:
@@ -405,8 +455,31 @@ def get_cluster(config: Optional[ClusterConfig] = None, **overrides) -> RankClus
         if _current is not None:
             _current.shutdown()
             _current = None
-        _current = RankCluster(config)
+        _current = RankCluster(config, cancel_check=cancel_check)
         return _current
+
+
+def free_rank_caches(timeout_s: float = 10.0) -> List[int]:
+    """Drop the cached models and weights on the process-wide cluster's ranks, if there is one (ranks stay up).
+
+    Bounded: returns ``[]`` at once when no cluster runs or one is being started (it has cached nothing yet), and
+    within ``timeout_s`` otherwise. Failures are logged, not raised: freeing memory must never break its caller.
+    """
+    if not _current_lock.acquire(timeout=1.0):
+        return []
+    try:
+        cluster = _current
+    finally:
+        _current_lock.release()
+    if cluster is None:
+        return []
+    try:
+        freed = cluster.free_cached(timeout_s)
+    except Exception as exc:  # a dead rank: the next call rebuilds the cluster anyway
+        log.warning("could not free the ranks' cached models: %s", exc)
+        return []
+    log.info("freed the ranks' cached models (%s entries per rank)", freed)
+    return freed
 
 
 def shutdown_cluster(stop_ray: bool = False) -> None:
