@@ -482,13 +482,24 @@ def free_rank_caches(timeout_s: float = 10.0) -> List[int]:
     return freed
 
 
-def shutdown_cluster(stop_ray: bool = False) -> None:
-    """Stop the process-wide cluster (and the embedded Ray if ``stop_ray``)."""
+def shutdown_cluster(stop_ray: bool = False, lock_timeout_s: Optional[float] = None) -> None:
+    """Stop the process-wide cluster (and the embedded Ray if ``stop_ray``).
+
+    ``lock_timeout_s`` bounds the wait for a call or a start in progress on another thread; past it the cluster is
+    stopped anyway (for a process that is terminating: that call then fails, which no one will read).
+    """
     global _current
-    with _current_lock:
-        if _current is not None:
-            _current.shutdown()
-            _current = None
+    locked = _current_lock.acquire(timeout=-1 if lock_timeout_s is None else lock_timeout_s)
+    try:
+        cluster, _current = _current, None
+        if cluster is not None:
+            if locked:
+                cluster.shutdown()
+            else:
+                cluster._kill()  # no graceful close: the other thread may be inside a collective
+    finally:
+        if locked:
+            _current_lock.release()
     if stop_ray:
         import ray
 

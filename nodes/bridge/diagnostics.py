@@ -41,7 +41,15 @@ def cluster_config(num_ranks: int, device: str, address: str = "", gpu_ids: str 
         raise ValueError(f"gpu_ids must be comma-separated GPU indices such as '0,1' (got {gpu_ids!r})") from None
     if gpus:
         kwargs["gpu_ids"] = gpus  # ClusterConfig checks one GPU per rank, distinct, embedded, not cpu
-    return ClusterConfig(**kwargs)
+    config = ClusterConfig(**kwargs)
+    # what this machine cannot hold is refused here, in the node's terms, before any rank starts
+    from ...distributed.cluster import ClusterSetupError, check_rank_count
+
+    try:
+        check_rank_count(config.num_ranks, config.device, embedded=config.address is None, gpu_ids=config.gpu_ids)
+    except ClusterSetupError as exc:
+        raise ValueError(str(exc)) from None
+    return config
 
 
 def start_cluster(config, cancel_check: Optional[Callable[[], None]] = None):
@@ -51,7 +59,7 @@ def start_cluster(config, cancel_check: Optional[Callable[[], None]] = None):
     if cancel_check is not None:
         cancel_check()
     with rank_errors_for_user():
-        info = get_cluster(config).describe()
+        info = get_cluster(config, cancel_check=cancel_check).describe()  # Cancel is polled while the ranks start
     text = json.dumps(info, indent=1, default=str)
     summary = f"{info['num_ranks']} {info['device_kind']} rank(s), {info['backend']}: " + ", ".join(map(str, info["devices"]))
     return text, summary

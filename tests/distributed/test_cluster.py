@@ -136,9 +136,12 @@ def test_cancel_check_stops_every_rank():
     assert get_cluster(cfg).run(tasks.refuse, 3) == [3, 3]
 
 
-def test_more_gpu_ranks_than_gpus_fails_at_once_with_both_counts():
-    with pytest.raises(ClusterSetupError, match=r"asked for 2 GPU ranks but the Ray cluster has 0 GPU"):
+def test_gpu_ranks_on_a_machine_without_gpu_fail_at_once_naming_the_device_widget():
+    t0 = time.monotonic()
+    with pytest.raises(ClusterSetupError, match=r"device is cuda but PyTorch sees no GPU.*set device to cpu") as err:
         get_cluster(ClusterConfig(num_ranks=2, device="cuda"))
+    assert "num_ranks" not in str(err.value)  # lowering num_ranks cannot help: it is not suggested
+    assert time.monotonic() - t0 < 5  # refused before Ray is asked for anything
 
 
 def test_check_cluster_reports_three_ready_ranks():
