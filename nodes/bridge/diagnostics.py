@@ -66,18 +66,22 @@ def start_cluster(config, cancel_check: Optional[Callable[[], None]] = None):
 
 
 def _describe(p: dict) -> str:
+    """One plan as lines of text, sizes width x height (ComfyUI's widget order); the planner stores height first."""
     o = p["objectives"]
+    (wh, ww), (oh, ow), (gr, gc) = p["window"], p["overlap"], p["grid"]
+    runs = ", ".join(f"rank {r}: {b - a}" for r, (a, b) in enumerate(p["runs"]))
     return (
-        f"{p['name']:>8}: window {p['window'][0]}x{p['window'][1]} px, overlap {p['overlap'][0]}x{p['overlap'][1]}, "
-        f"{o['tile_count']} tiles ({p['grid'][0]}x{p['grid'][1]}), decoded area x{o['coverage']:.2f}, "
-        f"imbalance {o['imbalance']:.1%}, runs {[tuple(r) for r in p['runs']]}"
+        f"{p['name']}: {o['tile_count']} tiles ({gc} x {gr}), window {ww}x{wh} px, overlap {ow}x{oh} px\n"
+        f"    decoded area x{o['coverage']:.2f}, imbalance {o['imbalance']:.1%}; tiles per rank: {runs}"
     )
 
 
 def plan_preview(family: str, width: int, height: int, frames: int, ranks: int, choice: str, image=None):
     """The planner's plans for a shape: ``(chosen plan dict, preview IMAGE, the plans as text)``."""
     from ...distributed.vae.planner import plan_tiles
+    from .validate import tile_planner_request
 
+    tile_planner_request(family, width, height, frames, ranks)  # what cannot be useful is refused before planning
     report = plan_tiles(family, int(height), int(width), frames=int(frames), world_size=int(ranks))
     chosen = getattr(report, choice) or report.coarse  # balanced is None when the frontier has two windows
     plan = chosen.to_dict()

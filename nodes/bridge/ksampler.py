@@ -12,6 +12,7 @@ import logging
 from typing import Callable, Optional
 
 from . import model as bridge_model
+from . import validate
 from .errors import rank_errors_for_user
 from .shim import CANONICAL
 
@@ -75,6 +76,7 @@ def sample(
     key, make_payload = bridge_model.portable_model(model)
 
     latent, noise = bridge_model.latent_and_noise(model, latent_image, seed)
+    validate.sampling_rows(model, latent, cluster_config.num_ranks)  # in node terms, before the ranks start or weights ship
     bridge_model.check_rows(model, latent, cluster_config.num_ranks)
     inputs = {
         "noise": noise, "latent_image": latent, "noise_mask": latent_image.get("noise_mask"), "seed": int(seed),

@@ -1,52 +1,97 @@
-"""Presentation only: draw a tile plan over the image area as an IMAGE tensor (no planning happens here)."""
+"""Presentation only: draw a tile plan as an IMAGE tensor, with a legend (no planning happens here).
+
+Design decisions:
+
+* **A preview has a size cap.** The plan is drawn at most :data:`PREVIEW_MAX_SIDE` pixels on its long side (scaled
+  down, never up): a 16384x16384 plan drawn at full size was a 3 GiB float canvas plus copies (12 GB in 14 s). The
+  plan itself (the wire) is never scaled; the legend says the scale.
+* **The legend is part of the image** (a strip under the plan): which colour is which rank, what the outlines are,
+  and the size in ComfyUI's order, width x height.
+"""
 
 from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ...distributed.vae.planner import TilePlan
 
-__all__ = ["draw_plan"]
+__all__ = ["draw_plan", "PREVIEW_MAX_SIDE", "LEGEND_HEIGHT"]
+
+#: the preview's long side at most, in pixels (the node shows it at a few hundred pixels anyway)
+PREVIEW_MAX_SIDE = 1024
+#: the legend strip under the plan, in pixels
+LEGEND_HEIGHT = 40
 
 # colour-blind-safe palette (Okabe-Ito), one colour per rank, cycled
-_PALETTE = torch.tensor(
+_PALETTE = np.array(
     [[0.902, 0.624, 0.0], [0.337, 0.706, 0.914], [0.0, 0.620, 0.451], [0.941, 0.894, 0.259],
-     [0.0, 0.447, 0.698], [0.835, 0.369, 0.0], [0.800, 0.475, 0.655], [0.6, 0.6, 0.6]]
+     [0.0, 0.447, 0.698], [0.835, 0.369, 0.0], [0.800, 0.475, 0.655], [0.6, 0.6, 0.6]], dtype=np.float32
 )
 
 
-def draw_plan(plan: dict, image: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """IMAGE ``[1, H, W, 3]``: each rank's tile cores tinted in its colour, every tile window outlined.
+def _scaled(v: int, scale: float) -> int:
+    return int(round(v * scale))
+
+
+def draw_plan(plan: dict, image: Optional[torch.Tensor] = None, max_side: int = PREVIEW_MAX_SIDE) -> torch.Tensor:
+    """IMAGE ``[1, h + LEGEND_HEIGHT, w, 3]``: each rank's tile cores tinted in its colour, every tile window outlined,
+    and a legend strip; ``(h, w)`` is the plan's size scaled to at most ``max_side`` on the long side.
 
     Args:
         plan: ``TilePlan.to_dict()``.
-        image: optional IMAGE to draw over (its first frame, resized by nearest to the plan's size); grey otherwise.
+        image: optional IMAGE to draw over (its first frame, resized to the preview's size); grey otherwise.
+        max_side: the cap on the plan area's long side.
     """
-    h, w, ratio = int(plan["height"]), int(plan["width"]), int(plan["ratio"])
+    from PIL import Image, ImageDraw
+
+    H, W, ratio = int(plan["height"]), int(plan["width"]), int(plan["ratio"])
+    scale = min(1.0, max_side / max(H, W))
+    h, w = max(1, _scaled(H, scale)), max(1, _scaled(W, scale))
     if image is not None:
         base = image[0, :, :, :3].float()
         if tuple(base.shape[:2]) != (h, w):
             base = torch.nn.functional.interpolate(base.movedim(-1, 0)[None], size=(h, w), mode="nearest")[0].movedim(0, -1)
-        canvas = base.clone()
+        canvas = base.numpy().astype(np.float32).copy()
     else:
-        canvas = torch.full((h, w, 3), 0.35)
+        canvas = np.full((h, w, 3), 0.35, dtype=np.float32)
     owner = []
     for rank, (start, stop) in enumerate(plan["runs"]):
         owner += [rank] * (int(stop) - int(start))
-    tiles = [[int(v) * ratio for v in t] for t in plan["tiles_latent"]]
+    k_px = ratio * scale
     # cores: the pixels each tile owns (seams cut mid-overlap), as the planner defines them
     for k, (y0, y1, x0, x1) in enumerate(TilePlan.from_dict(plan).cores_latent):
         color = _PALETTE[owner[k] % len(_PALETTE)]
-        y0, y1, x0, x1 = y0 * ratio, y1 * ratio, x0 * ratio, x1 * ratio
-        canvas[y0:y1, x0:x1] = canvas[y0:y1, x0:x1] * 0.55 + color * 0.45
+        ys, ye, xs, xe = _scaled(y0, k_px), _scaled(y1, k_px), _scaled(x0, k_px), _scaled(x1, k_px)
+        canvas[ys:ye, xs:xe] = canvas[ys:ye, xs:xe] * 0.55 + color * 0.45
     lw = max(1, min(h, w) // 128)
-    for k, (y0, y1, x0, x1) in enumerate(tiles):
+    for k, (y0, y1, x0, x1) in enumerate(plan["tiles_latent"]):
         color = _PALETTE[owner[k] % len(_PALETTE)] * 0.6
-        canvas[y0 : y0 + lw, x0:x1] = color
-        canvas[max(y0, y1 - lw) : y1, x0:x1] = color
-        canvas[y0:y1, x0 : x0 + lw] = color
-        canvas[y0:y1, max(x0, x1 - lw) : x1] = color
-    return canvas.clamp(0, 1).unsqueeze(0).contiguous()
-
+        ys, ye, xs, xe = _scaled(y0, k_px), _scaled(y1, k_px), _scaled(x0, k_px), _scaled(x1, k_px)
+        canvas[ys : ys + lw, xs:xe] = color
+        canvas[max(ys, ye - lw) : ye, xs:xe] = color
+        canvas[ys:ye, xs : xs + lw] = color
+        canvas[ys:ye, max(xs, xe - lw) : xe] = color
+    out = np.zeros((h + LEGEND_HEIGHT, w, 3), dtype=np.float32)
+    out[:h] = np.clip(canvas, 0, 1)
+    out[h:] = 0.12
+    legend = Image.fromarray((out[h:] * 255).round().astype(np.uint8))
+    draw = ImageDraw.Draw(legend)
+    ranks = len(plan["runs"])
+    x = 4
+    for rank in range(ranks):
+        if x > w - 60:
+            draw.text((x, 4), "...", fill=(230, 230, 230))
+            break
+        color = tuple(int(c * 255) for c in _PALETTE[rank % len(_PALETTE)])
+        draw.rectangle([x, 5, x + 10, 15], fill=color)
+        draw.text((x + 14, 4), f"rank {rank}", fill=(230, 230, 230))
+        x += 64
+    note = f"tint: tiles each rank decodes; outline: tile window (overlaps blended). {W}x{H} px"
+    if scale < 1:
+        note += f", drawn at {scale:.0%}"
+    draw.text((4, 22), note, fill=(200, 200, 200))
+    out[h:] = np.asarray(legend, dtype=np.float32) / 255.0
+    return torch.from_numpy(out).unsqueeze(0).contiguous()
