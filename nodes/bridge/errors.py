@@ -28,6 +28,13 @@ _RAY_HEADER = re.compile(r"ray::[\w.<>]+\(\)[^\n]*")
 _RAY_TYPE = re.compile(r"RayTaskError\(\w+\):[ \t]*")
 # process details Ray appends to actor errors: "(pid=123, ip=..., actor_id=...)"
 _RAY_PROCESS = re.compile(r"[ \t]*\((?:pid|ip|actor_id|repr)=[^)]*\)")
+# Ray's process details written out as fields: "actor_id: 3f2a...", "Worker ID: ...", "ActorID(3f2a...)"
+_RAY_IDS = re.compile(r"\b(?:actor_id|actor id|worker_id|worker id|node_id|node id|job_id|task_id)[:=]\s*[0-9a-f]{8,}\b[,;]?\s*|"
+                      r"\b(?:ActorID|WorkerID|NodeID|TaskID|JobID)\([0-9a-f]+\)\s*|"
+                      r"\b(?:class_name: _RankActor|pid: \d+|namespace: patchray)\b[,;]?\s*", re.IGNORECASE)
+# the folders the rank processes import the pack from (a temporary link, Ray's session folders): the user knows
+# the pack as "patchray/...", not as "/tmp/patchray-import-0/patchray/..." or ".../runtime_resources/.../patchray/..."
+_TEMP_IMPORT = re.compile(r"(?:[A-Za-z]:)?[^\s\"'(]*?(?:patchray-import-\w+|session_[\w-]+|runtime_resources)[/\\](?:[^\s\"']*?[/\\])?(patchray[/\\])")
 _TRACE_LINE = re.compile(r"^\s*(Traceback \(most recent call last\):|[\^~\s]+)$")
 _FRAME_LINE = re.compile(r'^\s+File "[^"]*", line \d+')
 _WRAPPED = ("RayError", "RayTaskError", "RayActorError", "RankFailure", "ClusterSetupError", "SamplingDesync")
@@ -38,6 +45,8 @@ def _clean_text(text: str) -> str:
     text = _RAY_HEADER.sub("", text)
     text = _RAY_TYPE.sub("", text)
     text = _RAY_PROCESS.sub("", text)
+    text = _RAY_IDS.sub("", text)
+    text = _TEMP_IMPORT.sub(r"\1", text)
     kept, skip_code = [], False
     for line in text.splitlines():
         if _FRAME_LINE.match(line):

@@ -79,3 +79,25 @@ def test_the_context_manager_chains_the_original_and_leaves_other_errors_alone(c
         with rank_errors_for_user():
             raise original
     assert info.value is original
+
+
+@pytest.mark.parametrize(
+    "raw, clean",
+    [
+        # Ray's text for a rank process that died: its ids and process fields are not the user's business
+        ("The actor died unexpectedly before finishing this task. class_name: _RankActor actor_id: 58b3a9f1e2d4c6b8a0f1e2d3c4b5a6f7 "
+         "pid: 1234 namespace: patchray", "The actor died unexpectedly before finishing this task."),
+        ("rank 1 raised ActorID(58b3a9f1e2d4c6b8a0f1) ValueError: bad", "rank 1 raised ValueError: bad"),
+        # the temporary folders the ranks import the pack from read as the pack's own paths
+        ("ImportError: cannot import name 'x' from /tmp/patchray-import-0/patchray/nodes/bridge/ksampler_rank.py",
+         "ImportError: cannot import name 'x' from patchray/nodes/bridge/ksampler_rank.py"),
+        ("in /tmp/ray/session_2026-12-01_10-00-00_123_45/runtime_resources/py_modules_files/ab12/patchray/distributed/x.py",
+         "in patchray/distributed/x.py"),
+        # the user's own paths stay
+        ("ValueError: no file /home/u/ComfyUI/models/vae/x.safetensors", "ValueError: no file /home/u/ComfyUI/models/vae/x.safetensors"),
+    ],
+)
+def test_ray_ids_and_temporary_import_paths_are_removed(raw, clean):
+    from patchray.nodes.bridge.errors import _clean_text
+
+    assert _clean_text("\x1b[31m" + raw + "\x1b[0m") == clean
