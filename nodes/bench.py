@@ -23,7 +23,8 @@ class PatchRayBenchmark(io.ComfyNode):
             description=(
                 "Benchmarks distributed VAE decoding on the cluster for one family, shape and the cluster's rank count: the "
                 "single-device reference, row mode and the tile plans, with latency, peak memory, bytes exchanged and the "
-                "error against the single-device decode. The report JSON and its chart are saved to output/patchray/."
+                "error against the single-device decode. The report JSON and its chart are saved to output/patchray/. "
+                "With shape and size on auto it fits the device: on CPU ranks a quick suite (seconds), on GPUs the full model."
             ),
             is_experimental=True,
             is_output_node=True,
@@ -31,10 +32,10 @@ class PatchRayBenchmark(io.ComfyNode):
             inputs=[
                 CLUSTER.Input("cluster", tooltip="The rank cluster to benchmark on (its rank count is the benchmark's)."),
                 io.Combo.Input("family", options=FAMILY_NAMES, default="kl", tooltip="VAE family to benchmark (random weights of its architecture)."),
-                io.String.Input("shape", default="1024x1024", tooltip="Output shape HEIGHTxWIDTH, or HEIGHTxWIDTHxFRAMES for video families (e.g. 480x832x81)."),
-                io.Combo.Input("size", options=["full", "tiny"], default="full", tooltip="full: the released model's widths. tiny: a reduced-width model of the same architecture (quick CPU checks)."),
+                io.String.Input("shape", default="auto", tooltip="Output size WIDTHxHEIGHT, or WIDTHxHEIGHTxFRAMES for video families (e.g. 832x480x81). auto: a size that fits the cluster's device (CPU ranks: 192x192 with the tiny model, a quick suite; GPU ranks: the family's first benchmark size)."),
+                io.Combo.Input("size", options=["auto", "full", "tiny"], default="auto", tooltip="full: the released model's widths. tiny: a reduced-width model of the same architecture (quick CPU checks). auto: tiny on CPU ranks, full on GPU ranks."),
                 io.Combo.Input("half", options=["decoder", "encoder"], default="decoder", tooltip="Which VAE half to benchmark (tile modes are decode-only)."),
-                io.Int.Input("iters", default=3, min=1, max=100, tooltip="Timed invocations per mode (the latency is their median), after one warm-up."),
+                io.Int.Input("iters", default=2, min=1, max=100, tooltip="Timed invocations per mode (the latency is their median), after one warm-up."),
             ],
             outputs=[
                 io.String.Output(display_name="report_json", tooltip="The benchmark report as JSON (also saved to output/patchray/)."),
@@ -48,7 +49,7 @@ class PatchRayBenchmark(io.ComfyNode):
         return measure_again(**inputs)  # a measurement runs again on every prompt, never from the cache
 
     @classmethod
-    def execute(cls, cluster, family, shape, size="full", half="decoder", iters=3) -> io.NodeOutput:
+    def execute(cls, cluster, family, shape="auto", size="auto", half="decoder", iters=2) -> io.NodeOutput:
         # rank 0 reports (cases done, cases) while the benchmark runs
         report = diagnostics.benchmark(cluster, family, shape, size, half, iters, os.path.join(output_directory(), "patchray"),
                                        cancel_check=interrupt_check(), progress=progress_callback(1))

@@ -1,10 +1,20 @@
-// PatchRay's frontend extension: renders the topology matrix and the benchmark table inside their nodes,
-// and shows the text the other PatchRay nodes report (cluster info, tile plans, fallback warnings).
+// PatchRay's frontend extension: a readable panel inside each PatchRay node that reports something (the topology
+// matrix, the benchmark table, the cluster's ranks, the tile plans, decode notes).
 // This file is served as /extensions/PatchRay/patchray.js, so ComfyUI's app module is two levels up.
 import { app } from "../../scripts/app.js";
 
 const VIEW = "patchray_view";
-const TEXT_NODES = new Set(["PatchRayCluster", "PatchRayTilePlanner", "PatchRayVAEDecode", "PatchRayVAEEncode"]);
+// The panel's minimum height per node (px). The shipped workflows size nodes to hold it
+// (tests/comfyui/workflow_tools.py EXTRA_HEIGHT is at least this plus the widget margin; a test compares them).
+export const PANEL = {
+  PatchRayCluster: 100,
+  PatchRayTilePlanner: 160,
+  PatchRayTopologyProbe: 210,
+  PatchRayBenchmark: 230,
+  PatchRayVAEDecode: 60,
+  PatchRayVAEEncode: 60,
+};
+const HINT = "Runs when the prompt is queued; the result shows here.";
 
 function el(tag, style, text) {
   const e = document.createElement(tag);
@@ -13,21 +23,56 @@ function el(tag, style, text) {
   return e;
 }
 
-// One DOM widget per node, created on first use; never serialized into the workflow or the prompt.
-function view(node) {
+// One DOM widget per node, created with the node; never serialized into the workflow or the prompt.
+// It fills the node's free height (at least PANEL[type]); long text wraps, wide tables scroll sideways.
+function view(node, clear = true) {
   let w = node.widgets?.find((x) => x.name === VIEW);
   if (!w) {
-    const box = el("div", "overflow:auto;max-height:420px;font:11px monospace;color:var(--input-text,#ddd);" +
-      "background:var(--comfy-input-bg,#222);padding:4px;border-radius:4px;white-space:pre");
-    w = node.addDOMWidget(VIEW, "patchray", box, { serialize: false, hideOnZoom: false });
+    const min = PANEL[node.comfyClass || node.type] ?? 60;
+    const box = el("div", "box-sizing:border-box;height:100%;overflow:auto;font:12px/1.35 monospace;" +
+      "color:var(--input-text,#ddd);background:var(--comfy-input-bg,#222);padding:4px 6px;border-radius:4px;" +
+      "white-space:pre-wrap;overflow-wrap:anywhere");
+    w = node.addDOMWidget(VIEW, "patchray", box, { serialize: false, hideOnZoom: false, getMinHeight: () => min });
     w.serialize = false;
+    box.appendChild(el("div", "opacity:.6", HINT));
   }
-  w.element.replaceChildren();
+  if (clear) w.element.replaceChildren();
   return w.element;
+}
+
+// Grow the node when its content needs more than it has (never shrink what the user sized).
+function fit(node) {
+  const need = node.computeSize?.();
+  if (!need) return;
+  const w = Math.max(node.size[0], need[0]);
+  const h = Math.max(node.size[1], need[1]);
+  if (w !== node.size[0] || h !== node.size[1]) node.setSize([w, h]);
 }
 
 function fmt(x, digits = 1) {
   return x === null || x === undefined || Number.isNaN(x) ? "-" : Number(x).toFixed(digits);
+}
+
+// width x height (x frames), ComfyUI's widget order
+export function sizeLabel(shape) {
+  if (!shape) return "";
+  const { height, width, frames } = shape;
+  if (height === undefined || width === undefined) return shape.label || "";
+  return `${width}x${height}` + (frames && frames > 1 ? `x${frames}` : "");
+}
+
+// peak memory of a record in GiB: the measured peak of whichever kind the device has (GPU allocator or the CPU
+// process's resident peak); the same figure the chart draws
+export function peakGiB(r) {
+  const p = r.peak_memory || {};
+  if (p.max_gib != null) return fmt(p.max_gib, 3); // the figure the chart draws (max over ranks)
+  let bytes = p.bytes;
+  if (bytes == null && Array.isArray(p.bytes_by_rank)) bytes = Math.max(...p.bytes_by_rank.filter((b) => b != null));
+  if (bytes == null && Array.isArray(r.peak_memory_by_rank)) {
+    bytes = Math.max(...r.peak_memory_by_rank.map((m) => (m && m.bytes) ?? -Infinity));
+    if (!Number.isFinite(bytes)) bytes = null;
+  }
+  return bytes == null ? "-" : fmt(bytes / 2 ** 30, 3);
 }
 
 // P2P matrix: one cell per GPU pair with the link kind, P2P status and measured copy bandwidth (GB/s).
@@ -44,6 +89,7 @@ export function renderTopology(box, report) {
       pair[`${p.a},${p.b}`] = p;
       pair[`${p.b},${p.a}`] = { ...p, copy_gbps: p.copy_gbps_reverse ?? p.copy_gbps };
     }
+    const wrap = el("div", "overflow-x:auto;white-space:nowrap");
     const table = el("table", "border-collapse:collapse;margin:4px 0");
     const head = el("tr");
     head.appendChild(el("th", "padding:2px 4px", ""));
@@ -68,7 +114,9 @@ export function renderTopology(box, report) {
       }
       table.appendChild(row);
     }
-    box.appendChild(table);
+    wrap.appendChild(table);
+    box.appendChild(wrap);
+    box.appendChild(el("div", "opacity:.7", "cell: link kind and measured GB/s; green: P2P works, red: no P2P"));
   }
   if (report.cluster) {
     const c = report.cluster;
@@ -76,7 +124,7 @@ export function renderTopology(box, report) {
       `cluster: ${c.ranks} rank(s) ${c.backend}, all_reduce ${c.all_reduce_ok ? "ok" : "FAILED"}, exchange ${c.p2p_ok ? "ok" : "FAILED"}`));
   }
   for (const a of report.advice || []) {
-    box.appendChild(el("div", "margin-top:2px;white-space:normal", `• ${a.message || a.title || JSON.stringify(a)}`));
+    box.appendChild(el("div", "margin-top:2px", `• ${a.message || a.title || JSON.stringify(a)}`));
   }
 }
 
@@ -85,13 +133,14 @@ export function renderBench(box, payload) {
   const records = payload.records || [];
   if (payload.file) box.appendChild(el("div", "opacity:.7", `output/patchray/${payload.file}`));
   const cols = [
-    ["shape", (r) => (r.shape || {}).label || ""],
+    ["size", (r) => sizeLabel(r.shape)],
     ["case", (r) => r.name],
     ["status", (r) => r.status || (r.error ? "error" : "ok")],
     ["ms", (r) => fmt(r.latency_ms)],
-    ["peak GiB", (r) => ((r.peak_memory || {}).bytes == null ? "-" : fmt(r.peak_memory.bytes / 2 ** 30, 3))],
+    ["peak GiB", peakGiB],
     ["MiB sent", (r) => (r.wire_bytes_by_rank ? fmt(Math.max(...r.wire_bytes_by_rank) / 2 ** 20, 2) : "-")],
   ];
+  const wrap = el("div", "overflow-x:auto;white-space:nowrap");
   const table = el("table", "border-collapse:collapse;margin:4px 0");
   const head = el("tr");
   for (const [name] of cols) head.appendChild(el("th", "padding:2px 6px;border-bottom:1px solid #777", name));
@@ -102,14 +151,26 @@ export function renderBench(box, payload) {
     if (r.error && r.error.message) row.title = r.error.message;
     table.appendChild(row);
   }
-  box.appendChild(table);
+  if (records.length === 0) box.appendChild(el("div", "", "no records: see the report file"));
+  wrap.appendChild(table);
+  box.appendChild(wrap);
 }
 
 app.registerExtension({
   name: "PatchRay.views",
   async beforeRegisterNodeDef(nodeType, nodeData) {
     const name = nodeData?.name;
-    if (name !== "PatchRayTopologyProbe" && name !== "PatchRayBenchmark" && !TEXT_NODES.has(name)) return;
+    if (!(name in PANEL)) return;
+    const onNodeCreated = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function () {
+      const r = onNodeCreated?.apply(this, arguments);
+      try {
+        view(this, false); // the panel exists from the start, so the node opens at the size that shows it
+      } catch (err) {
+        console.error("PatchRay: could not add the node's panel", err);
+      }
+      return r;
+    };
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
@@ -121,6 +182,7 @@ app.registerExtension({
         } else if (message?.text?.length) {
           view(this).appendChild(el("div", "", message.text.join("\n")));
         }
+        fit(this);
         this.setDirtyCanvas?.(true, true);
       } catch (err) {
         console.error("PatchRay: could not render the node's result", err);

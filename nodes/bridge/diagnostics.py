@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .errors import rank_errors_for_user
-from .images import png_to_image
+from .images import node_chart, png_to_image
 from .preview import draw_plan
 
 __all__ = ["cluster_config", "start_cluster", "plan_preview", "probe", "benchmark", "Report"]
@@ -112,6 +112,39 @@ def probe(measure: bool, cluster_config=None) -> Report:
     return Report(image, summary_text(report), data)
 
 
+#: the Benchmark node's auto size on CPU ranks: the reduced-width model at a small size, a suite of seconds
+CPU_AUTO = dict(width=192, height=192, size="tiny")
+
+
+def bench_request(family: str, shape: str, size: str, device_kind: str) -> tuple:
+    """The Benchmark node's ``shape`` (WIDTHxHEIGHT[xFRAMES], or ``auto``) and ``size`` (or ``auto``) for a cluster of
+    ``device_kind``: ``(height, width, frames, size)`` as the benchmark takes them.
+
+    auto fits the device: CPU ranks get :data:`CPU_AUTO` (video families with the fewest frames their temporal
+    compression takes beyond one); GPU ranks get the family's first benchmark size and the full model.
+    """
+    from ...distributed.bench.catalog import canonical_shapes
+    from ...distributed.vae.families import FAMILIES
+
+    spec = FAMILIES[family]
+    on_cpu = device_kind != "cuda"
+    if size == "auto":
+        size = CPU_AUTO["size"] if on_cpu else "full"
+    text = shape.strip().lower().replace(" ", "")
+    if text in ("", "auto"):
+        if on_cpu:
+            frames = spec.temporal_ratio + 1 if spec.is_video and spec.temporal_ratio > 1 else 1
+            return CPU_AUTO["height"], CPU_AUTO["width"], frames, size
+        first = canonical_shapes(family)[0]
+        return first.height, first.width, first.frames, size
+    parts = text.split("x")
+    if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"shape must be WIDTHxHEIGHT or WIDTHxHEIGHTxFRAMES in pixels, e.g. 1024x1024 or 832x480x81, or auto (got {shape!r})")
+    width, height = int(parts[0]), int(parts[1])
+    frames = int(parts[2]) if len(parts) == 3 else (spec.temporal_ratio + 1 if spec.is_video and spec.temporal_ratio > 1 else 1)
+    return height, width, frames, size
+
+
 def benchmark(
     cluster_config, family: str, shape: str, size: str, half: str, iters: int, folder: str,
     cancel_check: Optional[Callable[[], None]] = None, progress: Optional[Callable[[int, int], None]] = None,
@@ -126,14 +159,18 @@ def benchmark(
     from ...distributed.cluster import get_cluster
 
     os.makedirs(folder, exist_ok=True)
-    clean = shape.strip().replace(" ", "")
-    out = os.path.join(folder, f"bench_{family}_{clean}_{cluster_config.num_ranks}r_{time.strftime('%Y%m%d-%H%M%S')}.json")
-    argv = ["--family", family, "--shape", clean, "--size", size, "--half", half, "--warmup", "1", "--iters", str(int(iters)), "--out", out]
     if cancel_check is not None:
         cancel_check()
+    with rank_errors_for_user():
+        cluster = get_cluster(cluster_config, cancel_check=cancel_check)
+    height, width, frames, size = bench_request(family, shape, size, cluster.device_kind)
+    label = f"{width}x{height}" + (f"x{frames}" if frames > 1 else "")
+    out = os.path.join(folder, f"bench_{family}_{label}_{size}_{cluster_config.num_ranks}r_{time.strftime('%Y%m%d-%H%M%S')}.json")
+    argv = ["--family", family, "--shape", f"{height}x{width}x{frames}", "--size", size, "--half", half, "--warmup", "1",
+            "--iters", str(int(iters)), "--out", out]
     try:
         with rank_errors_for_user():
-            result = run_bench(argv, cluster=get_cluster(cluster_config), cancel_check=cancel_check, progress=progress)
+            result = run_bench(argv, cluster=cluster, cancel_check=cancel_check, progress=progress)
     except SetupError as exc:
         raise ValueError(f"benchmark refused: {exc}") from None
     with open(result.json_path) as fh:
@@ -144,4 +181,6 @@ def benchmark(
     if result.exit_code != 0:
         summary = "FAILED (see the report's error fields)\n" + summary
     records = data if isinstance(data, list) else [data]  # the JSON file's form: NaN/inf already made null
-    return Report(png_to_image(result.chart_path), summary, {"report": data, "records": records, "file": os.path.basename(result.json_path)})
+    chart = os.path.splitext(result.json_path)[0] + ".node.png"  # drawn for the node; the report's chart stays for reading alone
+    node_chart(result.records, chart)
+    return Report(png_to_image(chart), summary, {"report": data, "records": records, "file": os.path.basename(result.json_path)})

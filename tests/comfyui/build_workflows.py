@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workflow_tools import ROOT, node_info  # noqa: E402
+from workflow_tools import ROOT, TITLE_HEIGHT, min_node_size, node_info  # noqa: E402
 
 OUT = ROOT / "workflows"
 
@@ -75,7 +75,7 @@ def _nodes_topology():
 def _nodes_bench():
     return {
         1: CLUSTER,
-        2: ("PatchRayBenchmark", {"cluster": (1, 0), "family": "kl", "shape": "1024x1024", "size": "full", "half": "decoder", "iters": 3}),
+        2: ("PatchRayBenchmark", {"cluster": (1, 0), "family": "kl", "shape": "auto", "size": "auto", "half": "decoder", "iters": 2}),
         3: ("PreviewImage", {"images": (2, 1)}),
     }
 
@@ -110,7 +110,10 @@ NOTES = {
     "vae_benchmark": (
         "## PatchRay: VAE decode benchmark\n\n"
         "Benchmarks the single-device decode, row mode and tile plans on the cluster's ranks. The report JSON and chart are "
-        "saved to `output/patchray/`; the table shows on the node."
+        "saved to `output/patchray/`; the table shows on the node, the chart in Preview Image.\n\n"
+        "*shape* and *size* on **auto** fit the device: with CPU ranks a quick suite (192x192, the tiny model: seconds); "
+        "with GPU ranks the full kl decoder at 1024x1024. Set them (e.g. `1920x1080`, *full*) to measure your own case; "
+        "the progress bar counts the cases."
     ),
 }
 
@@ -121,6 +124,36 @@ WORKFLOWS = {
     "topology_probe": _nodes_topology,
     "vae_benchmark": _nodes_bench,
 }
+
+
+#: space between nodes: horizontally, and vertically below a node's body before the next one's title bar
+GAP_X, GAP_Y = 60, 50
+
+
+def layout(ui_nodes: list, links: list, note: dict) -> None:
+    """Place nodes left to right by dependency depth, stacked in columns; the note above them, as wide as they are.
+
+    Sizes come from :func:`workflow_tools.min_node_size` (what the frontend needs to show every widget and panel), so
+    nothing is enlarged by the frontend into a neighbour; the test in tests/nodes/test_workflows.py checks it.
+    """
+    by_id = {n["id"]: n for n in ui_nodes}
+    depth = {nid: 0 for nid in by_id}
+    for _ in range(len(by_id)):  # longest path from a source; links point from earlier to later columns
+        for _lid, src, _slot, dst, _dslot, _t in links:
+            depth[dst] = max(depth[dst], depth[src] + 1)
+    columns = {}
+    for nid in sorted(by_id, key=lambda i: (depth[i], by_id[i]["order"])):
+        columns.setdefault(depth[nid], []).append(by_id[nid])
+    top = 40 + TITLE_HEIGHT + note["size"][1] + GAP_Y + TITLE_HEIGHT
+    x = 40
+    for d in sorted(columns):
+        y = top
+        for n in columns[d]:
+            n["pos"] = [x, y]
+            y += n["size"][1] + GAP_Y + TITLE_HEIGHT
+        x += max(n["size"][0] for n in columns[d]) + GAP_X
+    note["pos"] = [40, 40 + TITLE_HEIGHT]
+    note["size"][0] = max(720, min(1400, x - GAP_X - 40))
 
 
 def build(name: str, nodes: dict, info: dict):
@@ -156,9 +189,8 @@ def build(name: str, nodes: dict, info: dict):
                 if link is not None or not inp["optional"] or t.startswith("PatchRay"):
                     sockets.append({"name": inp["name"], "type": inp["type"], "link": link})
         api[str(nid)] = {"class_type": t, "inputs": api_inputs, "_meta": {"title": t}}
-        col, row = order % 4, order // 4
         ui_nodes.append({
-            "id": nid, "type": t, "pos": [40 + col * 380, 340 + row * 360], "size": [340, 260], "flags": {}, "order": order,
+            "id": nid, "type": t, "pos": [0, 0], "size": list(min_node_size(info, t)), "flags": {}, "order": order,
             "mode": 0, "inputs": sockets,
             "outputs": [{"name": o, "type": o, "links": [], "slot_index": s} for s, o in enumerate(spec["outputs"])],
             "properties": {"Node name for S&R": t}, "widgets_values": widgets,
@@ -166,9 +198,11 @@ def build(name: str, nodes: dict, info: dict):
     for n in ui_nodes:
         for o in n["outputs"]:
             o["links"] = out_links.get((n["id"], o["slot_index"]), [])
-    ui_nodes.append({"id": note_id, "type": "MarkdownNote", "pos": [40, 40], "size": [720, 260], "flags": {}, "order": len(ui_nodes),
-                     "mode": 0, "inputs": [], "outputs": [], "properties": {}, "widgets_values": [NOTES[name]],
-                     "color": "#432", "bgcolor": "#653"})
+    note = {"id": note_id, "type": "MarkdownNote", "pos": [0, 0], "size": [720, 260], "flags": {}, "order": len(ui_nodes),
+            "mode": 0, "inputs": [], "outputs": [], "properties": {}, "widgets_values": [NOTES[name]],
+            "color": "#432", "bgcolor": "#653"}
+    layout(ui_nodes, links, note)
+    ui_nodes.append(note)
     ui = {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"patchray/workflows/{name}")), "revision": 0, "last_node_id": note_id, "last_link_id": len(links), "nodes": ui_nodes,
           "links": links, "groups": [], "config": {}, "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
     return ui, api

@@ -83,3 +83,53 @@ def ui_to_api(ui: dict, info: dict) -> dict:
             inputs[slot["name"]] = [str(l[1]), l[2]]
         api[str(node["id"])] = {"class_type": t, "inputs": inputs, "_meta": {"title": node.get("title") or t}}
     return api
+
+
+# -- node sizes as the frontend (LiteGraph in ComfyUI frontend 1.27) computes them, for layout and overlap checks
+
+#: the title bar is drawn above a node's ``pos`` (LiteGraph.NODE_TITLE_HEIGHT)
+TITLE_HEIGHT = 30
+#: one input/output socket row, one widget row (LiteGraph.NODE_SLOT_HEIGHT, NODE_WIDGET_HEIGHT + its 4 px margin)
+SLOT_HEIGHT, WIDGET_HEIGHT = 20, 24
+#: what some nodes show below their widgets, at the size the shipped workflows give them: image previews (the
+#: frontend draws an executed image node's pictures in the space left), multi-line text boxes, PatchRay's panels
+#: (web/patchray.js: the DOM view's minimum height)
+EXTRA_HEIGHT = {
+    "SaveImage": 300, "PreviewImage": 300, "LoadImage": 260, "SaveAnimatedWEBP": 260, "CLIPTextEncode": 90,
+    "MarkdownNote": 200, "Note": 200,
+    "PatchRayCluster": 110, "PatchRayTilePlanner": 170, "PatchRayTopologyProbe": 220, "PatchRayBenchmark": 240,
+    "PatchRayVAEDecode": 70, "PatchRayVAEEncode": 70,
+}
+#: widths that keep the widget labels and values, and the panels' lines, readable
+MIN_WIDTH = {"PatchRayTopologyProbe": 520, "PatchRayBenchmark": 560, "PatchRayTilePlanner": 460, "PatchRayCluster": 400,
+             "PatchRayKSampler": 360, "CLIPTextEncode": 400, "MarkdownNote": 560, "Note": 400}
+DEFAULT_WIDTH = 320
+
+
+def min_node_size(info: dict, node_type: str) -> tuple:
+    """``(width, height)`` a node of ``node_type`` needs so every socket, widget and panel shows (height without title)."""
+    spec = info.get(node_type)
+    extra = EXTRA_HEIGHT.get(node_type, 0)
+    if spec is None:  # a virtual node (Note, MarkdownNote): its text box only
+        return MIN_WIDTH.get(node_type, DEFAULT_WIDTH), 40 + extra
+    widgets = sum(1 + int(i["control_after_generate"]) + int(i["upload"]) for i in spec["inputs"] if i["widget"])
+    sockets = sum(1 for i in spec["inputs"] if not i["widget"])
+    rows = max(sockets, len(spec["outputs"]))
+    return MIN_WIDTH.get(node_type, DEFAULT_WIDTH), 10 + rows * SLOT_HEIGHT + widgets * WIDGET_HEIGHT + extra
+
+
+def node_box(node: dict) -> tuple:
+    """``(x0, y0, x1, y1)`` of a UI-format node on the canvas, title bar included."""
+    (x, y), (w, h) = node["pos"], node["size"]
+    return x, y - TITLE_HEIGHT, x + w, y + h
+
+
+def overlaps(ui: dict, margin: int = 0) -> list:
+    """Pairs of node ids whose boxes (title bars included, grown by ``margin``) intersect."""
+    boxes = [(n["id"], node_box(n)) for n in ui["nodes"] if not n.get("flags", {}).get("collapsed")]
+    found = []
+    for i, (a, (ax0, ay0, ax1, ay1)) in enumerate(boxes):
+        for b, (bx0, by0, bx1, by1) in boxes[i + 1 :]:
+            if ax0 < bx1 + margin and bx0 < ax1 + margin and ay0 < by1 + margin and by0 < ay1 + margin:
+                found.append((a, b))
+    return found

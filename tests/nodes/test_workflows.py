@@ -9,9 +9,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "comfyui"))
-from workflow_tools import VIRTUAL, node_info, ui_to_api  # noqa: E402
+from workflow_tools import VIRTUAL, min_node_size, node_info, overlaps, ui_to_api  # noqa: E402
 
 NAMES = ["sdxl_otil_txt2img", "flux_distributed_decode", "wan_video_row_decode", "topology_probe", "vae_benchmark"]
+#: every UI-format workflow shipped, whoever added it
+SHIPPED = sorted(p.name[: -len(".json")] for p in (ROOT / "workflows").glob("*.json") if not p.name.endswith(".api.json"))
 MODEL_FILES = {"sd_xl_base_1.0.safetensors", "sdxl_vae.safetensors", "ae.safetensors", "wan_2.1_vae.safetensors"}
 
 
@@ -78,3 +80,22 @@ def test_api_form_is_complete(name, info):
         for key in ("vae_name", "ckpt_name"):
             if key in node["inputs"]:
                 assert node["inputs"][key] in MODEL_FILES
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_nothing_overlaps_when_the_workflow_opens(name, info):
+    """Every node (title bar included) keeps clear of every other, notes included, at sizes that show all its widgets
+    and panels: the frontend only grows a node that is smaller than it needs, which would push it over a neighbour."""
+    ui = json.loads((ROOT / "workflows" / f"{name}.json").read_text())
+    assert overlaps(ui, margin=10) == [], f"{name}: overlapping nodes (ids)"
+    for n in ui["nodes"]:
+        need_w, need_h = min_node_size(info, n["type"])
+        assert n["size"][0] >= need_w and n["size"][1] >= need_h, f"{name}: node {n['id']} ({n['type']}) is {n['size']}, needs {need_w}x{need_h}"
+
+
+def test_the_overlap_check_sees_a_title_bar_under_a_node():
+    a = {"id": 1, "pos": [0, 100], "size": [300, 200]}
+    b = {"id": 2, "pos": [0, 320], "size": [300, 100]}  # its title bar starts at 290, inside a's body
+    assert overlaps({"nodes": [a, b]}) == [(1, 2)]
+    b["pos"] = [0, 340]
+    assert overlaps({"nodes": [a, b]}) == [] and overlaps({"nodes": [a, b]}, margin=20) == [(1, 2)]

@@ -1,0 +1,230 @@
+"""Screenshots of every PatchRay node as it opens in ComfyUI's real frontend, and a check of the shipped workflows there.
+
+Starts ComfyUI (``main.py --cpu``, a private base directory with this pack linked into ``custom_nodes``) and a headless
+Chromium driven over the DevTools protocol (no browser automation package needed: ComfyUI's own aiohttp is the
+websocket client). For each PatchRay node it adds the node to an empty graph at zoom 1 and saves a PNG of the node
+(title bar, sockets, widgets, panel) to ``docs/screenshots/<node id>.png``. Then it loads every shipped workflow
+(``workflows/*.json``), reads the node sizes the frontend gave them and reports any overlap (exit status 1 if any),
+and saves ``docs/screenshots/workflow_<name>.png`` at the zoom the workflow opens with.
+
+Run with ComfyUI's Python (it has aiohttp and the frontend package):
+
+    COMFYUI_DIR=/path/to/ComfyUI /path/to/ComfyUI/.venv/bin/python docs/screenshots/make_screenshots.py
+
+Needs ``chromium`` (Debian: ``apt-get install chromium``) or ``CHROMIUM=/path/to/chrome``. Nothing is fetched from
+outside: Chromium resolves only loopback (the frontend's release-notes poll is blocked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(__file__).resolve().parent
+NODES = ["PatchRayCluster", "PatchRayVAEDecode", "PatchRayVAEEncode", "PatchRayKSampler", "PatchRayTilePlanner",
+         "PatchRayTopologyProbe", "PatchRayBenchmark"]
+TITLE = 30  # LiteGraph's title bar, drawn above a node's pos
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
+
+
+class Page:
+    """One Chromium tab over the DevTools protocol."""
+
+    def __init__(self, ws):
+        self.ws, self.next_id = ws, 0
+
+    async def call(self, method: str, **params):
+        self.next_id += 1
+        my = self.next_id
+        await self.ws.send_json({"id": my, "method": method, "params": params})
+        while True:
+            msg = await asyncio.wait_for(self.ws.receive_json(), timeout=120)
+            if msg.get("id") == my:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg.get("result", {})
+
+    async def js(self, expression: str):
+        r = await self.call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
+        if r.get("exceptionDetails"):
+            raise RuntimeError(f"JS failed: {r['exceptionDetails'].get('exception', {}).get('description') or r['exceptionDetails']}")
+        return r.get("result", {}).get("value")
+
+    async def shot(self, path: Path, clip=None) -> None:
+        params = {"format": "png"}
+        if clip:
+            params["clip"] = dict(clip, scale=1)
+        data = (await self.call("Page.captureScreenshot", **params))["data"]
+        path.write_bytes(base64.b64decode(data))
+
+
+# -- what runs in the page
+
+_SETUP = """
+(async () => {
+  for (let i = 0; i < 240 && !(window.app && window.app.graph && window.LiteGraph); i++) await new Promise(r => setTimeout(r, 250));
+  if (!window.app) throw new Error("ComfyUI's app did not load");
+  document.querySelectorAll('.p-dialog-mask, .p-toast').forEach(e => e.remove());
+  return true;
+})()
+"""
+
+_ADD_NODE = """
+(async (type) => {
+  const app = window.app;
+  app.graph.clear();
+  const node = LiteGraph.createNode(type);
+  app.graph.add(node);
+  const ds = app.canvas.ds;
+  ds.scale = 1; ds.offset = [0, 0];
+  node.pos = [60, 90];
+  app.canvas.setDirty(true, true);
+  await new Promise(r => setTimeout(r, 800));
+  const rect = app.canvas.canvas.getBoundingClientRect();
+  return {pos: node.pos, size: node.size, left: rect.left, top: rect.top};
+})(%s)
+"""
+
+_LOAD_WORKFLOW = """
+(async (wf) => {
+  const app = window.app;
+  await app.loadGraphData(wf, true, true, null);
+  await new Promise(r => setTimeout(r, 1200));
+  document.querySelectorAll('.p-dialog-mask, .p-toast').forEach(e => e.remove());
+  const nodes = app.graph._nodes.map(n => ({id: n.id, type: n.type, pos: [n.pos[0], n.pos[1]], size: [n.size[0], n.size[1]],
+    collapsed: !!(n.flags && n.flags.collapsed)}));
+  return nodes;
+})(%s)
+"""
+
+
+def _overlaps(nodes, margin=0):
+    boxes = [(n["id"], n["type"], (n["pos"][0], n["pos"][1] - TITLE, n["pos"][0] + n["size"][0], n["pos"][1] + n["size"][1]))
+             for n in nodes if not n["collapsed"]]
+    found = []
+    for i, (a, ta, (ax0, ay0, ax1, ay1)) in enumerate(boxes):
+        for b, tb, (bx0, by0, bx1, by1) in boxes[i + 1:]:
+            if ax0 < bx1 + margin and bx0 < ax1 + margin and ay0 < by1 + margin and by0 < ay1 + margin:
+                found.append((f"{a}:{ta}", f"{b}:{tb}"))
+    return found
+
+
+async def _drive(cdp_port: int, url: str) -> int:
+    import aiohttp
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{cdp_port}/json/list", timeout=10) as r:
+        target = next(t for t in json.loads(r.read()) if t.get("type") == "page")
+    problems = 0
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+            page = Page(ws)
+            await page.call("Page.enable")
+            await page.call("Emulation.setDeviceMetricsOverride", width=1600, height=1100, deviceScaleFactor=1, mobile=False)
+            await page.call("Page.navigate", url=url)
+            await asyncio.sleep(3)
+            await page.js(_SETUP)
+            for node_type in NODES:
+                info = await page.js(_ADD_NODE % json.dumps(node_type))
+                (x, y), (w, h) = info["pos"], info["size"]
+                clip = {"x": info["left"] + x - 6, "y": info["top"] + y - TITLE - 6, "width": w + 12, "height": h + TITLE + 12}
+                path = OUT / f"{node_type}.png"
+                await page.shot(path, clip)
+                print(f"{path.relative_to(ROOT)}: node {w:.0f}x{h:.0f}")
+            for wf_path in sorted((ROOT / "workflows").glob("*.json")):
+                if wf_path.name.endswith(".api.json"):
+                    continue
+                wf = json.loads(wf_path.read_text())
+                nodes = await page.js(_LOAD_WORKFLOW % json.dumps(wf))
+                saved = {n["id"]: n["size"] for n in wf["nodes"]}
+                grown = [(n["id"], n["type"], saved.get(n["id"]), [round(v) for v in n["size"]]) for n in nodes
+                         if saved.get(n["id"]) and (n["size"][0] > saved[n["id"]][0] + 1 or n["size"][1] > saved[n["id"]][1] + 1)]
+                over = _overlaps(nodes)
+                name = wf_path.name[: -len(".json")]
+                print(f"workflows/{wf_path.name}: {len(nodes)} nodes, overlaps {over or 'none'}, grown by the frontend {grown or 'none'}")
+                problems += len(over)
+                await page.shot(OUT / f"workflow_{name}.png")
+    return problems
+
+
+def main() -> int:
+    comfy = Path(os.environ.get("COMFYUI_DIR", ""))
+    if not (comfy / "main.py").exists():
+        print("set COMFYUI_DIR to a ComfyUI checkout", file=sys.stderr)
+        return 2
+    chromium = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if not chromium:
+        print("no Chromium found (apt-get install chromium, or set CHROMIUM)", file=sys.stderr)
+        return 2
+    base = Path(tempfile.mkdtemp(prefix="patchray-shots-"))
+    (base / "custom_nodes").mkdir()
+    os.symlink(ROOT, base / "custom_nodes" / "PatchRay")
+    port, cdp = _free_port(), _free_port()
+    log = open(base / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
+         "--disable-auto-launch", "--dont-print-server", "--disable-api-nodes"],
+        cwd=str(comfy), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    browser = None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(url + "/system_stats", 240, server)
+        browser = subprocess.Popen(
+            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+             f"--remote-debugging-port={cdp}", f"--user-data-dir={base / 'chrome'}", "--window-size=1600,1100",
+             "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1 , EXCLUDE localhost", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        _wait_http(f"http://127.0.0.1:{cdp}/json/version", 60, browser)
+        problems = asyncio.run(_drive(cdp, url))
+        return 1 if problems else 0
+    finally:
+        for proc in (browser, server):
+            if proc is not None and proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=30)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        log.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
