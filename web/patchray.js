@@ -14,6 +14,14 @@ export const PANEL = {
   PatchRayVAEDecode: 60,
   PatchRayVAEEncode: 60,
 };
+// The width a node opens with when added from the menu, so its panel's lines are readable (the shipped workflows
+// use tests/comfyui/workflow_tools.py MIN_WIDTH, at least these; a test compares them).
+export const WIDTH = {
+  PatchRayCluster: 400,
+  PatchRayTilePlanner: 460,
+  PatchRayTopologyProbe: 520,
+  PatchRayBenchmark: 560,
+};
 const HINT = "Runs when the prompt is queued; the result shows here.";
 
 function el(tag, style, text) {
@@ -166,6 +174,8 @@ app.registerExtension({
       const r = onNodeCreated?.apply(this, arguments);
       try {
         view(this, false); // the panel exists from the start, so the node opens at the size that shows it
+        const width = WIDTH[name];
+        if (width && this.size[0] < width) this.setSize([width, this.size[1]]);
       } catch (err) {
         console.error("PatchRay: could not add the node's panel", err);
       }

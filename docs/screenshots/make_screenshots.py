@@ -36,6 +36,7 @@ OUT = Path(__file__).resolve().parent
 NODES = ["PatchRayCluster", "PatchRayVAEDecode", "PatchRayVAEEncode", "PatchRayKSampler", "PatchRayTilePlanner",
          "PatchRayTopologyProbe", "PatchRayBenchmark"]
 TITLE = 30  # LiteGraph's title bar, drawn above a node's pos
+BADGE = 20  # the node's badges, above the title bar
 
 
 def _free_port() -> int:
@@ -82,10 +83,10 @@ class Page:
             raise RuntimeError(f"JS failed: {r['exceptionDetails'].get('exception', {}).get('description') or r['exceptionDetails']}")
         return r.get("result", {}).get("value")
 
-    async def shot(self, path: Path, clip=None) -> None:
+    async def shot(self, path: Path, clip=None, scale: float = 1.0) -> None:
         params = {"format": "png"}
         if clip:
-            params["clip"] = dict(clip, scale=1)
+            params["clip"] = dict(clip, scale=scale)
         data = (await self.call("Page.captureScreenshot", **params))["data"]
         path.write_bytes(base64.b64decode(data))
 
@@ -104,16 +105,17 @@ _SETUP = """
 _ADD_NODE = """
 (async (type) => {
   const app = window.app;
+  document.querySelectorAll('.p-dialog-mask, .p-dialog, .p-toast').forEach(e => e.remove());
   app.graph.clear();
   const node = LiteGraph.createNode(type);
   app.graph.add(node);
   const ds = app.canvas.ds;
   ds.scale = 1; ds.offset = [0, 0];
-  node.pos = [60, 90];
+  node.pos = [200, 200];
   app.canvas.setDirty(true, true);
   await new Promise(r => setTimeout(r, 800));
   const rect = app.canvas.canvas.getBoundingClientRect();
-  return {pos: node.pos, size: node.size, left: rect.left, top: rect.top};
+  return {pos: [node.pos[0], node.pos[1]], size: [node.size[0], node.size[1]], left: rect.left, top: rect.top};
 })(%s)
 """
 
@@ -131,7 +133,7 @@ _LOAD_WORKFLOW = """
 
 
 def _overlaps(nodes, margin=0):
-    boxes = [(n["id"], n["type"], (n["pos"][0], n["pos"][1] - TITLE, n["pos"][0] + n["size"][0], n["pos"][1] + n["size"][1]))
+    boxes = [(n["id"], n["type"], (n["pos"][0], n["pos"][1] - TITLE - BADGE, n["pos"][0] + n["size"][0], n["pos"][1] + n["size"][1]))
              for n in nodes if not n["collapsed"]]
     found = []
     for i, (a, ta, (ax0, ay0, ax1, ay1)) in enumerate(boxes):
@@ -158,7 +160,7 @@ async def _drive(cdp_port: int, url: str) -> int:
             for node_type in NODES:
                 info = await page.js(_ADD_NODE % json.dumps(node_type))
                 (x, y), (w, h) = info["pos"], info["size"]
-                clip = {"x": info["left"] + x - 6, "y": info["top"] + y - TITLE - 6, "width": w + 12, "height": h + TITLE + 12}
+                clip = {"x": info["left"] + x - 6, "y": info["top"] + y - TITLE - BADGE - 6, "width": w + 12, "height": h + TITLE + BADGE + 12}
                 path = OUT / f"{node_type}.png"
                 await page.shot(path, clip)
                 print(f"{path.relative_to(ROOT)}: node {w:.0f}x{h:.0f}")
@@ -174,7 +176,8 @@ async def _drive(cdp_port: int, url: str) -> int:
                 name = wf_path.name[: -len(".json")]
                 print(f"workflows/{wf_path.name}: {len(nodes)} nodes, overlaps {over or 'none'}, grown by the frontend {grown or 'none'}")
                 problems += len(over)
-                await page.shot(OUT / f"workflow_{name}.png")
+                # the whole window at 60 %: what the user sees when the workflow opens, small enough to commit
+                await page.shot(OUT / f"workflow_{name}.png", {"x": 0, "y": 0, "width": 1600, "height": 1100}, scale=0.6)
     return problems
 
 

@@ -130,7 +130,7 @@ WORKFLOWS = {
 GAP_X, GAP_Y = 60, 50
 
 
-def layout(ui_nodes: list, links: list, note: dict) -> None:
+def layout(ui_nodes: list, links: list, note: dict) -> int:
     """Place nodes left to right by dependency depth, stacked in columns; the note above them, as wide as they are.
 
     Sizes come from :func:`workflow_tools.min_node_size` (what the frontend needs to show every widget and panel), so
@@ -154,6 +154,7 @@ def layout(ui_nodes: list, links: list, note: dict) -> None:
         x += max(n["size"][0] for n in columns[d]) + GAP_X
     note["pos"] = [40, 40 + TITLE_HEIGHT]
     note["size"][0] = max(720, min(1400, x - GAP_X - 40))
+    return x  # the layout's right edge
 
 
 def build(name: str, nodes: dict, info: dict):
@@ -201,10 +202,10 @@ def build(name: str, nodes: dict, info: dict):
     note = {"id": note_id, "type": "MarkdownNote", "pos": [0, 0], "size": [720, 260], "flags": {}, "order": len(ui_nodes),
             "mode": 0, "inputs": [], "outputs": [], "properties": {}, "widgets_values": [NOTES[name]],
             "color": "#432", "bgcolor": "#653"}
-    layout(ui_nodes, links, note)
+    right = layout(ui_nodes, links, note)
     ui_nodes.append(note)
     ui = {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"patchray/workflows/{name}")), "revision": 0, "last_node_id": note_id, "last_link_id": len(links), "nodes": ui_nodes,
-          "links": links, "groups": [], "config": {}, "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
+          "links": links, "groups": [], "config": {}, "extra": {"ds": {"scale": min(0.8, round(1500 / right, 2)), "offset": [0, 0]}}, "version": 0.4}
     return ui, api
 
 

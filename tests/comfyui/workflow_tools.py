@@ -89,6 +89,8 @@ def ui_to_api(ui: dict, info: dict) -> dict:
 
 #: the title bar is drawn above a node's ``pos`` (LiteGraph.NODE_TITLE_HEIGHT)
 TITLE_HEIGHT = 30
+#: node badges (the node's source, e.g. "PatchRay", "[BETA] PatchRay") sit above the title bar's right end
+BADGE_HEIGHT = 20
 #: one input/output socket row, one widget row (LiteGraph.NODE_SLOT_HEIGHT, NODE_WIDGET_HEIGHT + its 4 px margin)
 SLOT_HEIGHT, WIDGET_HEIGHT = 20, 24
 #: what some nodes show below their widgets, at the size the shipped workflows give them: image previews (the
@@ -115,13 +117,14 @@ def min_node_size(info: dict, node_type: str) -> tuple:
     widgets = sum(1 + int(i["control_after_generate"]) + int(i["upload"]) for i in spec["inputs"] if i["widget"])
     sockets = sum(1 for i in spec["inputs"] if not i["widget"])
     rows = max(sockets, len(spec["outputs"]))
-    return MIN_WIDTH.get(node_type, DEFAULT_WIDTH), 10 + rows * SLOT_HEIGHT + widgets * WIDGET_HEIGHT + extra
+    # 14: the body's top and bottom padding (measured: frontend 1.27 sized these estimates 4 px taller with 10)
+    return MIN_WIDTH.get(node_type, DEFAULT_WIDTH), 14 + rows * SLOT_HEIGHT + widgets * WIDGET_HEIGHT + extra
 
 
 def node_box(node: dict) -> tuple:
-    """``(x0, y0, x1, y1)`` of a UI-format node on the canvas, title bar included."""
+    """``(x0, y0, x1, y1)`` of a UI-format node on the canvas, title bar and badges included."""
     (x, y), (w, h) = node["pos"], node["size"]
-    return x, y - TITLE_HEIGHT, x + w, y + h
+    return x, y - TITLE_HEIGHT - BADGE_HEIGHT, x + w, y + h
 
 
 def overlaps(ui: dict, margin: int = 0) -> list:

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 JS = (ROOT / "web" / "patchray.js").read_text()
 sys.path.insert(0, str(ROOT / "tests" / "comfyui"))
-from workflow_tools import EXTRA_HEIGHT  # noqa: E402
+from workflow_tools import EXTRA_HEIGHT, MIN_WIDTH  # noqa: E402
 
 
 def _panel_heights() -> dict:
@@ -27,6 +27,12 @@ def test_every_panel_fits_the_height_the_workflows_give_it():
     for node_type, height in panels.items():
         # the DOM widget's row: its minimum height plus 10 px of margins around it
         assert EXTRA_HEIGHT.get(node_type, 0) >= height + 10, node_type
+
+
+def test_nodes_open_as_wide_as_the_workflows_make_them():
+    block = re.search(r"export const WIDTH = \{(.*?)\};", JS, re.S).group(1)
+    widths = {k: int(v) for k, v in re.findall(r"(\w+):\s*(\d+)", block)}
+    assert widths and all(MIN_WIDTH[k] >= v for k, v in widths.items()), widths
 
 
 def test_panels_wrap_text_instead_of_scrolling_it_sideways():

@@ -95,7 +95,7 @@ def test_nothing_overlaps_when_the_workflow_opens(name, info):
 
 def test_the_overlap_check_sees_a_title_bar_under_a_node():
     a = {"id": 1, "pos": [0, 100], "size": [300, 200]}
-    b = {"id": 2, "pos": [0, 320], "size": [300, 100]}  # its title bar starts at 290, inside a's body
+    b = {"id": 2, "pos": [0, 340], "size": [300, 100]}  # its badges start at 290, its title bar at 310: inside a's body
     assert overlaps({"nodes": [a, b]}) == [(1, 2)]
-    b["pos"] = [0, 340]
+    b["pos"] = [0, 360]
     assert overlaps({"nodes": [a, b]}) == [] and overlaps({"nodes": [a, b]}, margin=20) == [(1, 2)]

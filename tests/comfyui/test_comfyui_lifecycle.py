@@ -1,0 +1,178 @@
+"""Opt-in, real ComfyUI: what a new user's first hour touches beyond the workflows.
+
+* ComfyUI's own "Free model and node cache" (POST /free) also frees the models cached on the ranks;
+* the Topology Probe and the Benchmark measure again when a prompt is queued again unchanged (not served from cache);
+* too many ranks are refused at once, in the Cluster node's terms;
+* SIGTERM to ComfyUI stops the embedded Ray: no Ray process of that server is left and its ports are closed (``ss``).
+
+Runs its own server (the last test stops it with SIGTERM):
+
+    COMFYUI_DIR=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/its/python pytest tests/comfyui -q -k lifecycle
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from .test_comfyui_server import COMFYUI_DIR, PYTHON, ROOT, _free_port, _get, _post, _run
+
+pytestmark = [
+    pytest.mark.comfyui,
+    pytest.mark.skipif(not COMFYUI_DIR, reason="set COMFYUI_DIR to a ComfyUI checkout to run the real-server test"),
+]
+
+
+@pytest.fixture(scope="module")
+def lifecycle_server(tmp_path_factory):
+    base = tmp_path_factory.mktemp("comfy_lifecycle")
+    (base / "custom_nodes").mkdir()
+    os.symlink(ROOT, base / "custom_nodes" / "PatchRay")
+    subprocess.run([PYTHON, str(Path(__file__).with_name("make_models.py")), COMFYUI_DIR, str(base / "models")],
+                   check=True, timeout=900, cwd=str(base))
+    port = _free_port()
+    log = open(base / "server.log", "w")
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.Popen(
+        [PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
+         "--disable-auto-launch", "--dont-print-server", "--disable-api-nodes"],
+        cwd=COMFYUI_DIR, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if _get(url + "/system_stats", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ComfyUI did not start; log:\n{(base / 'server.log').read_text()[-4000:]}")
+            time.sleep(1)
+        yield url, base, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the server's own session: Ray's processes it spawned
+        except ProcessLookupError:
+            pass
+        log.close()
+
+
+def _decode_prompt(num_ranks=2):
+    return {
+        "1": {"class_type": "VAELoader", "inputs": {"vae_name": "sdxl_vae.safetensors"}},
+        "2": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "3": {"class_type": "PatchRayCluster", "inputs": {"num_ranks": num_ranks, "device": "cpu", "address": "", "gpu_ids": ""}},
+        "4": {"class_type": "PatchRayVAEDecode", "inputs": {"samples": ["2", 0], "vae": ["1", 0], "cluster": ["3", 0],
+                                                            "mode": "row", "precision": "fp32", "gn_sync": False}},
+        "5": {"class_type": "PreviewImage", "inputs": {"images": ["4", 0]}},
+    }
+
+
+def _rank_processes(server_pid):
+    import psutil
+
+    return [p for p in psutil.Process(server_pid).children(recursive=True) if "_RankActor" in " ".join(p.cmdline() or [p.name()])]
+
+
+def _rss(procs):
+    import psutil
+
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _log(base):
+    return (base / "server.log").read_text(errors="replace")
+
+
+def test_free_model_and_node_cache_frees_the_ranks_cached_weights(lifecycle_server):
+    url, base, proc = lifecycle_server
+    _run(url, _decode_prompt())  # the VAE's weights are now cached on both ranks
+    ranks = _rank_processes(proc.pid)
+    assert len(ranks) == 2, [p.cmdline() for p in ranks]
+    before = _rss(ranks)
+    status, _ = _post(url + "/free", {"unload_models": True, "free_memory": True})
+    assert status == 200
+    deadline = time.monotonic() + 60  # the prompt worker acts on the flags within a second or so; bounded
+    while "freed the ranks' cached models" not in _log(base) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    line = next(ln for ln in _log(base).splitlines() if "freed the ranks' cached models" in ln)
+    counts = json.loads(line.split("(")[-1].split(" entries")[0])
+    assert len(counts) == 2 and all(c >= 1 for c in counts), line
+    after = _rss(ranks)
+    # an SD-layout VAE's fp32 weights are ~330 MB per rank; dropping them returns most of it to the system
+    assert before - after > 100 * 2**20, (before, after)
+    _run(url, _decode_prompt())  # the next prompt ships the weights again and works
+
+
+def test_measurement_nodes_measure_again_when_the_prompt_is_queued_again(lifecycle_server):
+    url, _, _ = lifecycle_server
+    api = {
+        "1": {"class_type": "PatchRayCluster", "inputs": {"num_ranks": 2, "device": "cpu", "address": "", "gpu_ids": ""}},
+        "2": {"class_type": "PatchRayTopologyProbe", "inputs": {"measure": False, "cluster": ["1", 0]}},
+        "3": {"class_type": "PreviewImage", "inputs": {"images": ["2", 0]}},
+    }
+    _run(url, api)
+    second = _run(url, json.loads(json.dumps(api)))  # the same prompt again
+    cached = [n for m in second["status"]["messages"] if m[0] == "execution_cached" for n in m[1].get("nodes", [])]
+    assert "2" not in cached, cached  # the probe ran again
+    assert "1" in cached  # the cluster node (not a measurement) is still served from cache
+    assert second["outputs"]["2"]["patchray_topology"][0]["schema"] == 1  # and the probe's fresh report reached the UI
+
+
+def test_too_many_ranks_are_refused_at_once_in_the_cluster_nodes_terms(lifecycle_server):
+    url, _, _ = lifecycle_server
+    api = _decode_prompt(num_ranks=64)
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"num_ranks is 64 CPU ranks, but this machine holds at most \d+.*set num_ranks to \d+ or fewer"):
+        _run(url, api)
+    assert time.monotonic() - t0 < 30  # no rank started (64 ranks used to take two minutes)
+    _run(url, _decode_prompt())  # and the next prompt works
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss")
+def test_sigterm_stops_comfyui_and_its_embedded_ray(lifecycle_server):
+    import psutil
+
+    url, base, proc = lifecycle_server
+    _run(url, _decode_prompt())  # the embedded Ray and the ranks are up
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    ports = set()
+    for k in kids:
+        try:
+            ports |= {c.laddr.port for c in k.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            pass
+    assert any("raylet" in k.name() or "gcs_server" in k.name() for k in kids) and ports
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        alive = [k.pid for k in kids if psutil.pid_exists(k.pid) and psutil.Process(k.pid).status() != psutil.STATUS_ZOMBIE]
+        out = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, timeout=10).stdout
+        listening = {int(ln.split()[3].rsplit(":", 1)[1]) for ln in out.splitlines() if ln.strip()}
+        still = ports & listening
+        if not alive and not still:
+            break
+        time.sleep(0.5)
+    assert not alive, f"Ray processes left after SIGTERM: {alive}"
+    assert not still, f"ports still listening after SIGTERM: {sorted(still)}"
