@@ -97,8 +97,10 @@ def _imports(path: Path):
 
 # The only node-pack modules that import ComfyUI, and why: the node modules' shim (schema API, progress bar, cancel,
 # folders), and in the bridge the MODEL conversion (reads ComfyUI's ModelPatcher, applies its weight patches) and
-# the rank-side sampler (runs ComfyUI's own sampler inside the rank processes).
+# the rank-side sampler (runs ComfyUI's own sampler inside the rank processes), and the lifecycle hooks (wrap
+# ComfyUI's unload_all_models so "Free model" frees the ranks too).
 COMFY_TOUCHING = {
+    "bridge/lifecycle.py": {"comfy"},
     "_comfy.py": {"comfy_api", "comfy", "folder_paths"},
     "bridge/model.py": {"comfy"},
     "bridge/ksampler_rank.py": {"comfy"},
