@@ -18,7 +18,7 @@ import contextlib
 import re
 from typing import Iterator
 
-__all__ = ["user_message", "for_user", "rank_errors_for_user"]
+__all__ = ["user_message", "for_user", "rank_errors_for_user", "model_name"]
 
 # CSI escape sequences (colours, cursor moves) that Ray puts around the task name
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
@@ -127,3 +127,15 @@ def rank_errors_for_user() -> Iterator[None]:
         if not _is_wrapped(exc):
             raise
         raise for_user(exc) from exc
+
+
+def model_name(model) -> str:
+    """A ComfyUI MODEL as users know it: ComfyUI's model family (its ``model_config`` class: ``SDXL``, ``SD3``,
+    ``Flux``, ``WAN21_T2V``...), not the network's class (``OpenAISignatureMMDITWrapper``); the latter only when the
+    family is unknown."""
+    inner = getattr(model, "model", None)
+    config = getattr(inner, "model_config", None)
+    if config is not None and type(config).__name__ not in ("object", "BASE"):
+        return type(config).__name__
+    network = getattr(inner, "diffusion_model", None)
+    return type(network).__name__ if network is not None else type(model).__name__

@@ -101,3 +101,20 @@ def test_ray_ids_and_temporary_import_paths_are_removed(raw, clean):
     from patchray.nodes.bridge.errors import _clean_text
 
     assert _clean_text("\x1b[31m" + raw + "\x1b[0m") == clean
+
+
+def test_models_are_named_by_comfyuis_family_not_the_network_class():
+    from patchray.nodes.bridge.errors import model_name
+
+    class SD3:  # ComfyUI's supported-model classes carry the names users know (comfy/supported_models.py)
+        pass
+
+    class OpenAISignatureMMDITWrapper:
+        pass
+
+    model = type("ModelPatcher", (), {})()
+    model.model = type("BaseModel", (), {})()
+    model.model.diffusion_model = OpenAISignatureMMDITWrapper()
+    assert model_name(model) == "OpenAISignatureMMDITWrapper"  # no family known: the network, as a last resort
+    model.model.model_config = SD3()
+    assert model_name(model) == "SD3"
