@@ -37,9 +37,10 @@ def node_chart(records, path: str) -> str:
         raise ValueError("no records to chart")
     names = [str(r.get("name")) for r in recs]
     failed = [None if r.get("status") == "ok" else ((r.get("error") or {}).get("kind") or r.get("status") or "failed") for r in recs]
+    on_cpu = any((r.get("peak_memory") or {}).get("metric") == "process_rss_peak" for r in recs)
     panels = (
         ("latency (ms)", [r.get("latency_ms") for r in recs], "#3b75af", "{:.0f}"),
-        ("peak memory (GiB)", [(r.get("peak_memory") or {}).get("max_gib") if r.get("status") == "ok" else None for r in recs], "#e08a2c", "{:.2f}"),
+        ("peak process RAM (GiB)" if on_cpu else "peak GPU memory (GiB)", [(r.get("peak_memory") or {}).get("max_gib") if r.get("status") == "ok" else None for r in recs], "#e08a2c", "{:.2f}"),
     )
     fig, axes = plt.subplots(1, 2, figsize=(6.4, 1.3 + 0.42 * len(recs)), dpi=100)
     ys = list(range(len(recs)))[::-1]

@@ -19,6 +19,7 @@ def test_benchmark_node_writes_report_chart_and_summary(cluster, tmp_path, monke
     assert len(saved) == 1 and json.loads(saved[0].read_text()) == json.loads(report_json)
     assert saved[0].with_suffix(".png").exists()
     assert chart.ndim == 4 and chart.shape[-1] == 3 and chart.shape[1] > 100
+    assert chart.shape[2] == 640  # drawn for a node (6.4 in at 100 dpi), not the report's page-wide figure
     assert "FAILED" not in summary and len(summary.splitlines()) >= 2
     records = out.ui["patchray_bench"][0]["records"]
     status = {r["name"]: r["status"] for r in records}
