@@ -8,7 +8,7 @@ const VIEW = "patchray_view";
 // (tests/comfyui/workflow_tools.py EXTRA_HEIGHT is at least this plus the widget margin; a test compares them).
 export const PANEL = {
   PatchRayCluster: 100,
-  PatchRayTilePlanner: 160,
+  PatchRayTilePlanner: 220,
   PatchRayTopologyProbe: 210,
   PatchRayBenchmark: 230,
   PatchRayVAEDecode: 60,
@@ -18,7 +18,7 @@ export const PANEL = {
 // use tests/comfyui/workflow_tools.py MIN_WIDTH, at least these; a test compares them).
 export const WIDTH = {
   PatchRayCluster: 400,
-  PatchRayTilePlanner: 460,
+  PatchRayTilePlanner: 520,
   PatchRayTopologyProbe: 520,
   PatchRayBenchmark: 560,
 };

@@ -3,7 +3,9 @@
 Starts ComfyUI (``main.py --cpu``, a private base directory with this pack linked into ``custom_nodes``) and a headless
 Chromium driven over the DevTools protocol (no browser automation package needed: ComfyUI's own aiohttp is the
 websocket client). For each PatchRay node it adds the node to an empty graph at zoom 1 and saves a PNG of the node
-(title bar, sockets, widgets, panel) to ``docs/screenshots/<node id>.png``. Then it loads every shipped workflow
+(title bar, sockets, widgets, panel) to ``docs/screenshots/<node id>.png``; the Tile Planner and the Topology Probe
+(which need no cluster) are also queued once and saved with their result as ``<node id>_run.png``. Then it loads
+every shipped workflow
 (``workflows/*.json``), reads the node sizes the frontend gave them and reports any overlap (exit status 1 if any),
 and saves ``docs/screenshots/workflow_<name>.png`` at the zoom the workflow opens with.
 
@@ -119,6 +121,44 @@ _ADD_NODE = """
 })(%s)
 """
 
+_RUN_NODE = """
+(async ([type, slot, widgets]) => {
+  const app = window.app;
+  document.querySelectorAll('.p-dialog-mask, .p-dialog, .p-toast').forEach(e => e.remove());
+  app.graph.clear();
+  const node = LiteGraph.createNode(type);
+  app.graph.add(node);
+  for (const [name, value] of Object.entries(widgets)) node.widgets.find(w => w.name === name).value = value;
+  const preview = LiteGraph.createNode("PreviewImage");
+  app.graph.add(preview);
+  node.connect(slot, preview, 0);
+  const ds = app.canvas.ds;
+  ds.scale = 1; ds.offset = [0, 0];
+  node.pos = [120, 120];
+  preview.pos = [120 + node.size[0] + 40, 120];
+  preview.size = [420, Math.max(node.size[1], 360)];
+  await app.queuePrompt(0, 1);
+  const view = () => (node.widgets || []).find(w => w.name === "patchray_view");
+  for (let i = 0; i < 600; i++) {
+    const text = view()?.element?.textContent || "";
+    if (text && !text.startsWith("Runs when")) break;
+    await new Promise(r => setTimeout(r, 500));
+  }
+  for (let i = 0; i < 120 && !(preview.imgs && preview.imgs.length && preview.imgs[0].complete); i++) {
+    await new Promise(r => setTimeout(r, 500));
+  }
+  await new Promise(r => setTimeout(r, 1000));
+  app.canvas.setDirty(true, true);
+  const rect = app.canvas.canvas.getBoundingClientRect();
+  return {x0: node.pos[0], y0: node.pos[1], x1: preview.pos[0] + preview.size[0], y1: Math.max(node.pos[1] + node.size[1], preview.pos[1] + preview.size[1]),
+          left: rect.left, top: rect.top, text: view()?.element?.textContent || ""};
+})(%s)
+"""
+
+#: nodes run in the page (no cluster needed), with the output slot shown in a Preview Image and widget values
+RUNS = [("PatchRayTilePlanner", 1, {"width": 1280, "height": 768, "ranks": 3}),
+        ("PatchRayTopologyProbe", 0, {"measure": False})]
+
 _LOAD_WORKFLOW = """
 (async (wf) => {
   const app = window.app;
@@ -164,6 +204,13 @@ async def _drive(cdp_port: int, url: str) -> int:
                 path = OUT / f"{node_type}.png"
                 await page.shot(path, clip)
                 print(f"{path.relative_to(ROOT)}: node {w:.0f}x{h:.0f}")
+            for node_type, slot, widgets in RUNS:
+                info = await page.js(_RUN_NODE % json.dumps([node_type, slot, widgets]))
+                clip = {"x": info["left"] + info["x0"] - 6, "y": info["top"] + info["y0"] - TITLE - BADGE - 6,
+                        "width": info["x1"] - info["x0"] + 12, "height": info["y1"] - info["y0"] + TITLE + BADGE + 12}
+                path = OUT / f"{node_type}_run.png"
+                await page.shot(path, clip)
+                print(f"{path.relative_to(ROOT)}: after a run; panel text starts {info['text'][:60]!r}")
             for wf_path in sorted((ROOT / "workflows").glob("*.json")):
                 if wf_path.name.endswith(".api.json"):
                     continue

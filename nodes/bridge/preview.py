@@ -18,12 +18,31 @@ import torch
 
 from ...distributed.vae.planner import TilePlan
 
-__all__ = ["draw_plan", "PREVIEW_MAX_SIDE", "LEGEND_HEIGHT"]
+__all__ = ["draw_plan", "PREVIEW_MAX_SIDE", "legend_height"]
 
 #: the preview's long side at most, in pixels (the node shows it at a few hundred pixels anyway)
 PREVIEW_MAX_SIDE = 1024
-#: the legend strip under the plan, in pixels
-LEGEND_HEIGHT = 40
+
+
+def legend_height(width: int) -> int:
+    """The legend strip's height under a plan drawn ``width`` pixels wide (its text scales with the picture, so it
+    stays readable when the node shows the picture at a few hundred pixels)."""
+    return round(_font_size(width) * 3.4)
+
+
+def _font_size(width: int) -> int:
+    return max(12, round(width / 40))
+
+
+def _font(size: int):
+    from PIL import ImageFont
+
+    try:  # matplotlib (a dependency) ships DejaVu Sans
+        from matplotlib import font_manager
+
+        return ImageFont.truetype(font_manager.findfont("DejaVu Sans"), size)
+    except Exception:
+        return ImageFont.load_default()
 
 # colour-blind-safe palette (Okabe-Ito), one colour per rank, cycled
 _PALETTE = np.array(
@@ -37,7 +56,7 @@ def _scaled(v: int, scale: float) -> int:
 
 
 def draw_plan(plan: dict, image: Optional[torch.Tensor] = None, max_side: int = PREVIEW_MAX_SIDE) -> torch.Tensor:
-    """IMAGE ``[1, h + LEGEND_HEIGHT, w, 3]``: each rank's tile cores tinted in its colour, every tile window outlined,
+    """IMAGE ``[1, h + legend_height(w), w, 3]``: each rank's tile cores tinted in its colour, every tile window outlined,
     and a legend strip; ``(h, w)`` is the plan's size scaled to at most ``max_side`` on the long side.
 
     Args:
@@ -74,24 +93,26 @@ def draw_plan(plan: dict, image: Optional[torch.Tensor] = None, max_side: int = 
         canvas[max(ys, ye - lw) : ye, xs:xe] = color
         canvas[ys:ye, xs : xs + lw] = color
         canvas[ys:ye, max(xs, xe - lw) : xe] = color
-    out = np.zeros((h + LEGEND_HEIGHT, w, 3), dtype=np.float32)
+    fs = _font_size(w)
+    lh = legend_height(w)
+    font = _font(fs)
+    out = np.zeros((h + lh, w, 3), dtype=np.float32)
     out[:h] = np.clip(canvas, 0, 1)
     out[h:] = 0.12
     legend = Image.fromarray((out[h:] * 255).round().astype(np.uint8))
     draw = ImageDraw.Draw(legend)
-    ranks = len(plan["runs"])
-    x = 4
-    for rank in range(ranks):
-        if x > w - 60:
-            draw.text((x, 4), "...", fill=(230, 230, 230))
+    x, pad = round(fs * 0.4), round(fs * 0.3)
+    for rank in range(len(plan["runs"])):
+        label = f"rank {rank}"
+        step = fs + pad + int(draw.textlength(label, font=font)) + fs
+        if x + step > w - 2 * fs:
+            draw.text((x, pad), "...", fill=(230, 230, 230), font=font)
             break
         color = tuple(int(c * 255) for c in _PALETTE[rank % len(_PALETTE)])
-        draw.rectangle([x, 5, x + 10, 15], fill=color)
-        draw.text((x + 14, 4), f"rank {rank}", fill=(230, 230, 230))
-        x += 64
-    note = f"tint: tiles each rank decodes; outline: tile window (overlaps blended). {W}x{H} px"
-    if scale < 1:
-        note += f", drawn at {scale:.0%}"
-    draw.text((4, 22), note, fill=(200, 200, 200))
+        draw.rectangle([x, pad + fs * 0.15, x + fs * 0.8, pad + fs * 0.95], fill=color)
+        draw.text((x + fs + pad // 2, pad), label, fill=(230, 230, 230), font=font)
+        x += step
+    note = f"tint: each rank's tiles; outline: tile windows; {W}x{H} px" + (f" at {scale:.0%}" if scale < 1 else "")
+    draw.text((round(fs * 0.4), pad + round(fs * 1.6)), note, fill=(200, 200, 200), font=font)
     out[h:] = np.asarray(legend, dtype=np.float32) / 255.0
     return torch.from_numpy(out).unsqueeze(0).contiguous()

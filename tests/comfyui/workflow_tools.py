@@ -99,11 +99,11 @@ SLOT_HEIGHT, WIDGET_HEIGHT = 20, 24
 EXTRA_HEIGHT = {
     "SaveImage": 300, "PreviewImage": 300, "LoadImage": 260, "SaveAnimatedWEBP": 260, "CLIPTextEncode": 90,
     "MarkdownNote": 200, "Note": 200,
-    "PatchRayCluster": 110, "PatchRayTilePlanner": 170, "PatchRayTopologyProbe": 220, "PatchRayBenchmark": 240,
+    "PatchRayCluster": 110, "PatchRayTilePlanner": 230, "PatchRayTopologyProbe": 220, "PatchRayBenchmark": 240,
     "PatchRayVAEDecode": 70, "PatchRayVAEEncode": 70,
 }
 #: widths that keep the widget labels and values, and the panels' lines, readable
-MIN_WIDTH = {"PatchRayTopologyProbe": 520, "PatchRayBenchmark": 560, "PatchRayTilePlanner": 460, "PatchRayCluster": 400,
+MIN_WIDTH = {"PatchRayTopologyProbe": 520, "PatchRayBenchmark": 560, "PatchRayTilePlanner": 520, "PatchRayCluster": 400,
              "PatchRayKSampler": 360, "CLIPTextEncode": 400, "MarkdownNote": 560, "Note": 400}
 DEFAULT_WIDTH = 320
 

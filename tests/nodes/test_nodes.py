@@ -61,9 +61,9 @@ def test_tile_planner_node_plans_and_draws():
     want = plan_tiles("kl", 512, 768, world_size=RANKS).fine.to_dict()
     assert plan == want  # the wire carries exactly the planner's plan
     TilePlan.from_dict(plan)  # and the decode node can rebuild it
-    from patchray.nodes.bridge.preview import LEGEND_HEIGHT
+    from patchray.nodes.bridge.preview import legend_height
 
-    assert preview.shape == (1, 512 + LEGEND_HEIGHT, 768, 3) and preview.dtype == torch.float32  # the plan, then its legend
+    assert preview.shape == (1, 512 + legend_height(768), 768, 3) and preview.dtype == torch.float32  # the plan, then its legend
     assert 0.0 <= preview.min() and preview.max() <= 1.0
     assert len(text.splitlines()) >= 2 and "window" in text
     # each tile core is tinted with its rank's colour: the centres of two ranks' first tiles differ
@@ -79,10 +79,10 @@ def test_tile_planner_node_draws_over_an_image():
 
     image = torch.zeros(1, 512, 512, 3)
     image[..., 0] = 1.0  # pure red
-    from patchray.nodes.bridge.preview import LEGEND_HEIGHT
+    from patchray.nodes.bridge.preview import legend_height
 
     preview = PatchRayTilePlanner.execute(family="kl", width=512, height=512, frames=1, ranks=RANKS, choice="coarse", image=image).args[1]
-    assert preview.shape == (1, 512 + LEGEND_HEIGHT, 512, 3)
+    assert preview.shape == (1, 512 + legend_height(512), 512, 3)
     grey = PatchRayTilePlanner.execute(family="kl", width=512, height=512, frames=1, ranks=RANKS, choice="coarse").args[1]
     # away from the outlines, the red shows through the tint: more red, same rank tint on green/blue
     assert preview[0, 100, 100, 0] > grey[0, 100, 100, 0] + 0.2

@@ -35,15 +35,20 @@ def test_tile_planner_request_rules():
 
 
 def test_the_preview_is_capped_and_the_plan_wire_is_not():
-    from patchray.nodes.bridge.preview import LEGEND_HEIGHT, PREVIEW_MAX_SIDE
+    from patchray.nodes.bridge.preview import PREVIEW_MAX_SIDE, _font_size, legend_height
     from patchray.nodes.planner import PatchRayTilePlanner
 
     plan, preview, text = PatchRayTilePlanner.execute(family="kl", width=8192, height=4096, frames=1, ranks=4, choice="coarse").args
     assert (plan["width"], plan["height"]) == (8192, 4096)  # the wire: full size
-    assert preview.shape == (1, PREVIEW_MAX_SIDE // 2 + LEGEND_HEIGHT, PREVIEW_MAX_SIDE, 3)  # the picture: capped
-    # the legend strip carries each rank's colour swatch: four distinct colours at the swatches' places
-    swatches = [tuple(preview[0, PREVIEW_MAX_SIDE // 2 + 10, 4 + 64 * r + 5].tolist()) for r in range(4)]
-    assert len(set(swatches)) == 4
+    assert preview.shape == (1, PREVIEW_MAX_SIDE // 2 + legend_height(PREVIEW_MAX_SIDE), PREVIEW_MAX_SIDE, 3)  # the picture: capped
+    # the legend strip carries each rank's colour swatch (exact colours: swatches are drawn untinted)
+    from patchray.nodes.bridge.preview import _PALETTE
+
+    strip = preview[0, PREVIEW_MAX_SIDE // 2 :]
+    for rank in range(4):
+        assert ((strip - torch.tensor(_PALETTE[rank])).abs().amax(-1) < 2 / 255).any(), rank
+    # a node shows the picture about 420 px wide: the legend's text must still be 10 px or more there
+    assert _font_size(PREVIEW_MAX_SIDE) * 420 / PREVIEW_MAX_SIDE >= 10
     # sizes read width x height, as ComfyUI's widgets order them
     assert "window 8192x" in text or "x4096 px" in text
 
