@@ -2,7 +2,7 @@
 
 * ComfyUI's own "Free model and node cache" (POST /free) also frees the models cached on the ranks;
 * the Topology Probe and the Benchmark measure again when a prompt is queued again unchanged (not served from cache);
-* too many ranks are refused at once, in the Cluster node's terms;
+* too many ranks are refused at once, in the Cluster node's terms; Cancel stops a cluster that is starting;
 * SIGTERM to ComfyUI stops the embedded Ray: no Ray process of that server is left and its ports are closed (``ss``).
 
 Runs its own server (the last test stops it with SIGTERM):
@@ -147,6 +147,39 @@ def test_too_many_ranks_are_refused_at_once_in_the_cluster_nodes_terms(lifecycle
         _run(url, api)
     assert time.monotonic() - t0 < 30  # no rank started (64 ranks used to take two minutes)
     _run(url, _decode_prompt())  # and the next prompt works
+
+
+def test_cancel_stops_a_cluster_start_and_the_next_prompt_works(lifecycle_server):
+    url, _, _ = lifecycle_server
+    api = {  # another rank count: the Cluster node starts four new ranks (seconds); nothing runs before it
+        "1": {"class_type": "PatchRayCluster", "inputs": {"num_ranks": 4, "device": "cpu", "address": "", "gpu_ids": ""}},
+        "2": {"class_type": "PatchRayTopologyProbe", "inputs": {"measure": False, "cluster": ["1", 0]}},
+        "3": {"class_type": "PreviewImage", "inputs": {"images": ["2", 0]}},
+    }
+    status, body = _post(url + "/prompt", {"prompt": api, "client_id": uuid.uuid4().hex})
+    assert status == 200 and not body.get("node_errors"), body
+    pid = body["prompt_id"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait until the prompt runs (the VAE loader first, then the cluster)
+        running = json.loads(_get(url + "/queue")[1]).get("queue_running", [])
+        if any(item[1] == pid for item in running):
+            break
+        time.sleep(0.2)
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    _post(url + "/interrupt", {})
+    while time.monotonic() - t0 < 60:  # a hang check: the start polls Cancel about twice a second
+        hist = json.loads(_get(f"{url}/history/{pid}")[1])
+        if pid in hist and hist[pid].get("status", {}).get("completed") is not None:
+            break
+        time.sleep(0.25)
+    else:
+        raise AssertionError("the interrupted cluster start did not end within 60 s")
+    messages = hist[pid]["status"]["messages"]
+    interrupted = [m[1] for m in messages if m[0] == "execution_interrupted"]
+    assert interrupted, [m[0] for m in messages]
+    assert interrupted[0]["node_id"] == "1", interrupted  # it stopped in the Cluster node, while the ranks started
+    _run(url, _decode_prompt())  # the next prompt starts its cluster and completes
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss")
