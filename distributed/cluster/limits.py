@@ -9,8 +9,9 @@ Design decisions:
 * **GPU ranks: one per GPU present.** Ranks that share a GPU are the tests' business (``device='cpu'`` is the
   cheap way to try PatchRay), not a user setting.
 * **CPU ranks: by cores and by memory.** At most :data:`CPU_RANKS_PER_CORE` ranks per core (CPU ranks compute;
-  beyond that they take turns on the cores), and at most as many as fit in half the free memory at
-  :data:`CPU_RANK_BYTES` each (the other half is left for the models the ranks load and for ComfyUI).
+  beyond that they take turns on the cores), and at most as many idle rank processes as the free memory holds at
+  :data:`CPU_RANK_BYTES` each (a floor, not an estimate with models: it refuses only what cannot even start, so a
+  busy machine's momentary memory use does not refuse a normal request).
 * **Native Windows has no NCCL** (PyTorch's Windows builds ship gloo only), so GPU ranks are refused there with
   the supported route (WSL2); CPU ranks (gloo) work.
 * **Messages speak the node's widgets** (``num_ranks``, ``device``) and only suggest values that work.
@@ -29,7 +30,7 @@ __all__ = ["CPU_RANKS_PER_CORE", "CPU_RANK_BYTES", "Machine", "this_machine", "m
 #: CPU ranks per core before they only take turns (2: a rank waiting in a collective leaves its core to a peer)
 CPU_RANKS_PER_CORE = 2
 #: memory one idle CPU rank process holds before any model: a Ray worker with torch and the library imported
-#: (measured ~0.3 GiB RSS on Linux with torch 2.13 and Ray 2.60; rounded up for allocator growth)
+#: (measured 0.3-0.4 GiB RSS on Linux with torch 2.13 and Ray 2.60; rounded up for allocator growth)
 CPU_RANK_BYTES = 512 << 20
 
 
@@ -82,7 +83,7 @@ def max_cpu_ranks(machine: Machine) -> int:
     """The most CPU ranks ``machine`` holds usefully (at least 1)."""
     limit = max(2, CPU_RANKS_PER_CORE * machine.cores)
     if machine.available_bytes is not None:
-        limit = min(limit, max(1, machine.available_bytes // 2 // CPU_RANK_BYTES))
+        limit = min(limit, max(1, machine.available_bytes // CPU_RANK_BYTES))
     return limit
 
 
@@ -139,7 +140,7 @@ def check_rank_count(num_ranks: int, device: str, embedded: bool = True, gpu_ids
         why = [f"{m.cores} CPU core(s) (at most {CPU_RANKS_PER_CORE} CPU ranks per core: more only take turns)"]
         if m.available_bytes is not None:
             why.append(f"{_gib(m.available_bytes)} free memory (each CPU rank process holds about {_gib(CPU_RANK_BYTES)} "
-                       "before any model; half the free memory is left for the models and ComfyUI)")
+                       "before any model)")
         raise ClusterSetupError(
             f"num_ranks is {n} CPU ranks, but this machine holds at most {limit}: it has " + " and ".join(why)
             + f"; set num_ranks to {limit} or fewer"

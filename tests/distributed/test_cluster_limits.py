@@ -34,8 +34,8 @@ def test_cpu_ranks_are_bounded_by_cores_with_a_reason_in_widget_terms():
 def test_cpu_ranks_are_bounded_by_free_memory():
     small = Machine(cores=16, available_bytes=3 * GiB, gpus=0, platform="linux")
     limit = max_cpu_ranks(small)
-    assert limit == 3 * GiB // 2 // CPU_RANK_BYTES == 3  # half the free memory at 512 MiB a rank
-    with pytest.raises(ClusterSetupError, match=r"3\.0 GiB free memory.*set num_ranks to 3 or fewer"):
+    assert limit == 3 * GiB // CPU_RANK_BYTES == 6  # idle rank processes at 512 MiB each
+    with pytest.raises(ClusterSetupError, match=r"3\.0 GiB free memory.*set num_ranks to 6 or fewer"):
         check_rank_count(8, "cpu", machine=small)
     # a platform that does not report memory is bounded by cores only
     assert max_cpu_ranks(small._replace(available_bytes=None)) == 32
