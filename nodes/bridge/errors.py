@@ -120,13 +120,29 @@ def rank_errors_for_user() -> Iterator[None]:
     """Re-raise errors that come from the ranks (Ray, the cluster) as :func:`for_user` exceptions, chained.
 
     Everything else, ComfyUI's interrupt included, propagates unchanged.
+
+    A prompt that failed on the ranks also drops what the ranks cached (models, weights): the failed prompt will not
+    use them, and idle ranks should not hold memory until some next prompt (that one ships them again). A failure
+    that stopped the ranks freed everything already; a refusal the ranks raised (``exc.rank`` set) left them up.
     """
     try:
         yield
     except Exception as exc:
+        from_ranks = _is_wrapped(exc) or hasattr(exc, "rank")
+        if from_ranks:
+            _free_after_failure()
         if not _is_wrapped(exc):
             raise
         raise for_user(exc) from exc
+
+
+def _free_after_failure() -> None:
+    try:
+        from ...distributed.cluster import free_rank_caches
+
+        free_rank_caches(timeout_s=5.0)
+    except Exception:  # never hide the prompt's own error behind a cleanup error
+        pass
 
 
 def model_name(model) -> str:

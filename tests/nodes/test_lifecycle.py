@@ -164,3 +164,22 @@ def test_sigterm_stops_the_embedded_ray_and_closes_its_ports():
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_prompt_that_failed_on_the_ranks_leaves_no_cached_weights_on_them():
+    from patchray.distributed.cluster import get_cluster
+    from patchray.nodes.bridge.errors import rank_errors_for_user
+
+    cluster = get_cluster(_config())
+    assert cluster.run(tasks.cache_put, "vae", 1 << 16) == [1, 1]
+    with pytest.raises(ValueError, match="value must be >= 0"):
+        with rank_errors_for_user():
+            cluster.run(tasks.refuse, -1)  # a refusal raised on every rank: the group stays up
+    assert get_cluster(_config()) is cluster and cluster.run(tasks.cache_len) == [0, 0]
+    # errors that do not come from the ranks leave the caches alone
+    cluster.run(tasks.cache_put, "vae", 1 << 16)
+    with pytest.raises(KeyError):
+        with rank_errors_for_user():
+            raise KeyError("a node's own error")
+    assert cluster.run(tasks.cache_len) == [1, 1]
