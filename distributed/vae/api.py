@@ -369,6 +369,39 @@ class DecodeReport(NamedTuple):
     note: Optional[str]
 
 
+#: decodes that ran out of memory in this process, by (weights, dtype, latent shape, mode, cluster): the row-tiled
+#: plan that fitted, so a repeated prompt does not run out of memory (and rebuild ranks) again. Bounded.
+_FITS: Dict[tuple, tuple] = {}
+_FITS_MAX = 64
+
+
+def _remember_fit(key: tuple, value: tuple) -> None:
+    _FITS.pop(key, None)
+    _FITS[key] = value
+    while len(_FITS) > _FITS_MAX:
+        _FITS.pop(next(iter(_FITS)))
+
+
+class _Monotonic:
+    """Relays ``progress(done, total)`` across retries without going back: a retry continues after what the
+    failed attempt had shown."""
+
+    def __init__(self, progress: Optional[Callable[[int, int], None]]):
+        self.progress, self.offset, self.last = progress, 0, 0
+
+    def sink(self, done: int, total: int) -> None:
+        if self.progress is None:
+            return
+        self.last = self.offset + int(done)
+        self.progress(self.last, self.offset + int(total))
+
+    def next_attempt(self) -> None:
+        self.offset = self.last
+
+    def __bool__(self) -> bool:
+        return self.progress is not None
+
+
 def _row_tiled_plan(spec: VaeSpec, z: torch.Tensor, world_size: int, tiles: int) -> Optional[dict]:
     """A plan of ``tiles`` full-width tiles over the latent rows (a quarter-window overlap), or None when the rows
     cannot give every rank a row of every tile."""
@@ -443,10 +476,15 @@ def decode_report(
     z = z.detach().cpu()
     asked, tiles, failures = mode, 1, []
     retry_tiles = [2 ** i for i in range(1, _OOM_RETRIES + 1)]
+    fits_key = (spec.key, str(dt), tuple(z.shape), mode, repr(cluster.config))
+    earlier = _FITS.get(fits_key) if on_oom != "raise" else None
+    if earlier is not None:  # this decode ran out of memory before: start where it fitted
+        mode, plan, tiles, failures = "row-tiled", earlier[0], earlier[1], list(earlier[2])
+    relay = _Monotonic(progress)
     while True:
         try:
             results = _run_with_weights(cluster, _decode_task, spec, z, mode, plan, dt, gn_sync,
-                                        cancel_check=cancel_check, timeout_s=timeout_s, progress=progress)
+                                        cancel_check=cancel_check, timeout_s=timeout_s, progress=relay.sink if relay else None)
             break
         except Exception as exc:
             if on_oom == "raise" or not _is_oom(exc):
@@ -462,15 +500,18 @@ def decode_report(
                     f"a rank ran out of memory in every mode tried ({', '.join(failures)}); {exc}"
                 ) from exc
             mode = "row-tiled"
+            relay.next_attempt()
             log.warning("a rank ran out of memory decoding in %s; retrying row-tiled with %d tiles", failures[-1], tiles)
             if getattr(cluster, "broken", False):  # the failure stopped the ranks: start fresh ones
                 cluster = get_cluster(cluster.config)
     note = None
     if failures:
+        _remember_fit(fits_key, (plan, tiles, tuple(failures)))
+        when = "on an earlier run of this size" if earlier is not None else ""
         note = (
-            f"a rank ran out of memory in {asked} mode, so PatchRay decoded in row-tiled mode instead: {tiles} full-width "
-            f"tiles, each row-sharded across the {n} ranks and blended at the seams (close to, not exactly, the "
-            f"{asked} result). Tried: {', '.join(failures)}."
+            f"a rank ran out of memory in {asked} mode{' ' + when if when else ''}, so PatchRay decoded in row-tiled "
+            f"mode instead: {tiles} full-width tiles, each row-sharded across the {n} ranks and blended at the seams "
+            f"(close to, not exactly, the {asked} result). Tried: {', '.join(failures)}."
         )
     return DecodeReport(results[0], mode, note)
 
