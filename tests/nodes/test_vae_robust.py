@@ -83,6 +83,23 @@ def test_stages_are_the_top_level_blocks_and_video_decoders_count_each_frame_cal
     assert not vae.decoder._forward_hooks and not vae.decoder._forward_pre_hooks  # hooks removed
 
 
+def test_encoder_frame_chunks_are_counted_from_the_frames_each_call_takes():
+    from patchray.distributed.context import ParallelContext
+    from patchray.distributed.vae.families import build_vae
+    from patchray.distributed.vae.stages import stage_blocks, stage_progress
+
+    vae = build_vae("wan", size="tiny")
+    x = torch.rand(1, 3, 9, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    seen = []
+    with torch.no_grad(), stage_progress(vae.encoder, ParallelContext.single(), frames=9, report=lambda d, t: seen.append((d, t))):
+        vae.encode(x)
+    # Wan encodes 1 frame, then chunks of 4: 3 calls for 9 frames. The first call cannot know (it assumes 1 frame per
+    # call); from the second call on the total is exact, and the last figure is full.
+    per_call = len(stage_blocks(vae.encoder))
+    assert [d for d, _ in seen] == list(range(1, 3 * per_call + 1))
+    assert all(t == 3 * per_call for _, t in seen[per_call:])
+
+
 def _stage_history_task(ctx, family, shape):
     """On real ranks: a row decode with rank 0 counting stages; rank 0 returns what it reported."""
     from patchray.distributed.vae.families import build_vae
