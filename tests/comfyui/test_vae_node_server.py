@@ -121,11 +121,11 @@ def test_an_unsupported_vae_completes_with_the_note_on_the_node(server):  # noqa
     url, base = server
     approx = base / "models" / "vae_approx"
     script = (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[:1] + ['--cpu'];"
+        "import sys, torch; comfy_dir, out = sys.argv[1:3]; sys.path.insert(0, comfy_dir); sys.argv = sys.argv[:1] + ['--cpu'];"
         "import comfy.options; comfy.options.enable_args_parsing();"
         "from comfy.taesd.taesd import Encoder, Decoder; from safetensors.torch import save_file;"
         "g = torch.Generator().manual_seed(0);"
-        "[save_file({k: torch.randn(v.shape, generator=g) * 0.05 for k, v in m().state_dict().items()}, f'{sys.argv[2]}/{n}.safetensors')"
+        "[save_file({k: torch.randn(v.shape, generator=g) * 0.05 for k, v in m().state_dict().items()}, f'{out}/{n}.safetensors')"
         " for n, m in (('taesd_encoder', Encoder), ('taesd_decoder', Decoder))]"
     )
     approx.mkdir(parents=True, exist_ok=True)
