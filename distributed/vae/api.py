@@ -42,7 +42,7 @@ from ..context import ParallelContext
 
 __all__ = [
     "VaeSpec", "DecodeReport", "spec_for_family", "spec_from_diffusers", "distributed_decode", "decode_report",
-    "distributed_encode", "check_decode_input", "latent_channels", "choose_mode", "MODES", "OOM_POLICIES",
+    "distributed_encode", "check_decode_input", "latent_channels", "tile_plan_for", "choose_mode", "MODES", "OOM_POLICIES",
 ]
 
 log = logging.getLogger(__name__)
@@ -425,6 +425,28 @@ def _row_tiled_plan(spec: VaeSpec, z: torch.Tensor, world_size: int, tiles: int)
     return plan.to_dict()
 
 
+def tile_plan_for(spec: VaeSpec, z: torch.Tensor, world_size: int, plan=None) -> dict:
+    """The tile-runs plan for ``z`` as a dict: ``plan`` checked against the rank count, or the planner's balanced
+    (else coarse) plan. Needs no rank, so callers can refuse before the cluster starts.
+
+    Raises:
+        ValueError: a plan for another rank count, or an image too small for tiles on this many ranks.
+    """
+    from .planner import TilePlan, plan_tiles
+
+    if plan is None:
+        height, width, frames = _latent_frames_hw(spec.family, z)
+        report = plan_tiles(spec.family, height, width, frames, world_size)
+        plan = (report.balanced or report.coarse).to_dict()
+    elif isinstance(plan, TilePlan):
+        plan = plan.to_dict()
+    if int(plan.get("world_size", world_size)) != world_size:
+        raise ValueError(
+            f"the tile plan was made for {plan.get('world_size')} ranks but the cluster has {world_size}; re-plan for {world_size}"
+        )
+    return plan
+
+
 def decode_report(
     cluster,
     spec: VaeSpec,
@@ -463,16 +485,7 @@ def decode_report(
         mode = choose_mode(spec.family, height, width, frames, n, topology if topology is not None else _cluster_topology(cluster))
     _check_latent(spec, z, n, mode)
     if mode == "tile-runs":
-        from .planner import TilePlan, plan_tiles
-
-        if plan is None:
-            report = plan_tiles(spec.family, height, width, frames, n)
-            chosen = report.balanced or report.coarse
-            plan = chosen.to_dict()
-        elif isinstance(plan, TilePlan):
-            plan = plan.to_dict()
-        if int(plan.get("world_size", n)) != n:
-            raise ValueError(f"the tile plan was made for {plan.get('world_size')} ranks but the cluster has {n}; re-plan for {n}")
+        plan = tile_plan_for(spec, z, n, plan)
     z = z.detach().cpu()
     asked, tiles, failures = mode, 1, []
     retry_tiles = [2 ** i for i in range(1, _OOM_RETRIES + 1)]

@@ -132,6 +132,24 @@ def _check_samples(spec, z: torch.Tensor, num_ranks: int, mode: str) -> None:
             ) from None
 
 
+def _tile_plan(spec, z: torch.Tensor, num_ranks: int, plan):
+    """tile-runs' plan, resolved before the cluster starts; refusals name the inputs and widgets."""
+    from ...distributed.vae.api import tile_plan_for
+
+    if plan is not None and int(plan.get("world_size", num_ranks)) != num_ranks:
+        raise ValueError(
+            f"{_DECODE}: 'plan' was made for {plan.get('world_size')} ranks but 'cluster' has {num_ranks}: set ranks on "
+            f"the PatchRay Tile Planner node to {num_ranks} (the PatchRay Cluster node's num_ranks)"
+        )
+    try:
+        return tile_plan_for(spec, z, num_ranks, plan)
+    except ValueError as exc:
+        raise ValueError(
+            f"{_DECODE}: mode 'tile-runs' cannot tile 'samples' for the {num_ranks} ranks of 'cluster' ({exc}); use "
+            "mode 'row' or fewer num_ranks on the PatchRay Cluster node"
+        ) from None
+
+
 def decode(
     samples,
     vae,
@@ -161,6 +179,8 @@ def decode(
     except UnsupportedVaeError as exc:
         return Result(cv.stock_decode(vae, samples), _fallback_note(exc, "decode"))
     _check_samples(spec, z, config.num_ranks, mode)
+    if mode == "tile-runs":
+        plan = _tile_plan(spec, z, config.num_ranks, plan)
     dtype = cv.resolve_dtype(precision, vae)
     with rank_errors_for_user():
         report = decode_report(

@@ -237,6 +237,19 @@ def test_bad_latents_get_one_message_in_node_terms_before_any_rank_starts(z, exp
     assert ranks._current is before, "no cluster was started (nothing was shipped)"
 
 
+def test_a_tile_plan_for_another_rank_count_is_refused_before_any_rank_starts():
+    from patchray.distributed.cluster import ranks
+    from patchray.nodes.planner import PatchRayTilePlanner
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    plan = PatchRayTilePlanner.execute(family="kl", width=128, height=512, frames=1, ranks=2, choice="coarse").args[0]
+    before = ranks._current
+    with pytest.raises(ValueError, match=r"'plan' was made for 2 ranks but 'cluster' has 3.*Tile Planner"):
+        PatchRayVAEDecode.execute(samples={"samples": torch.randn(1, 4, 64, 16)}, vae=_kl_vae(4), cluster=_untouched_cluster(),
+                                  mode="tile-runs", precision="fp32", gn_sync=False, plan=plan)
+    assert ranks._current is before
+
+
 def test_an_image_too_small_to_encode_on_the_ranks_is_refused_before_any_rank_starts():
     from patchray.distributed.cluster import ranks
     from patchray.nodes.vae import PatchRayVAEEncode
