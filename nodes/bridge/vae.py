@@ -17,6 +17,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable, NamedTuple, Optional
 
@@ -150,6 +151,18 @@ def _tile_plan(spec, z: torch.Tensor, num_ranks: int, plan):
         ) from None
 
 
+@contextlib.contextmanager
+def _out_of_memory_hint(config):
+    """When even the smallest row-tiled decode ran out of memory: the same error, with what the user can change."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        raise torch.OutOfMemoryError(
+            f"{_DECODE}: {exc}. Decode fewer frames or a smaller image per call, add GPUs (num_ranks on the PatchRay "
+            f"Cluster node, now {config.num_ranks}), or set 'precision' to bf16"
+        ) from exc
+
+
 def decode(
     samples,
     vae,
@@ -182,7 +195,7 @@ def decode(
     if mode == "tile-runs":
         plan = _tile_plan(spec, z, config.num_ranks, plan)
     dtype = cv.resolve_dtype(precision, vae)
-    with rank_errors_for_user():
+    with _out_of_memory_hint(config), rank_errors_for_user():
         report = decode_report(
             get_cluster(config),
             spec,
