@@ -22,9 +22,19 @@ def _precision_input():
 
 
 def _output(result: "bridge_vae.Result") -> io.NodeOutput:
-    if result.fallback_note is None:
+    if result.note is None:
         return io.NodeOutput(result.value)
-    return io.NodeOutput(result.value, ui=ui.PreviewText(result.fallback_note))
+    return io.NodeOutput(result.value, ui=ui.PreviewText(result.note))
+
+
+def _progress():
+    """ComfyUI's progress bar for the running node, advanced per stage by the ranks (None outside ComfyUI)."""
+    return progress_callback(1)
+
+
+def _finish(progress) -> None:
+    if progress is not None:
+        progress(1, 1)
 
 
 class PatchRayVAEDecode(io.ComfyNode):
@@ -37,7 +47,8 @@ class PatchRayVAEDecode(io.ComfyNode):
             description=(
                 "Decodes a latent across the cluster's ranks. row: each rank decodes a band of rows and exchanges halos, "
                 "so the image equals the single-GPU decode. tile-runs: ranks decode runs of whole tiles blended at the seams. "
-                "A VAE family PatchRay cannot shard falls back to ComfyUI's own decode, with a warning on the node."
+                "A VAE family PatchRay cannot shard falls back to ComfyUI's own decode, with a note on the node; a rank that runs "
+                "out of memory makes the decode retry in row-tiled mode (smaller pieces), also noted on the node."
             ),
             inputs=[
                 io.Latent.Input("samples", tooltip="The latent to decode (from a sampler or an Empty Latent node)."),
@@ -62,10 +73,9 @@ class PatchRayVAEDecode(io.ComfyNode):
 
     @classmethod
     def execute(cls, samples, vae, cluster, mode="auto", precision="auto", gn_sync=False, plan=None) -> io.NodeOutput:
-        progress = progress_callback(1)
-        result = bridge_vae.decode(samples, vae, cluster, mode, precision, gn_sync, plan, cancel_check=interrupt_check())
-        if progress is not None:
-            progress(1)
+        progress = _progress()
+        result = bridge_vae.decode(samples, vae, cluster, mode, precision, gn_sync, plan, cancel_check=interrupt_check(), progress=progress)
+        _finish(progress)
         return _output(result)
 
 
@@ -91,4 +101,7 @@ class PatchRayVAEEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, pixels, vae, cluster, precision="auto") -> io.NodeOutput:
-        return _output(bridge_vae.encode(pixels, vae, cluster, precision, cancel_check=interrupt_check()))
+        progress = _progress()
+        result = bridge_vae.encode(pixels, vae, cluster, precision, cancel_check=interrupt_check(), progress=progress)
+        _finish(progress)
+        return _output(result)

@@ -28,6 +28,7 @@ from .. import comm
 from ..context import ParallelContext
 from .errors import ClusterSetupError
 from .imports import resolve_fn
+from .memory import memory_cap
 from .ray_setup import package_versions
 
 __all__ = ["rank_cache", "report_progress"]
@@ -56,8 +57,9 @@ def report_progress(done: int, total: int) -> None:
 class _RankActor:
     """Hosts one rank. Methods are called by :class:`RankCluster` only."""
 
-    def __init__(self, rank: int, world_size: int, device_kind: str):
+    def __init__(self, rank: int, world_size: int, device_kind: str, rank_memory_mb: Optional[float] = None):
         self.rank, self.world_size, self.device_kind = rank, world_size, device_kind
+        self.rank_memory_mb = rank_memory_mb
         self.ctx: Optional[ParallelContext] = None
         self._store = None
         if device_kind == "cpu":
@@ -128,7 +130,8 @@ class _RankActor:
             raise ClusterSetupError(f"rank {self.rank}: process group not initialised")
         fn = resolve_fn(fn)
         try:
-            return fn(self.ctx, *args, **kwargs)
+            with memory_cap(self.rank_memory_mb, self.ctx.device, self.rank):
+                return fn(self.ctx, *args, **kwargs)
         finally:
             # reset when a call ends (its figure starts at 0 on a new actor): the driver's first poll of the next
             # call may run before that call starts, and must not see this call's figure

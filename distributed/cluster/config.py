@@ -32,6 +32,9 @@ class ClusterConfig:
         dashboard: start Ray's dashboard (embedded mode only; off by default, bound to 127.0.0.1 when on).
         gpu_ids: embedded mode only: the physical GPUs the ranks may use (one per rank, e.g. ``(1, 2)``);
             empty lets Ray pick. The embedded Ray is started seeing only these GPUs.
+        rank_memory_mb: a cap on what one call may allocate on each rank beyond what the rank already held
+            (``None``: no cap). Past it the rank raises ``torch.OutOfMemoryError``, as a full GPU does; see
+            ``memory.py``. For sharing a GPU with other work, and for exercising out-of-memory recovery on CPU ranks.
 
     Example:
         >>> cfg = ClusterConfig(num_ranks=2, device="cpu")
@@ -48,6 +51,7 @@ class ClusterConfig:
     dashboard: bool = False
     gpu_ids: tuple = ()
     connect_timeout_s: float = 30.0
+    rank_memory_mb: Optional[float] = None
 
     def __post_init__(self):
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
@@ -60,6 +64,8 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds (got {value!r})")
+        if self.rank_memory_mb is not None and (not isinstance(self.rank_memory_mb, (int, float)) or self.rank_memory_mb <= 0):
+            raise ValueError(f"rank_memory_mb must be a positive number of MiB or None (got {self.rank_memory_mb!r})")
         object.__setattr__(self, "extra_pythonpath", tuple(self.extra_pythonpath))
         object.__setattr__(self, "gpu_ids", tuple(self.gpu_ids))
         if self.gpu_ids:

@@ -51,7 +51,12 @@ def staging_pythonpath() -> str:
     spec = importlib.util.find_spec(CANONICAL)
     if spec is not None and spec.origin and os.path.dirname(os.path.abspath(spec.origin)) == PACK_DIR:
         return ""  # installed (editable or not): the ranks find it in the same site-packages
-    root = os.path.join(tempfile.gettempdir(), f"patchray-import-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    # one folder per checkout: two ComfyUI installs (or test runs) of one user must not re-point each other's link
+    # while their ranks start
+    import hashlib
+
+    pack = hashlib.sha1(os.path.realpath(PACK_DIR).encode()).hexdigest()[:12]
+    root = os.path.join(tempfile.gettempdir(), f"patchray-import-{os.getuid() if hasattr(os, 'getuid') else 0}-{pack}")
     os.makedirs(root, exist_ok=True)
     link = os.path.join(root, CANONICAL)
     if not (os.path.islink(link) and os.path.realpath(link) == os.path.realpath(PACK_DIR)):

@@ -168,7 +168,7 @@ class RankCluster:
                 max_concurrency=2,  # a second thread answers ping() while a call runs
                 name=None,
             )
-            self._actors.append(actor_cls.options(**opts).remote(r, n, self.device_kind))
+            self._actors.append(actor_cls.options(**opts).remote(r, n, self.device_kind, cfg.rank_memory_mb))
 
         deadline = time.monotonic() + cfg.init_timeout_s
         cancel = self._cancel_check

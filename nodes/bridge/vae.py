@@ -1,11 +1,23 @@
 """The VAE nodes' one call each: ComfyUI's VAE, LATENT and IMAGE in, the stock nodes' outputs out.
 
-A VAE family PatchRay cannot rebuild as a diffusers model falls back to ComfyUI's own decode/encode; the caller gets
-the reason as a note to show on the node (and it is logged as a warning).
+Design decisions:
+
+* **Refuse in ComfyUI's process, in the node's terms, before any rank starts.** What can be judged from the
+  inputs alone (a latent made by another VAE, too few latent rows for the ranks, NaN or infinite values, an image
+  too small to encode) is checked here, before the cluster is started or a weight is shipped, and the message
+  names the node's inputs (``samples``, ``vae``, ``pixels``, ``mode``) and the PatchRay Cluster node's
+  ``num_ranks``. The library keeps the same checks as its backstop.
+* **A note on the node for everything the user did not ask for.** A VAE PatchRay cannot shard falls back to
+  ComfyUI's own decode/encode; a rank that ran out of memory made the decode retry in row-tiled mode. Either way
+  the output is produced and the node shows why it differs from the request (and it is logged as a warning).
+  The fallback note lists the VAE classes PatchRay shards, read from the layout table.
+* **Progress per stage.** ``progress(done, total)`` receives rank 0's stages (the VAE's top-level blocks, or its
+  frame chunks) through the cluster's progress relay.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable, NamedTuple, Optional
 
@@ -14,22 +26,141 @@ import torch
 from . import convert as cv
 from .errors import rank_errors_for_user
 
-__all__ = ["Result", "decode", "encode"]
+__all__ = ["Result", "decode", "encode", "covered_vaes"]
 
 log = logging.getLogger(__name__)
 
+_DECODE = "PatchRay Distributed VAE Decode"
+_ENCODE = "PatchRay Distributed VAE Encode"
+
 
 class Result(NamedTuple):
-    """What a VAE node returns: the output and, when ComfyUI's own VAE did the work instead, why (else None)."""
+    """What a VAE node returns: the output and, when it differs from what was asked, why (else None)."""
 
     value: object
-    fallback_note: Optional[str]
+    note: Optional[str]
+
+
+def covered_vaes() -> list:
+    """The VAE layouts PatchRay shards, as users name them: every row of the layout table that has a family."""
+    from .vae_layouts import LAYOUTS
+
+    names = []
+    for row in LAYOUTS:
+        if row.family and row.name not in names:
+            names.append(row.name)
+    return names
 
 
 def _fallback_note(exc: Exception, what: str) -> str:
-    msg = f"PatchRay cannot shard this VAE ({exc}); used ComfyUI's own single-device {what} instead."
+    reason = str(exc)
+    covered = "" if "PatchRay covers" in reason else f" PatchRay shards: {', '.join(covered_vaes())}."
+    msg = f"PatchRay cannot shard this VAE ({reason}); used ComfyUI's own single-device {what} instead.{covered}"
     log.warning(msg)
     return msg
+
+
+def _vae_label(spec) -> str:
+    names = covered_vaes_by_family().get(spec.family, [])
+    return names[0] if names else f"{spec.family} VAE"
+
+
+def covered_vaes_by_family() -> dict:
+    from .vae_layouts import LAYOUTS
+
+    out: dict = {}
+    for row in LAYOUTS:
+        if row.family and row.name not in out.setdefault(row.family, []):
+            out[row.family].append(row.name)
+    return out
+
+
+def _cluster_config(cluster_config):
+    from ...distributed.cluster import ClusterConfig
+
+    if not isinstance(cluster_config, ClusterConfig):
+        raise TypeError(f"the cluster input must come from a PatchRay Cluster node (got {type(cluster_config).__name__})")
+    return cluster_config
+
+
+def _refuse_non_finite(node: str, name: str, x: torch.Tensor, what: str) -> None:
+    if bool(torch.isfinite(x).all()):
+        return
+    nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+    raise ValueError(
+        f"{node}: '{name}' holds {nan} NaN and {inf} infinite value(s) out of {x.numel()}; {what}"
+    )
+
+
+def _check_samples(spec, z: torch.Tensor, num_ranks: int, mode: str) -> None:
+    """The decode's input checks, in the node's terms (see the module docstring)."""
+    from ...distributed.vae.api import MODES, latent_channels
+    from ...distributed.vae.families import get_family
+    from ...distributed.vae.row import row_bands
+
+    if mode not in MODES:
+        raise ValueError(f"{_DECODE}: 'mode' must be one of {', '.join(MODES)} (got {mode!r})")
+    label = _vae_label(spec)
+    fam = get_family(spec.family)
+    want = 5 if fam.is_video else 4
+    if z.dim() != want:
+        kind = "video latents [B, C, T, h, w]" if fam.is_video else "image latents [B, C, h, w]"
+        got = "a video latent" if z.dim() == 5 else "an image latent"
+        raise ValueError(
+            f"{_DECODE}: 'samples' is {got} of shape {tuple(z.shape)}, but 'vae' ({label}) decodes {kind}: "
+            "connect the latent made for this VAE, or load the VAE that made it"
+        )
+    channels = latent_channels(spec)
+    if channels is not None and z.shape[1] != channels:
+        raise ValueError(
+            f"{_DECODE}: 'samples' has {z.shape[1]} latent channels but 'vae' ({label}) takes {channels}: the latent "
+            "was made by another model's VAE; connect the VAE that matches the model (or the latent)"
+        )
+    _refuse_non_finite(
+        _DECODE, "samples", z,
+        "it would decode to a black or broken image. The sampler that made it diverged (often fp16 overflow: "
+        "run the model in bf16 or fp32)",
+    )
+    if mode in ("auto", "row"):
+        rows = int(z.shape[-2])
+        try:
+            row_bands(rows, num_ranks)
+        except ValueError:
+            raise ValueError(
+                f"{_DECODE}: 'samples' has {rows} latent rows, fewer than the {num_ranks} ranks of 'cluster' (row mode "
+                f"gives each rank at least one row): set num_ranks on the PatchRay Cluster node to {rows} or fewer, "
+                "or decode a taller image"
+            ) from None
+
+
+def _tile_plan(spec, z: torch.Tensor, num_ranks: int, plan):
+    """tile-runs' plan, resolved before the cluster starts; refusals name the inputs and widgets."""
+    from ...distributed.vae.api import tile_plan_for
+
+    if plan is not None and int(plan.get("world_size", num_ranks)) != num_ranks:
+        raise ValueError(
+            f"{_DECODE}: 'plan' was made for {plan.get('world_size')} ranks but 'cluster' has {num_ranks}: set ranks on "
+            f"the PatchRay Tile Planner node to {num_ranks} (the PatchRay Cluster node's num_ranks)"
+        )
+    try:
+        return tile_plan_for(spec, z, num_ranks, plan)
+    except ValueError as exc:
+        raise ValueError(
+            f"{_DECODE}: mode 'tile-runs' cannot tile 'samples' for the {num_ranks} ranks of 'cluster' ({exc}); use "
+            "mode 'row' or fewer num_ranks on the PatchRay Cluster node"
+        ) from None
+
+
+@contextlib.contextmanager
+def _out_of_memory_hint(config):
+    """When even the smallest row-tiled decode ran out of memory: the same error, with what the user can change."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        raise torch.OutOfMemoryError(
+            f"{_DECODE}: {exc}. Decode fewer frames or a smaller image per call, add GPUs (num_ranks on the PatchRay "
+            f"Cluster node, now {config.num_ranks}), or set 'precision' to bf16"
+        ) from exc
 
 
 def decode(
@@ -41,46 +172,81 @@ def decode(
     gn_sync: bool = False,
     plan=None,
     cancel_check: Optional[Callable[[], None]] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> Result:
-    """LATENT -> IMAGE ``[N, H, W, 3]`` in 0..1 on the cluster's ranks, like the stock VAE Decode."""
+    """LATENT -> IMAGE ``[N, H, W, 3]`` in 0..1 on the cluster's ranks, like the stock VAE Decode.
+
+    Raises:
+        ValueError / TypeError: inputs that cannot work, before the cluster starts (messages name the inputs).
+        RankFailure: a rank failed (clean message; the trace is chained for the log).
+    """
     from ...distributed.cluster import get_cluster
-    from ...distributed.vae.api import distributed_decode
+    from ...distributed.vae.api import decode_report
     from ...distributed.vae.convert import UnsupportedVaeError
 
     z = cv.latent_tensor(samples)
     plan = cv.plan_dict(plan)
+    config = _cluster_config(cluster_config)
     try:
         spec = cv.vae_spec(vae)
     except UnsupportedVaeError as exc:
         return Result(cv.stock_decode(vae, samples), _fallback_note(exc, "decode"))
-    with rank_errors_for_user():
-        x = distributed_decode(
-            get_cluster(cluster_config),
+    _check_samples(spec, z, config.num_ranks, mode)
+    if mode == "tile-runs":
+        plan = _tile_plan(spec, z, config.num_ranks, plan)
+    dtype = cv.resolve_dtype(precision, vae)
+    with _out_of_memory_hint(config), rank_errors_for_user():
+        report = decode_report(
+            get_cluster(config),
             spec,
             z,
             mode=mode,
             plan=plan,
-            dtype=cv.resolve_dtype(precision, vae),
+            dtype=dtype,
             gn_sync=bool(gn_sync),
             cancel_check=cancel_check,
+            progress=progress,
+            on_oom="row-tiled",
         )
-    return Result(cv.decoded_to_image(x), None)
+    if report.note:
+        log.warning("%s: %s", _DECODE, report.note)
+    return Result(cv.decoded_to_image(report.sample), report.note)
 
 
-def encode(pixels, vae, cluster_config, precision: str = "auto", cancel_check: Optional[Callable[[], None]] = None) -> Result:
+def encode(
+    pixels,
+    vae,
+    cluster_config,
+    precision: str = "auto",
+    cancel_check: Optional[Callable[[], None]] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> Result:
     """IMAGE -> LATENT ``{"samples": mean}`` on the cluster's ranks, like the stock VAE Encode."""
     from ...distributed.cluster import get_cluster
     from ...distributed.vae.api import distributed_encode
     from ...distributed.vae.convert import UnsupportedVaeError
     from ...distributed.vae.families import get_family
+    from ...distributed.vae.row import check_encode_input
 
+    config = _cluster_config(cluster_config)
     try:
         spec = cv.vae_spec(vae)
     except UnsupportedVaeError as exc:
         return Result({"samples": cv.stock_encode(vae, pixels)}, _fallback_note(exc, "encode"))
-    x = cv.image_to_sample(pixels, cv.spatial_ratio(spec), get_family(spec.family).is_video)
+    try:
+        x = cv.image_to_sample(pixels, cv.spatial_ratio(spec), get_family(spec.family).is_video)
+    except ValueError as exc:
+        raise ValueError(f"{_ENCODE}: 'pixels': {exc}") from None
+    _refuse_non_finite(_ENCODE, "pixels", x, "the image is broken upstream (a node that produced it diverged)")
+    try:
+        check_encode_input(spec.family, x, int((spec.config or {}).get("in_channels", 3)), config.num_ranks)
+    except ValueError as exc:
+        raise ValueError(
+            f"{_ENCODE}: 'pixels' cannot be encoded on the {config.num_ranks} ranks of 'cluster': {exc} (num_ranks is "
+            "set on the PatchRay Cluster node)"
+        ) from None
     with rank_errors_for_user():
         z: torch.Tensor = distributed_encode(
-            get_cluster(cluster_config), spec, x, dtype=cv.resolve_dtype(precision, vae), cancel_check=cancel_check
+            get_cluster(config), spec, x, dtype=cv.resolve_dtype(precision, vae), cancel_check=cancel_check, progress=progress
         )
     return Result({"samples": z}, None)

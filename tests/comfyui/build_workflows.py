@@ -80,6 +80,49 @@ def _nodes_bench():
     }
 
 
+def _video_round_trip(vae_loader: tuple, vae_slot: int, width: int, height: int, frames: int, prefix: str, fps: float):
+    """Image -> frames -> PatchRay encode -> PatchRay decode (auto mode) -> animated WEBP, with a stock VAE loader.
+
+    The encode stands in for a sampler: users connect their sampler's LATENT to the decode's ``samples``.
+    """
+    return {
+        1: ("LoadImage", {"image": "example.png"}),
+        2: ("ImageScale", {"image": (1, 0), "upscale_method": "lanczos", "width": width, "height": height, "crop": "center"}),
+        3: ("RepeatImageBatch", {"image": (2, 0), "amount": frames}),
+        4: vae_loader,
+        5: CLUSTER,
+        6: ("PatchRayVAEEncode", {"pixels": (3, 0), "vae": (4, vae_slot), "cluster": (5, 0), "precision": "auto"}),
+        7: ("PatchRayVAEDecode", {"samples": (6, 0), "vae": (4, vae_slot), "cluster": (5, 0), "mode": "auto", "precision": "auto",
+                                  "gn_sync": False}),
+        8: ("SaveAnimatedWEBP", {"images": (7, 0), "filename_prefix": prefix, "fps": fps, "lossless": False, "quality": 85,
+                                 "method": "default"}),
+    }
+
+
+def _nodes_wan22():
+    # Wan 2.2 TI2V 5B's own size and length (ComfyUI's template): 1280x704, 121 frames at 24 fps
+    return _video_round_trip(("VAELoader", {"vae_name": "wan2.2_vae.safetensors"}), 0, 1280, 704, 121, "PatchRay_wan22", 24.0)
+
+
+def _nodes_hunyuan_video():
+    # HunyuanVideo's template size and length: 848x480, 73 frames at 24 fps
+    return _video_round_trip(("VAELoader", {"vae_name": "hunyuan_video_vae_bf16.safetensors"}), 0, 848, 480, 73,
+                             "PatchRay_hunyuan_video", 24.0)
+
+
+def _nodes_ltxv():
+    # LTX-Video's VAE ships inside its checkpoint: the checkpoint loader's third output; template size 768x512, 97 frames
+    return _video_round_trip(("CheckpointLoaderSimple", {"ckpt_name": "ltx-video-2b-v0.9.safetensors"}), 2, 768, 512, 97,
+                             "PatchRay_ltxv", 24.0)
+
+
+_VIDEO_NOTE_TAIL = (
+    "\n\n*Load Image -> Repeat* and **Distributed VAE Encode** stand in for a sampler: connect your sampler's LATENT to "
+    "the decode's `samples`. Mode *auto* decodes in exact row mode (each rank a band of rows, halos and statistics "
+    "exchanged); if a rank runs out of memory the node retries in row-tiled mode and says so on the node. A VAE this "
+    "PatchRay version cannot shard is decoded by ComfyUI's own decode, with a note on the node listing what PatchRay covers."
+)
+
 NOTES = {
     "sdxl_otil_txt2img": (
         "## PatchRay: SDXL text-to-image, OTIL patch-parallel sampling and a distributed decode\n\n"
@@ -117,12 +160,40 @@ NOTES = {
     ),
 }
 
+NOTES.update({
+    "wan22_video_decode": (
+        "## PatchRay: Wan 2.2 video VAE, distributed decode\n\n"
+        "Wan 2.2's VAE (48 latent channels, 16x spatial, used by the TI2V 5B model) at 1280x704, 121 frames, on the ranks "
+        "of **PatchRay Cluster**." + _VIDEO_NOTE_TAIL + "\n\n"
+        "**Download** [wan2.2_vae.safetensors](https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/"
+        "split_files/vae/wan2.2_vae.safetensors) and put it in `ComfyUI/models/vae/wan2.2_vae.safetensors`."
+    ),
+    "hunyuan_video_decode": (
+        "## PatchRay: HunyuanVideo VAE, distributed decode\n\n"
+        "HunyuanVideo's 3-D VAE (16 latent channels, 8x spatial, 4x temporal) at 848x480, 73 frames." + _VIDEO_NOTE_TAIL + "\n\n"
+        "**Download** [hunyuan_video_vae_bf16.safetensors](https://huggingface.co/Comfy-Org/HunyuanVideo_repackaged/resolve/"
+        "main/split_files/vae/hunyuan_video_vae_bf16.safetensors) and put it in "
+        "`ComfyUI/models/vae/hunyuan_video_vae_bf16.safetensors`."
+    ),
+    "ltxv_video_decode": (
+        "## PatchRay: LTX-Video VAE, distributed decode\n\n"
+        "LTX-Video's VAE (128 latent channels, 32x spatial, 8x temporal) at 768x512, 97 frames. Its VAE ships inside the "
+        "model checkpoint: **Load Checkpoint**'s VAE output feeds the PatchRay nodes." + _VIDEO_NOTE_TAIL + "\n\n"
+        "**Download** [ltx-video-2b-v0.9.safetensors](https://huggingface.co/Lightricks/LTX-Video/resolve/main/"
+        "ltx-video-2b-v0.9.safetensors) (or a later LTX-Video checkpoint, then pick it in Load Checkpoint) and put it in "
+        "`ComfyUI/models/checkpoints/`."
+    ),
+})
+
 WORKFLOWS = {
     "sdxl_otil_txt2img": _nodes_sdxl,
     "flux_distributed_decode": _nodes_flux,
     "wan_video_row_decode": _nodes_wan,
     "topology_probe": _nodes_topology,
     "vae_benchmark": _nodes_bench,
+    "wan22_video_decode": _nodes_wan22,
+    "hunyuan_video_decode": _nodes_hunyuan_video,
+    "ltxv_video_decode": _nodes_ltxv,
 }
 
 

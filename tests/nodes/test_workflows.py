@@ -14,7 +14,15 @@ from workflow_tools import VIRTUAL, min_node_size, node_info, overlaps, ui_to_ap
 NAMES = ["sdxl_otil_txt2img", "flux_distributed_decode", "wan_video_row_decode", "topology_probe", "vae_benchmark"]
 #: every UI-format workflow shipped, whoever added it
 SHIPPED = sorted(p.name[: -len(".json")] for p in (ROOT / "workflows").glob("*.json") if not p.name.endswith(".api.json"))
+# video decodes: stock loader -> PatchRay decode, with the file users download (ComfyUI's own template names) and its folder
+VIDEO_DECODES = {
+    "wan22_video_decode": ("wan2.2_vae.safetensors", "models/vae/"),
+    "hunyuan_video_decode": ("hunyuan_video_vae_bf16.safetensors", "models/vae/"),
+    "ltxv_video_decode": ("ltx-video-2b-v0.9.safetensors", "models/checkpoints/"),
+}
+NAMES += list(VIDEO_DECODES)
 MODEL_FILES = {"sd_xl_base_1.0.safetensors", "sdxl_vae.safetensors", "ae.safetensors", "wan_2.1_vae.safetensors"}
+MODEL_FILES |= {f for f, _ in VIDEO_DECODES.values()}
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +107,17 @@ def test_the_overlap_check_sees_a_title_bar_under_a_node():
     assert overlaps({"nodes": [a, b]}) == [(1, 2)]
     b["pos"] = [0, 360]
     assert overlaps({"nodes": [a, b]}) == [] and overlaps({"nodes": [a, b]}, margin=20) == [(1, 2)]
+
+
+@pytest.mark.parametrize("name", list(VIDEO_DECODES))
+def test_video_decode_workflows_load_the_vae_with_a_stock_loader_and_say_where_the_file_goes(name):
+    ui, api = _load(name)
+    filename, folder = VIDEO_DECODES[name]
+    loaders = [n for n in api.values() if n["class_type"] in ("VAELoader", "CheckpointLoaderSimple")]
+    assert [n["inputs"].get("vae_name", n["inputs"].get("ckpt_name")) for n in loaders] == [filename]
+    decode = [n for n in api.values() if n["class_type"] == "PatchRayVAEDecode"]
+    assert len(decode) == 1
+    vae_src = api[decode[0]["inputs"]["vae"][0]]
+    assert vae_src is loaders[0]
+    note = next(n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "MarkdownNote")
+    assert filename in note and folder in note and "https://huggingface.co/" in note
