@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from . import convert as cv
+from . import validate
 from .errors import rank_errors_for_user
 
 __all__ = ["Result", "decode", "encode", "covered_vaes"]
@@ -192,6 +193,11 @@ def decode(
     except UnsupportedVaeError as exc:
         return Result(cv.stock_decode(vae, samples), _fallback_note(exc, "decode"))
     _check_samples(spec, z, config.num_ranks, mode)
+    unused = validate.plan_use_note(mode, plan)
+    if unused:
+        plan = None
+    else:
+        validate.plan_for_latent(plan, z.shape, cv.spatial_ratio(spec))
     if mode == "tile-runs":
         plan = _tile_plan(spec, z, config.num_ranks, plan)
     dtype = cv.resolve_dtype(precision, vae)
@@ -208,9 +214,10 @@ def decode(
             progress=progress,
             on_oom="row-tiled",
         )
-    if report.note:
-        log.warning("%s: %s", _DECODE, report.note)
-    return Result(cv.decoded_to_image(report.sample), report.note)
+    note = "; ".join(n for n in (unused, report.note) if n) or None
+    if note:
+        log.warning("%s: %s", _DECODE, note)
+    return Result(cv.decoded_to_image(report.sample), note)
 
 
 def encode(

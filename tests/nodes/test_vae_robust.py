@@ -273,3 +273,30 @@ def test_the_fallback_note_lists_the_vaes_patchray_shards():
     covered = {row.name for row in LAYOUTS if row.family}
     assert covered and all(name in note for name in covered)
     assert not any(row.name in note.split("PatchRay shards:")[-1] for row in LAYOUTS if not row.family)
+
+
+def test_a_tile_plan_for_another_image_size_is_refused_before_any_rank_starts():
+    from patchray.distributed.cluster import ranks
+    from patchray.nodes.planner import PatchRayTilePlanner
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    plan = PatchRayTilePlanner.execute(family="kl", width=128, height=512, frames=1, ranks=3, choice="coarse").args[0]
+    before = ranks._current
+    # the latent decodes to 128 x 256 px (ratio 8): the plan's 128 x 512 cannot tile it
+    with pytest.raises(ValueError, match=r"plan was made for 128x512 px.*decodes to 128x256 px.*height to 256"):
+        PatchRayVAEDecode.execute(samples={"samples": torch.randn(1, 4, 32, 16)}, vae=_kl_vae(4), cluster=_untouched_cluster(),
+                                  mode="tile-runs", precision="fp32", gn_sync=False, plan=plan)
+    assert ranks._current is before
+
+
+def test_a_plan_wired_into_row_mode_is_reported_unused_not_silently_dropped(capped, vae8):
+    from patchray.nodes.planner import PatchRayTilePlanner
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    # a plan of a size this latent does not have: row mode must neither use nor refuse it, only say so
+    plan = PatchRayTilePlanner.execute(family="kl", width=128, height=512, frames=1, ranks=2, choice="coarse").args[0]
+    z = torch.randn(1, 4, 8, 16, generator=torch.Generator().manual_seed(3))
+    out = PatchRayVAEDecode.execute(samples={"samples": z}, vae=vae8, cluster=capped, mode="row", precision="fp32", gn_sync=False, plan=plan)
+    assert "plan is unused" in out.ui.value
+    # fp32 row mode is exact up to reassociation: within one 8-bit level of the one-process decode
+    assert (out.args[0] - vae8.decode(z)).abs().max() <= 1 / 255
