@@ -759,12 +759,27 @@ class SequenceAttentionStyle(Style):
                 before, after = _replicated(lq - shards.counts[state.ctx.rank] + shards.total, shards.total, text, path)
             return attn(q, k, v, sdpa, layout="BHLD", before=before, after=after, cross=cross, mask=call.get("attn_mask"), key=path)
 
+        routed = [0]
+
+        def counted_route(*args, **kwargs):
+            routed[0] += 1
+            return route(*args, **kwargs)
+
         def build(prior):
             def forward(*args, **kwargs):
                 if state.ctx.world_size == 1:
                     return prior(*args, **kwargs)
-                with _SdpaRoute(route):
-                    return prior(*args, **kwargs)
+                routed[0] = 0
+                with _SdpaRoute(counted_route):
+                    out = prior(*args, **kwargs)
+                if not routed[0]:
+                    # its tokens would have attended to this rank's keys only: a wrong result, not a slow one
+                    raise NotImplementedError(
+                        f"{path}: {type(module).__name__} computed attention without F.scaled_dot_product_attention "
+                        f"(another attention backend, e.g. flash or sage); sequence parallelism needs diffusers' native "
+                        f"backend for this model"
+                    )
+                return out
 
             return forward
 

@@ -35,7 +35,7 @@ def _leftovers(model):
     return left
 
 
-def _family_task(ctx, families, modes):
+def _family_task(ctx, families, modes, extras=False):
     from patchray.distributed.comm import log_comm
     from patchray.distributed.sampling.dit import parallelize_dit
 
@@ -66,8 +66,9 @@ def _family_task(ctx, families, modes):
                 "state_dict_same": all(torch.equal(state[k], v) for k, v in model.state_dict().items()),
                 "traffic": dict(handle.traffic.bytes),
             }
-    if "wan" in families:
+    if extras:
         res["displaced"] = _displaced_loop(ctx)
+        res["backend"] = _backend_task(ctx)
     return res
 
 
@@ -99,7 +100,7 @@ def _displaced_loop(ctx, steps=3):
 
 @functools.lru_cache(maxsize=None)
 def _results(n):
-    return run_ranks(_family_task, n, FAMILIES, ("gathered", "ulysses"))
+    return run_ranks(_family_task, n, FAMILIES, ("gathered", "ulysses"), extras=n == 2)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -198,3 +199,36 @@ def test_step_cost_is_what_the_link_model_reads_from_counted_bytes():
     assert step_cost(flux, 2, "gathered")["wire_bytes"] == 57 * 2 * 2048 * 3072 * 2 + 2048 * 64 * 2
     # at N = 2 auto keeps gathered (same bytes, fewer messages); at N = 4 Ulysses sends half
     assert step_cost(flux, 2, "auto")["mode"] == "gathered" and step_cost(flux, 4, "auto", link="pcie4_x16_no_p2p")["mode"] == "ulysses"
+
+
+class _HandWrittenAttention:
+    """An attention processor that computes softmax(q k^T) v itself (as flash/sage kernels do, outside SDPA)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        ctx = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        q, k, v = attn.to_q(hidden_states), attn.to_k(ctx), attn.to_v(ctx)
+        w = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        return attn.to_out[0](w @ v)
+
+
+def _backend_task(ctx):
+    from patchray.distributed.sampling.dit import parallelize_dit
+
+    model, inputs = build("ltx-video")
+    for block in model.transformer_blocks:
+        block.attn1.processor = _HandWrittenAttention()
+    handle = parallelize_dit(model, ctx, mode="gathered")
+    try:
+        with torch.no_grad():
+            model(**inputs)
+        return "accepted"
+    except NotImplementedError as e:
+        return str(e)
+    finally:
+        handle.remove()
+
+
+def test_an_attention_backend_that_bypasses_sdpa_is_refused():
+    for res in _results(2):
+        msg = res["backend"]
+        assert "native" in msg and "attn1" in msg, msg
