@@ -5,7 +5,8 @@ A diffusers-style flow-matching Euler loop with classifier-free guidance runs on
 
 * CFG-parallel on 2 ranks (cond on one, uncond on the other, one exchange per step);
 * batch-parallel on 2 ranks with an uneven batch of 3 latents (2 + 1);
-* composed on 4 ranks: 2 CFG groups x 2 sequence-parallel ranks (gathered and Ulysses attention).
+* composed on 4 ranks: 2 CFG groups x 2 sequence-parallel ranks (gathered and Ulysses attention);
+* and, in the same 4-rank run, one forward sequence-parallel over all 4 ranks (bands 2, 2, 2, 1).
 
 Every final latent equals the serial one to 1e-5 relative L2 (fp32: each item's model call computes the same
 arithmetic as the serial call, except for the key order inside the sequence-parallel softmax; three steps do not
@@ -140,6 +141,14 @@ def _composed_task(ctx, modes):
         res[mode] = {"err": _rel(got, want), "plan": (plan.cfg_groups, plan.sequence), "bytes": dict(log.bytes),
                      "kv": handle.traffic.bytes["kv"]}
     groups.close()
+    # sequence parallelism over all 4 ranks (7 token rows: bands 2, 2, 2, 1), one forward, 4 heads for Ulysses
+    model, inputs = build("wan", heads=4)
+    ref = model(**inputs, return_dict=False)[0]
+    for mode in ("gathered", "ulysses"):
+        handle = parallelize_dit(model, ctx, mode=mode)
+        out = model(**inputs, return_dict=False)[0]
+        res[("seq4", mode)] = {"err": _rel(out, ref), "rows": handle.state.shards.row_sizes}
+        handle.remove()
     return res
 
 
@@ -178,3 +187,10 @@ def test_two_cfg_groups_of_two_sequence_ranks_equal_the_serial_loop(mode):
         assert r["plan"] == (2, 2) and r["err"] <= TOL, (rank, mode, r)
         assert r["kv"] > 0, r  # the sequence ranks did exchange attention
         assert set(r["bytes"]) >= {"all_gather"}, r
+
+
+@pytest.mark.parametrize("mode", ["gathered", "ulysses"])
+def test_four_sequence_ranks_with_uneven_bands_equal_the_stock_forward(mode):
+    for rank, res in enumerate(_composed()):
+        r = res[("seq4", mode)]
+        assert r["rows"] == (2, 2, 2, 1) and r["err"] <= TOL, (rank, mode, r)
