@@ -45,6 +45,7 @@ def test_plan_split_decides_groups_and_notes():
     assert (b.cfg_groups, b.batch_groups, b.sequence) == (1, 2, 2)
     assert plan_split(8, cfg_scale=3.0, batch=4, batch_parallel=True).groups == 8
     assert assign_items(3, 2) == ((0, 1), (2,)) and assign_items(2, 2) == ((0,), (1,))
+    assert assign_items(1, 2, allow_empty=True) == ((0,), ())
     with pytest.raises(ValueError, match="fewer groups"):
         assign_items(1, 2)
 
@@ -118,6 +119,13 @@ def _two_rank_task(ctx):
 
     got = _loop(model, x, pos, neg, batch_eval, cfg=1.0)
     res["batch"] = {"err": _rel(got, want), "plan": (plan.cfg_groups, plan.batch_groups), "note": plan.note}
+    # one item over two groups (a sampler step that evaluates only the positive prompt): the second group idles
+    from patchray.distributed.sampling.split import evaluate_split
+
+    item = torch.arange(6.0).view(2, 3)
+    one = evaluate_split(lambda items: item.new_zeros((0, 2, 3)) if not items else item[None] + ctx.rank, 1,
+                         groups.layout, allow_empty=True)
+    res["one_item"] = one
     groups.close()
     return res
 
@@ -178,6 +186,8 @@ def test_batch_parallel_splits_an_uneven_batch_and_equals_the_serial_loop():
         r = res["batch"]
         assert r["plan"] == (1, 2) and "CFG is 1" in r["note"], r
         assert r["err"] <= TOL, (rank, r)
+        # the item came from group 0 (rank 0 added 0): every rank holds rank 0's result
+        assert torch.equal(res["one_item"], torch.arange(6.0).view(1, 2, 3)), res["one_item"]
 
 
 @pytest.mark.parametrize("mode", ["gathered", "ulysses"])
