@@ -251,9 +251,10 @@ def _check_latent(spec: VaeSpec, z: torch.Tensor, world_size: int, mode: str) ->
 
 def _check_input(spec: VaeSpec, x: torch.Tensor, world_size: int) -> None:
     """The ranks' encode-input checks (``row.check_encode_input``), made here before anything is shipped."""
+    from .families import image_channels
     from .row import check_encode_input
 
-    check_encode_input(spec.family, x, int((spec.config or {}).get("in_channels", 3)), world_size)
+    check_encode_input(spec.family, x, image_channels(spec.family, spec.config), world_size)
 
 
 def _latent_frames_hw(spec_family: str, z: torch.Tensor):

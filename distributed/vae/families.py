@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["FamilySpec", "FAMILIES", "build_vae", "latent_shape", "family_of", "resolve_class", "get_family"]
+__all__ = ["FamilySpec", "FAMILIES", "build_vae", "latent_shape", "family_of", "resolve_class", "get_family", "image_channels"]
 
 
 class FamilySpec(NamedTuple):
@@ -33,6 +33,11 @@ class FamilySpec(NamedTuple):
         is_video: whether the VAE takes 5-D ``[B, C, T, H, W]`` inputs (qwen_image does, with ``T == 1``).
         tiny_config: a reduced-width config of the same architecture, for CI.
         full_config: overrides of the class defaults that give the released model's shape.
+        config_match: ``(key, value)`` pairs a model's config must hold for this row to claim it, for families
+            that share a diffusers class (Wan 2.1 and Wan 2.2 are both ``AutoencoderKLWan``): the row with the
+            most matching pairs wins (:func:`family_of`).
+        input_patch: the config's ``in_channels`` counts the input after a ``p x p`` patchify (Wan 2.2: 12 = 3 x 2 x 2);
+            the image itself has ``in_channels // p**2`` channels (:func:`image_channels`).
     """
 
     name: str
@@ -43,6 +48,8 @@ class FamilySpec(NamedTuple):
     is_video: bool
     tiny_config: dict
     full_config: dict
+    config_match: tuple = ()
+    input_patch: int = 1
 
 
 _KL_FULL = dict(
@@ -56,6 +63,34 @@ _KL_FULL = dict(
     use_quant_conv=False,
     use_post_quant_conv=False,
     sample_size=1024,
+)
+
+#: Wan 2.2 (the TI2V-5B model's VAE): 2x2 patchify to 12 channels, residual up/down blocks, 16x spatial
+_WAN22_FULL = dict(
+    base_dim=160,
+    decoder_base_dim=256,
+    z_dim=48,
+    is_residual=True,
+    in_channels=12,
+    out_channels=12,
+    patch_size=2,
+    scale_factor_temporal=4,
+    scale_factor_spatial=16,
+)
+
+_VIDEO_ROWS = (
+    FamilySpec(
+        "wan22",
+        "AutoencoderKLWan",
+        16,
+        4,
+        48,
+        True,
+        tiny_config=dict(_WAN22_FULL, base_dim=8, decoder_base_dim=8, z_dim=8, num_res_blocks=1),
+        full_config=_WAN22_FULL,
+        config_match=(("is_residual", True),),
+        input_patch=2,
+    ),
 )
 
 FAMILIES: dict = {
@@ -138,6 +173,8 @@ FAMILIES: dict = {
             ),
             full_config={},
         ),
+        # --- Wan 2.2 and LTX-Video (rebuilt from ComfyUI's classes by nodes/bridge/vae_layouts/{wan,ltx}.py)
+        *_VIDEO_ROWS,
     )
 }
 
@@ -225,6 +262,12 @@ def latent_shape(family: str, height: int, width: int, frames: int = 1, batch: i
     return (batch, channels, (frames - 1) // spec.temporal_ratio + 1, h, w)
 
 
+def image_channels(family: str, config: Optional[dict]) -> int:
+    """Channels of the image/video the VAE of ``family`` with ``config`` encodes (3 unless the config says)."""
+    spec = get_family(family)
+    return int((config or {}).get("in_channels", 3 * spec.input_patch**2)) // spec.input_patch**2
+
+
 def _tiny_latent_channels(spec: FamilySpec) -> int:
     for key in ("latent_channels", "z_dim"):
         if key in spec.tiny_config:
@@ -239,9 +282,15 @@ def family_of(vae) -> str:
         ValueError: for a VAE class no family covers; the message lists the known families.
     """
     name = type(vae).__name__
+    config = getattr(vae, "config", None) or {}
+    best = None
     for spec in FAMILIES.values():
-        if spec.diffusers_class == name:
-            return spec.name
+        if spec.diffusers_class != name or any(config.get(k) != v for k, v in spec.config_match):
+            continue
+        if best is None or len(spec.config_match) > len(best.config_match):
+            best = spec
+    if best is not None:
+        return best.name
     raise ValueError(
         f"no PatchRay VAE family covers {name}; known families: "
         + ", ".join(f"{s.name} ({s.diffusers_class})" for s in FAMILIES.values())

@@ -29,7 +29,7 @@ from ..parallel.conv import HaloConv, HaloPadThenConv, HaloPaddedCausalConv, Hal
 from ..parallel.bands import row_bands
 from ..parallel.groupnorm import ShardedGroupNorm
 from ..parallel.plan import Applied, ClaimedOnly, RowLocal, RowState, apply_plan, undo_all
-from .families import FAMILIES, family_of, get_family
+from .families import FAMILIES, family_of, get_family, image_channels
 
 __all__ = ["ROW_PLANS", "row_bands", "parallelize_vae", "RowShardHandle", "row_decode", "row_encode", "validate_latent", "check_encode_input"]
 
@@ -140,6 +140,14 @@ ROW_PLANS: Dict[str, dict] = {
         ),
         # the spatial noise injection draws fresh noise per position: not reproducible per band
         "LTX2VideoResnetBlock3d": RowLocal(refuse=("per_channel_scale1", "per_channel_scale2")),
+    },
+    # --- Wan 2.2 and LTX-Video
+    # Wan 2.2: Wan 2.1's layers plus residual up/down blocks whose shortcuts only regroup each 2x2 (x2 frames) cell
+    # into channels (AvgDown3D averages, DupUp3D repeats): row-local because every band starts on an even row at
+    # every level (bands are whole latent rows, 16 pixel rows); the patchify/unpatchify of the model is the same.
+    "wan22": {
+        **_wan_like("Wan"),
+        **_local("WanResidualDownBlock", "WanResidualUpBlock", "AvgDown3D", "DupUp3D"),
     },
 }
 # backstop, not the guard: an import-time check of the two tables
@@ -350,7 +358,7 @@ def row_encode(vae: nn.Module, x: torch.Tensor, ctx: ParallelContext, *, return_
 
     family = family_of(vae)
     ratio = get_family(family).spatial_ratio
-    bands = check_encode_input(family, x, int(vae.config.get("in_channels", x.shape[1])), ctx.world_size)
+    bands = check_encode_input(family, x, image_channels(family, vae.config), ctx.world_size)
     dtype, device = _param_dtype_device(vae)
     start, stop = bands[ctx.rank]
     with _sharded(vae, ctx, "encoder", _bounds(bands)):
