@@ -101,7 +101,7 @@ def _dtype(dtype) -> torch.dtype:
 
 def _rank_vae(ctx: ParallelContext, spec: VaeSpec, weights: Optional[Mapping[str, torch.Tensor]], dtype: torch.dtype):
     from ..cluster import rank_cache
-    from .families import build_vae, resolve_class
+    from .families import build_vae, instantiate
 
     cache = rank_cache()
     key = ("vae", spec.key, str(dtype), str(ctx.device))
@@ -114,7 +114,7 @@ def _rank_vae(ctx: ParallelContext, spec: VaeSpec, weights: Optional[Mapping[str
         if weights is None:
             raise _NeedWeights(spec.key)
         with torch.device("meta"):
-            vae = resolve_class(spec.family)(**spec.config)
+            vae = instantiate(spec.family, spec.config)
         vae.load_state_dict(dict(weights), assign=True)
         vae = vae.to(device=ctx.device, dtype=dtype).eval()
     # keep one VAE per dtype/device at a time: a new checkpoint replaces the old one

@@ -18,7 +18,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["FamilySpec", "FAMILIES", "build_vae", "latent_shape", "family_of", "resolve_class", "get_family", "image_channels"]
+__all__ = ["FamilySpec", "FAMILIES", "build_vae", "latent_shape", "family_of", "resolve_class", "get_family", "image_channels",
+           "instantiate", "split_options", "OPTIONS"]
 
 
 class FamilySpec(NamedTuple):
@@ -78,6 +79,36 @@ _WAN22_FULL = dict(
     scale_factor_spatial=16,
 )
 
+#: LTX-Video 0.9.5 / 0.9.7 / 0.9.8 (what ComfyUI builds as its VAE "version 2"): space-to-depth encoder, residual
+#: depth-to-space decoder conditioned on the decode timestep; ComfyUI pads the decoder's convolutions by reflection
+#: and hands the decoder latents normalised by the per-channel statistics (options below, see :func:`instantiate`)
+_LTX095_FULL = dict(
+    block_out_channels=(128, 256, 512, 1024, 2048),
+    down_block_types=("LTXVideo095DownBlock3D",) * 4,
+    decoder_block_out_channels=(256, 512, 1024),
+    layers_per_block=(4, 6, 6, 2, 2),
+    decoder_layers_per_block=(5, 5, 5, 5),
+    spatio_temporal_scaling=(True, True, True, True),
+    decoder_spatio_temporal_scaling=(True, True, True),
+    decoder_inject_noise=(False, False, False, False),
+    downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+    upsample_residual=(True, True, True),
+    upsample_factor=(2, 2, 2),
+    timestep_conditioning=True,
+    spatial_compression_ratio=32,
+    temporal_compression_ratio=8,
+    patchray_decoder_padding_mode="reflect",
+    patchray_latents_normalized=True,
+    patchray_decode_timestep=0.05,
+)
+_LTX_TINY = dict(
+    latent_channels=8,
+    block_out_channels=(8, 8, 16, 16, 32),
+    decoder_block_out_channels=(8, 16, 32),
+    layers_per_block=(1, 1, 1, 1, 1),
+    decoder_layers_per_block=(1, 1, 1, 1),
+)
+
 _VIDEO_ROWS = (
     FamilySpec(
         "wan22",
@@ -90,6 +121,16 @@ _VIDEO_ROWS = (
         full_config=_WAN22_FULL,
         config_match=(("is_residual", True),),
         input_patch=2,
+    ),
+    FamilySpec(
+        "ltx_video",
+        "AutoencoderKLLTXVideo",
+        32,
+        8,
+        128,
+        True,
+        tiny_config=dict(_LTX095_FULL, **_LTX_TINY),
+        full_config=_LTX095_FULL,
     ),
 )
 
@@ -179,6 +220,53 @@ FAMILIES: dict = {
 }
 
 
+#: PatchRay's own model options, kept in a family's config next to the diffusers arguments (``patchray_`` keys):
+#: what the host application does around or inside the model that the diffusers class does not express.
+#:
+#: * ``patchray_decoder_padding_mode`` / ``patchray_encoder_padding_mode``: the spatial padding of every convolution
+#:   of that half (``"zeros"``, ``"reflect"``, ``"replicate"``); diffusers' LTX-Video class only builds zeros.
+#: * ``patchray_latents_normalized``: the latent the model decodes (and the mean it encodes to) is normalised by the
+#:   model's ``latents_mean`` / ``latents_std`` buffers, as ComfyUI's LTX-Video VAE does inside ``decode``/``encode``.
+#: * ``patchray_decode_timestep``: the timestep a timestep-conditioned decoder is given (ComfyUI: 0.05).
+OPTIONS = ("patchray_decoder_padding_mode", "patchray_encoder_padding_mode", "patchray_latents_normalized", "patchray_decode_timestep")
+
+
+def split_options(config: Optional[dict]) -> tuple:
+    """``(diffusers keyword arguments, PatchRay options)`` of a family config; unknown ``patchray_`` keys raise."""
+    kwargs, options = {}, {}
+    for key, value in (config or {}).items():
+        if key.startswith("patchray_"):
+            if key not in OPTIONS:
+                raise ValueError(f"unknown PatchRay model option {key!r}; known: {', '.join(OPTIONS)}")
+            options[key] = value
+        else:
+            kwargs[key] = value
+    return kwargs, options
+
+
+def instantiate(family: str, config: Optional[dict]) -> torch.nn.Module:
+    """``diffusers.<class>(**config)`` for ``family``, with the config's PatchRay options applied and recorded.
+
+    The options stay readable as ``vae.config["patchray_..."]`` (diffusers' ``register_to_config``), so the row
+    code and :func:`family_of` see them on the model itself. Builds wherever the current default device is (e.g. the
+    meta device).
+    """
+    kwargs, options = split_options(config)
+    vae = resolve_class(family)(**kwargs)
+    for half in ("decoder", "encoder"):
+        mode = options.get(f"patchray_{half}_padding_mode")
+        if mode is None:
+            continue
+        if mode not in ("zeros", "reflect", "replicate", "circular"):
+            raise ValueError(f"patchray_{half}_padding_mode must be zeros, reflect, replicate or circular (got {mode!r})")
+        for module in getattr(vae, half).modules():
+            if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)):
+                module.padding_mode = mode
+    if options:
+        vae.register_to_config(**options)
+    return vae
+
+
 def get_family(family: str) -> FamilySpec:
     """The table row of ``family``; ``ValueError`` naming the known families otherwise."""
     try:
@@ -228,11 +316,10 @@ def build_vae(
     spec = get_family(family)
     if size not in ("tiny", "full"):
         raise ValueError(f"size must be 'tiny' or 'full' (got {size!r})")
-    cls = resolve_class(family)
     config = spec.tiny_config if size == "tiny" else spec.full_config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vae = cls(**config)
+        vae = instantiate(family, config)
         # diffusers zero-initialises nothing we rely on, but some default inits are degenerate (all-ones norms):
         # a small deterministic perturbation makes every parameter matter in the exactness tests.
         for p in vae.parameters():
