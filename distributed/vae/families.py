@@ -101,6 +101,12 @@ _LTX095_FULL = dict(
     patchray_latents_normalized=True,
     patchray_decode_timestep=0.05,
 )
+#: LTX-Video 0.9.0 (ComfyUI's VAE "version 0"): strided-conv encoder, plain depth-to-space decoder, no timestep
+_LTX090_FULL = dict(
+    timestep_conditioning=False,
+    patchray_decoder_padding_mode="reflect",
+    patchray_latents_normalized=True,
+)
 _LTX_TINY = dict(
     latent_channels=8,
     block_out_channels=(8, 8, 16, 16, 32),
@@ -131,6 +137,20 @@ _VIDEO_ROWS = (
         True,
         tiny_config=dict(_LTX095_FULL, **_LTX_TINY),
         full_config=_LTX095_FULL,
+        config_match=(("timestep_conditioning", True),),
+    ),
+    FamilySpec(
+        "ltx_video_090",
+        "AutoencoderKLLTXVideo",
+        32,
+        8,
+        128,
+        True,
+        tiny_config=dict(_LTX090_FULL, latent_channels=8, block_out_channels=(8, 16, 32, 32),
+                         decoder_block_out_channels=(8, 16, 32, 32), layers_per_block=(1, 1, 1, 1, 1),
+                         decoder_layers_per_block=(1, 1, 1, 1, 1)),
+        full_config=_LTX090_FULL,
+        config_match=(("timestep_conditioning", False),),
     ),
 )
 

@@ -88,6 +88,28 @@ def _wan_like(prefix: str) -> dict:
     }
 
 
+_LTX_PLAN = {
+    **_TORCH_COMMON,
+    **_local(
+        "LTXVideoDecoder3d",
+        "LTXVideoEncoder3d",
+        "LTXVideoMidBlock3d",
+        "LTXVideoUpBlock3d",
+        "LTXVideoDownBlock3D",
+        "LTXVideo095DownBlock3D",
+        "LTXVideoUpsampler3d",
+        "LTXVideoDownsampler3d",
+        "LTXVideoCausalConv3d",
+        "RMSNorm",
+        "LayerNorm",
+        "PixArtAlphaCombinedTimestepSizeEmbeddings",
+        "Timesteps",
+        "TimestepEmbedding",
+    ),
+    "LTXVideoResnetBlock3d": RowLocal(refuse=("per_channel_scale1", "per_channel_scale2")),
+}
+
+
 ROW_PLANS: Dict[str, dict] = {
     "kl": _KL_PLAN,
     "flux2": _KL_PLAN,
@@ -153,27 +175,10 @@ ROW_PLANS: Dict[str, dict] = {
     # halo conv's edge mode), pixel-wise RMS/Layer norms, space<->depth resamplers that regroup each 2x2 cell (bands
     # start on even rows at every level), timestep embeddings with no spatial extent. The 0.9.1 decoder's spatial
     # noise injection draws fresh noise per position: not reproducible per band, refused by name.
-    "ltx_video": {
-        **_TORCH_COMMON,
-        **_local(
-            "LTXVideoDecoder3d",
-            "LTXVideoEncoder3d",
-            "LTXVideoMidBlock3d",
-            "LTXVideoUpBlock3d",
-            "LTXVideoDownBlock3D",
-            "LTXVideo095DownBlock3D",
-            "LTXVideoUpsampler3d",
-            "LTXVideoDownsampler3d",
-            "LTXVideoCausalConv3d",
-            "RMSNorm",
-            "LayerNorm",
-            "PixArtAlphaCombinedTimestepSizeEmbeddings",
-            "Timesteps",
-            "TimestepEmbedding",
-        ),
-        "LTXVideoResnetBlock3d": RowLocal(refuse=("per_channel_scale1", "per_channel_scale2")),
-    },
+    "ltx_video": _LTX_PLAN,
+    "ltx_video_090": _LTX_PLAN,
 }
+
 # backstop, not the guard: an import-time check of the two tables
 assert set(ROW_PLANS) == set(FAMILIES), "every family needs a row plan"
 
