@@ -344,6 +344,9 @@ def build_vae(
         # a small deterministic perturbation makes every parameter matter in the exactness tests.
         for p in vae.parameters():
             p.data.add_(torch.randn_like(p) * 0.02)
+        if vae.config.get("patchray_latents_normalized"):  # the latent statistics matter too (zeros/ones by default)
+            vae.latents_mean.copy_(torch.randn_like(vae.latents_mean) * 0.3)
+            vae.latents_std.copy_(torch.rand_like(vae.latents_std) + 0.5)
     # nn.Module.to: ModelMixin.to warns about modules "to keep in float32", which none of these VAEs has
     return torch.nn.Module.to(vae, device=device, dtype=dtype).eval()
 
