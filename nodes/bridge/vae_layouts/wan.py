@@ -85,7 +85,7 @@ def _wan22_config(sd: Mapping[str, torch.Tensor]) -> dict:
     )
 
 
-def _wan22_key(key: str, num_res_blocks: int) -> str:
+def _wan22_key(key: str) -> str:
     if key in _FIXED:
         return _FIXED[key]
     m = _MIDDLE.match(key)
@@ -112,7 +112,7 @@ def _convert_wan22(sd: Mapping[str, torch.Tensor], **_):
     config = _wan22_config(sd)
     out: Dict[str, torch.Tensor] = {}
     for key, value in sd.items():
-        new = _wan22_key(key, config["num_res_blocks"])
+        new = _wan22_key(key)
         if new in out:
             raise UnsupportedVaeError(f"Wan 2.2 VAE: two weights map to {new}")
         out[new] = value
