@@ -55,6 +55,11 @@ CANONICAL_SHAPES: Dict[str, Tuple[Shape, ...]] = {
     "hunyuan_video_15": (Shape(480, 832, 129), Shape(720, 1280, 129)),
     # landscape 1536x1024 and 1920x1280 (width first), 121 frames, stored height first
     "ltx2": (Shape(1024, 1536, 121), Shape(1280, 1920, 121)),
+    # Wan 2.2 TI2V-5B's 1280x704 and 1920x1088; LTX-Video as LTX-2 (at 32x, 1216x704 is too small for the tile
+    # planner's sixteen-latent tiles on eight ranks; the row-mode memory harness measures it, row_memory.py)
+    "wan22": (Shape(704, 1280, 121), Shape(1088, 1920, 121)),
+    "ltx_video": (Shape(1024, 1536, 121), Shape(1280, 1920, 121)),
+    "ltx_video_090": (Shape(1024, 1536, 121), Shape(1280, 1920, 121)),
 }
 
 #: What ``python -m patchray bench`` runs with no arguments where there is no GPU: the full-size kl

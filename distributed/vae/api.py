@@ -118,7 +118,7 @@ def _dtype(dtype) -> torch.dtype:
 
 def _rank_vae(ctx: ParallelContext, spec: VaeSpec, weights: Optional[Mapping[str, torch.Tensor]], dtype: torch.dtype):
     from ..cluster import rank_cache
-    from .families import build_vae, resolve_class
+    from .families import build_vae, instantiate
 
     cache = rank_cache()
     key = ("vae", spec.key, str(dtype), str(ctx.device))
@@ -131,7 +131,7 @@ def _rank_vae(ctx: ParallelContext, spec: VaeSpec, weights: Optional[Mapping[str
         if weights is None:
             raise _NeedWeights(spec.key)
         with torch.device("meta"):
-            vae = resolve_class(spec.family)(**spec.config)
+            vae = instantiate(spec.family, spec.config)
         vae.load_state_dict(dict(weights), assign=True)
         vae = vae.to(device=ctx.device, dtype=dtype).eval()
     # keep one VAE per dtype/device at a time: a new checkpoint replaces the old one
@@ -341,9 +341,10 @@ def _check_latent(spec: VaeSpec, z: torch.Tensor, world_size: int, mode: str) ->
 
 def _check_input(spec: VaeSpec, x: torch.Tensor, world_size: int) -> None:
     """The ranks' encode-input checks (``row.check_encode_input``), made here before anything is shipped."""
+    from .families import image_channels
     from .row import check_encode_input
 
-    check_encode_input(spec.family, x, int((spec.config or {}).get("in_channels", 3)), world_size)
+    check_encode_input(spec.family, x, image_channels(spec.family, spec.config), world_size)
 
 
 def _latent_frames_hw(spec_family: str, z: torch.Tensor):

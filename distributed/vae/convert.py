@@ -43,8 +43,11 @@ def check_state_dict(class_name: str, config: dict, sd: Mapping[str, torch.Tenso
     cls = getattr(diffusers, class_name, None)
     if cls is None:
         raise UnsupportedVaeError(f"diffusers {diffusers.__version__} has no {class_name}; upgrade diffusers")
+    from .families import split_options
+
+    kwargs, _ = split_options(config)  # PatchRay's own options change no weight
     with torch.device("meta"):
-        model = cls(**config)
+        model = cls(**kwargs)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     have = {k: tuple(v.shape) for k, v in sd.items()}
     missing = sorted(set(want) - set(have))

@@ -18,7 +18,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["FamilySpec", "FAMILIES", "build_vae", "latent_shape", "family_of", "resolve_class", "get_family"]
+__all__ = ["FamilySpec", "FAMILIES", "build_vae", "latent_shape", "family_of", "resolve_class", "get_family", "image_channels",
+           "instantiate", "split_options", "OPTIONS"]
 
 
 class FamilySpec(NamedTuple):
@@ -33,6 +34,11 @@ class FamilySpec(NamedTuple):
         is_video: whether the VAE takes 5-D ``[B, C, T, H, W]`` inputs (qwen_image does, with ``T == 1``).
         tiny_config: a reduced-width config of the same architecture, for CI.
         full_config: overrides of the class defaults that give the released model's shape.
+        config_match: ``(key, value)`` pairs a model's config must hold for this row to claim it, for families
+            that share a diffusers class (Wan 2.1 and Wan 2.2 are both ``AutoencoderKLWan``): the row with the
+            most matching pairs wins (:func:`family_of`).
+        input_patch: the config's ``in_channels`` counts the input after a ``p x p`` patchify (Wan 2.2: 12 = 3 x 2 x 2);
+            the image itself has ``in_channels // p**2`` channels (:func:`image_channels`).
     """
 
     name: str
@@ -43,6 +49,8 @@ class FamilySpec(NamedTuple):
     is_video: bool
     tiny_config: dict
     full_config: dict
+    config_match: tuple = ()
+    input_patch: int = 1
 
 
 _KL_FULL = dict(
@@ -56,6 +64,94 @@ _KL_FULL = dict(
     use_quant_conv=False,
     use_post_quant_conv=False,
     sample_size=1024,
+)
+
+#: Wan 2.2 (the TI2V-5B model's VAE): 2x2 patchify to 12 channels, residual up/down blocks, 16x spatial
+_WAN22_FULL = dict(
+    base_dim=160,
+    decoder_base_dim=256,
+    z_dim=48,
+    is_residual=True,
+    in_channels=12,
+    out_channels=12,
+    patch_size=2,
+    scale_factor_temporal=4,
+    scale_factor_spatial=16,
+)
+
+#: LTX-Video 0.9.5 / 0.9.7 / 0.9.8 (what ComfyUI builds as its VAE "version 2"): space-to-depth encoder, residual
+#: depth-to-space decoder conditioned on the decode timestep; ComfyUI pads the decoder's convolutions by reflection
+#: and hands the decoder latents normalised by the per-channel statistics (options below, see :func:`instantiate`)
+_LTX095_FULL = dict(
+    block_out_channels=(128, 256, 512, 1024, 2048),
+    down_block_types=("LTXVideo095DownBlock3D",) * 4,
+    decoder_block_out_channels=(256, 512, 1024),
+    layers_per_block=(4, 6, 6, 2, 2),
+    decoder_layers_per_block=(5, 5, 5, 5),
+    spatio_temporal_scaling=(True, True, True, True),
+    decoder_spatio_temporal_scaling=(True, True, True),
+    decoder_inject_noise=(False, False, False, False),
+    downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+    upsample_residual=(True, True, True),
+    upsample_factor=(2, 2, 2),
+    timestep_conditioning=True,
+    spatial_compression_ratio=32,
+    temporal_compression_ratio=8,
+    patchray_decoder_padding_mode="reflect",
+    patchray_latents_normalized=True,
+    patchray_decode_timestep=0.05,
+)
+#: LTX-Video 0.9.0 (ComfyUI's VAE "version 0"): strided-conv encoder, plain depth-to-space decoder, no timestep
+_LTX090_FULL = dict(
+    timestep_conditioning=False,
+    patchray_decoder_padding_mode="reflect",
+    patchray_latents_normalized=True,
+)
+_LTX_TINY = dict(
+    latent_channels=8,
+    block_out_channels=(8, 8, 16, 16, 32),
+    decoder_block_out_channels=(8, 16, 32),
+    layers_per_block=(1, 1, 1, 1, 1),
+    decoder_layers_per_block=(1, 1, 1, 1),
+)
+
+_VIDEO_ROWS = (
+    FamilySpec(
+        "wan22",
+        "AutoencoderKLWan",
+        16,
+        4,
+        48,
+        True,
+        tiny_config=dict(_WAN22_FULL, base_dim=8, decoder_base_dim=8, z_dim=8, num_res_blocks=1),
+        full_config=_WAN22_FULL,
+        config_match=(("is_residual", True),),
+        input_patch=2,
+    ),
+    FamilySpec(
+        "ltx_video",
+        "AutoencoderKLLTXVideo",
+        32,
+        8,
+        128,
+        True,
+        tiny_config=dict(_LTX095_FULL, **_LTX_TINY),
+        full_config=_LTX095_FULL,
+        config_match=(("timestep_conditioning", True),),
+    ),
+    FamilySpec(
+        "ltx_video_090",
+        "AutoencoderKLLTXVideo",
+        32,
+        8,
+        128,
+        True,
+        tiny_config=dict(_LTX090_FULL, latent_channels=8, block_out_channels=(8, 16, 32, 32),
+                         decoder_block_out_channels=(8, 16, 32, 32), layers_per_block=(1, 1, 1, 1, 1),
+                         decoder_layers_per_block=(1, 1, 1, 1, 1)),
+        full_config=_LTX090_FULL,
+        config_match=(("timestep_conditioning", False),),
+    ),
 )
 
 FAMILIES: dict = {
@@ -138,8 +234,57 @@ FAMILIES: dict = {
             ),
             full_config={},
         ),
+        # --- Wan 2.2 and LTX-Video (rebuilt from ComfyUI's classes by nodes/bridge/vae_layouts/{wan,ltx}.py)
+        *_VIDEO_ROWS,
     )
 }
+
+
+#: PatchRay's own model options, kept in a family's config next to the diffusers arguments (``patchray_`` keys):
+#: what the host application does around or inside the model that the diffusers class does not express.
+#:
+#: * ``patchray_decoder_padding_mode`` / ``patchray_encoder_padding_mode``: the spatial padding of every convolution
+#:   of that half (``"zeros"``, ``"reflect"``, ``"replicate"``); diffusers' LTX-Video class only builds zeros.
+#: * ``patchray_latents_normalized``: the latent the model decodes (and the mean it encodes to) is normalised by the
+#:   model's ``latents_mean`` / ``latents_std`` buffers, as ComfyUI's LTX-Video VAE does inside ``decode``/``encode``.
+#: * ``patchray_decode_timestep``: the timestep a timestep-conditioned decoder is given (ComfyUI: 0.05).
+OPTIONS = ("patchray_decoder_padding_mode", "patchray_encoder_padding_mode", "patchray_latents_normalized", "patchray_decode_timestep")
+
+
+def split_options(config: Optional[dict]) -> tuple:
+    """``(diffusers keyword arguments, PatchRay options)`` of a family config; unknown ``patchray_`` keys raise."""
+    kwargs, options = {}, {}
+    for key, value in (config or {}).items():
+        if key.startswith("patchray_"):
+            if key not in OPTIONS:
+                raise ValueError(f"unknown PatchRay model option {key!r}; known: {', '.join(OPTIONS)}")
+            options[key] = value
+        else:
+            kwargs[key] = value
+    return kwargs, options
+
+
+def instantiate(family: str, config: Optional[dict]) -> torch.nn.Module:
+    """``diffusers.<class>(**config)`` for ``family``, with the config's PatchRay options applied and recorded.
+
+    The options stay readable as ``vae.config["patchray_..."]`` (diffusers' ``register_to_config``), so the row
+    code and :func:`family_of` see them on the model itself. Builds wherever the current default device is (e.g. the
+    meta device).
+    """
+    kwargs, options = split_options(config)
+    vae = resolve_class(family)(**kwargs)
+    for half in ("decoder", "encoder"):
+        mode = options.get(f"patchray_{half}_padding_mode")
+        if mode is None:
+            continue
+        if mode not in ("zeros", "reflect", "replicate", "circular"):
+            raise ValueError(f"patchray_{half}_padding_mode must be zeros, reflect, replicate or circular (got {mode!r})")
+        for module in getattr(vae, half).modules():
+            if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)):
+                module.padding_mode = mode
+    if options:
+        vae.register_to_config(**options)
+    return vae
 
 
 def get_family(family: str) -> FamilySpec:
@@ -191,15 +336,17 @@ def build_vae(
     spec = get_family(family)
     if size not in ("tiny", "full"):
         raise ValueError(f"size must be 'tiny' or 'full' (got {size!r})")
-    cls = resolve_class(family)
     config = spec.tiny_config if size == "tiny" else spec.full_config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vae = cls(**config)
+        vae = instantiate(family, config)
         # diffusers zero-initialises nothing we rely on, but some default inits are degenerate (all-ones norms):
         # a small deterministic perturbation makes every parameter matter in the exactness tests.
         for p in vae.parameters():
             p.data.add_(torch.randn_like(p) * 0.02)
+        if vae.config.get("patchray_latents_normalized"):  # the latent statistics matter too (zeros/ones by default)
+            vae.latents_mean.copy_(torch.randn_like(vae.latents_mean) * 0.3)
+            vae.latents_std.copy_(torch.rand_like(vae.latents_std) + 0.5)
     # nn.Module.to: ModelMixin.to warns about modules "to keep in float32", which none of these VAEs has
     return torch.nn.Module.to(vae, device=device, dtype=dtype).eval()
 
@@ -225,6 +372,12 @@ def latent_shape(family: str, height: int, width: int, frames: int = 1, batch: i
     return (batch, channels, (frames - 1) // spec.temporal_ratio + 1, h, w)
 
 
+def image_channels(family: str, config: Optional[dict]) -> int:
+    """Channels of the image/video the VAE of ``family`` with ``config`` encodes (3 unless the config says)."""
+    spec = get_family(family)
+    return int((config or {}).get("in_channels", 3 * spec.input_patch**2)) // spec.input_patch**2
+
+
 def _tiny_latent_channels(spec: FamilySpec) -> int:
     for key in ("latent_channels", "z_dim"):
         if key in spec.tiny_config:
@@ -239,9 +392,15 @@ def family_of(vae) -> str:
         ValueError: for a VAE class no family covers; the message lists the known families.
     """
     name = type(vae).__name__
+    config = getattr(vae, "config", None) or {}
+    best = None
     for spec in FAMILIES.values():
-        if spec.diffusers_class == name:
-            return spec.name
+        if spec.diffusers_class != name or any(config.get(k) != v for k, v in spec.config_match):
+            continue
+        if best is None or len(spec.config_match) > len(best.config_match):
+            best = spec
+    if best is not None:
+        return best.name
     raise ValueError(
         f"no PatchRay VAE family covers {name}; known families: "
         + ", ".join(f"{s.name} ({s.diffusers_class})" for s in FAMILIES.values())

@@ -29,7 +29,7 @@ from ..parallel.conv import HaloConv, HaloPadThenConv, HaloPaddedCausalConv, Hal
 from ..parallel.bands import row_bands
 from ..parallel.groupnorm import ShardedGroupNorm
 from ..parallel.plan import Applied, ClaimedOnly, RowLocal, RowState, apply_plan, undo_all
-from .families import FAMILIES, family_of, get_family
+from .families import FAMILIES, family_of, get_family, image_channels
 
 __all__ = ["ROW_PLANS", "row_bands", "parallelize_vae", "RowShardHandle", "row_decode", "row_encode", "validate_latent", "check_encode_input"]
 
@@ -88,6 +88,28 @@ def _wan_like(prefix: str) -> dict:
     }
 
 
+_LTX_PLAN = {
+    **_TORCH_COMMON,
+    **_local(
+        "LTXVideoDecoder3d",
+        "LTXVideoEncoder3d",
+        "LTXVideoMidBlock3d",
+        "LTXVideoUpBlock3d",
+        "LTXVideoDownBlock3D",
+        "LTXVideo095DownBlock3D",
+        "LTXVideoUpsampler3d",
+        "LTXVideoDownsampler3d",
+        "LTXVideoCausalConv3d",
+        "RMSNorm",
+        "LayerNorm",
+        "PixArtAlphaCombinedTimestepSizeEmbeddings",
+        "Timesteps",
+        "TimestepEmbedding",
+    ),
+    "LTXVideoResnetBlock3d": RowLocal(refuse=("per_channel_scale1", "per_channel_scale2")),
+}
+
+
 ROW_PLANS: Dict[str, dict] = {
     "kl": _KL_PLAN,
     "flux2": _KL_PLAN,
@@ -141,7 +163,22 @@ ROW_PLANS: Dict[str, dict] = {
         # the spatial noise injection draws fresh noise per position: not reproducible per band
         "LTX2VideoResnetBlock3d": RowLocal(refuse=("per_channel_scale1", "per_channel_scale2")),
     },
+    # --- Wan 2.2 and LTX-Video
+    # Wan 2.2: Wan 2.1's layers plus residual up/down blocks whose shortcuts only regroup each 2x2 (x2 frames) cell
+    # into channels (AvgDown3D averages, DupUp3D repeats): row-local because every band starts on an even row at
+    # every level (bands are whole latent rows, 16 pixel rows); the patchify/unpatchify of the model is the same.
+    "wan22": {
+        **_wan_like("Wan"),
+        **_local("WanResidualDownBlock", "WanResidualUpBlock", "AvgDown3D", "DupUp3D"),
+    },
+    # LTX-Video: causal convs pad time only (their inner Conv3d pads rows, by reflection in ComfyUI's decoder: the
+    # halo conv's edge mode), pixel-wise RMS/Layer norms, space<->depth resamplers that regroup each 2x2 cell (bands
+    # start on even rows at every level), timestep embeddings with no spatial extent. The 0.9.1 decoder's spatial
+    # noise injection draws fresh noise per position: not reproducible per band, refused by name.
+    "ltx_video": _LTX_PLAN,
+    "ltx_video_090": _LTX_PLAN,
 }
+
 # backstop, not the guard: an import-time check of the two tables
 assert set(ROW_PLANS) == set(FAMILIES), "every family needs a row plan"
 
@@ -306,8 +343,27 @@ def row_decode(vae: nn.Module, z: torch.Tensor, ctx: ParallelContext) -> Optiona
     start, stop = bands[ctx.rank]
     with _sharded(vae, ctx, "decoder", _bounds(bands)):
         band = z.narrow(-2, start, stop - start).to(device=device, dtype=dtype)
-        out = vae.decode(band).sample
+        out = _decode_band(vae, band)
     return _gather_rows(out, ctx, bands)
+
+
+def _stats_view(vae, like: torch.Tensor):
+    view = (1, -1) + (1,) * (like.dim() - 2)
+    return vae.latents_mean.view(view).to(like), vae.latents_std.view(view).to(like)
+
+
+def _decode_band(vae, band: torch.Tensor) -> torch.Tensor:
+    """``vae.decode`` on a band, with the model's PatchRay options (``families.OPTIONS``): all pointwise or global
+    per sample, so a band gets exactly what the whole latent would."""
+    config = vae.config
+    if config.get("patchray_latents_normalized"):
+        mean, std = _stats_view(vae, band)
+        band = band * std + mean
+    kwargs = {}
+    timestep = config.get("patchray_decode_timestep")
+    if timestep is not None and config.get("timestep_conditioning"):
+        kwargs["temb"] = torch.full((band.shape[0],), float(timestep), device=band.device, dtype=band.dtype)
+    return vae.decode(band, **kwargs).sample
 
 
 @torch.no_grad()
@@ -350,7 +406,7 @@ def row_encode(vae: nn.Module, x: torch.Tensor, ctx: ParallelContext, *, return_
 
     family = family_of(vae)
     ratio = get_family(family).spatial_ratio
-    bands = check_encode_input(family, x, int(vae.config.get("in_channels", x.shape[1])), ctx.world_size)
+    bands = check_encode_input(family, x, image_channels(family, vae.config), ctx.world_size)
     dtype, device = _param_dtype_device(vae)
     start, stop = bands[ctx.rank]
     with _sharded(vae, ctx, "encoder", _bounds(bands)):
@@ -358,5 +414,9 @@ def row_encode(vae: nn.Module, x: torch.Tensor, ctx: ParallelContext, *, return_
         params = vae.encode(band).latent_dist.parameters
     params = _gather_rows(params, ctx, bands)
     if params is None or return_parameters:
-        return params
-    return DiagonalGaussianDistribution(params).mean
+        return params  # the raw parameters, before a normalising family's latent statistics
+    mean = DiagonalGaussianDistribution(params).mean
+    if vae.config.get("patchray_latents_normalized"):
+        latents_mean, latents_std = _stats_view(vae, mean)
+        mean = (mean - latents_mean) / latents_std
+    return mean

@@ -47,6 +47,9 @@ CANONICAL_SMALL = {
     "hunyuan_video": (480, 832, 129),
     "hunyuan_video_15": (480, 832, 129),
     "ltx2": (1024, 1536, 121),
+    "wan22": (704, 1280, 121),
+    "ltx_video": (704, 1216, 121),
+    "ltx_video_090": (512, 768, 121),
 }
 
 #: band 1/N peaks (GiB, ``max_memory_allocated``, weights included) measured for those shapes on one NVIDIA H200 with

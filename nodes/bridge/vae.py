@@ -192,6 +192,7 @@ def decode(
         spec = cv.vae_spec(vae)
     except UnsupportedVaeError as exc:
         return Result(cv.stock_decode(vae, samples), _fallback_note(exc, "decode"))
+    z = cv.latent_to_library(spec, z)
     _check_samples(spec, z, config.num_ranks, mode)
     unused = validate.plan_use_note(mode, plan)
     if unused:
@@ -232,7 +233,7 @@ def encode(
     from ...distributed.cluster import get_cluster
     from ...distributed.vae.api import distributed_encode
     from ...distributed.vae.convert import UnsupportedVaeError
-    from ...distributed.vae.families import get_family
+    from ...distributed.vae.families import image_channels
     from ...distributed.vae.row import check_encode_input
 
     config = _cluster_config(cluster_config)
@@ -241,12 +242,12 @@ def encode(
     except UnsupportedVaeError as exc:
         return Result({"samples": cv.stock_encode(vae, pixels)}, _fallback_note(exc, "encode"))
     try:
-        x = cv.image_to_sample(pixels, cv.spatial_ratio(spec), get_family(spec.family).is_video)
+        x = cv.encode_input(pixels, spec)
     except ValueError as exc:
         raise ValueError(f"{_ENCODE}: 'pixels': {exc}") from None
     _refuse_non_finite(_ENCODE, "pixels", x, "the image is broken upstream (a node that produced it diverged)")
     try:
-        check_encode_input(spec.family, x, int((spec.config or {}).get("in_channels", 3)), config.num_ranks)
+        check_encode_input(spec.family, x, image_channels(spec.family, spec.config), config.num_ranks)
     except ValueError as exc:
         raise ValueError(
             f"{_ENCODE}: 'pixels' cannot be encoded on the {config.num_ranks} ranks of 'cluster': {exc} (num_ranks is "
@@ -256,4 +257,4 @@ def encode(
         z: torch.Tensor = distributed_encode(
             get_cluster(config), spec, x, dtype=cv.resolve_dtype(precision, vae), cancel_check=cancel_check, progress=progress
         )
-    return Result({"samples": z}, None)
+    return Result({"samples": cv.latent_from_library(spec, z)}, None)

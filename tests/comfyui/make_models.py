@@ -7,6 +7,11 @@ the stock loaders exactly as a downloaded one would:
 * ``vae/sdxl_vae.safetensors``: SD/SDXL KL VAE (4 latent channels, quant convs), full size, diffusers layout.
 * ``vae/ae.safetensors``: FLUX.1 KL VAE (16 latent channels, no quant convs), full size, diffusers layout.
 * ``vae/wan_2.1_vae.safetensors``: Wan 2.1 VAE, full size, the released layout (``comfy.ldm.wan.vae.WanVAE``).
+* ``vae/wan2.2_vae.safetensors``: Wan 2.2 VAE (the TI2V-5B model's: 48 latent channels, 16x), full size, released
+  layout (``comfy.ldm.wan.vae2_2.WanVAE`` with the options ``comfy.sd.VAE`` uses).
+* ``vae/ltxv_090_vae.safetensors``: the LTX-Video VAE as ``comfy.sd.VAE`` builds its version 0 (0.9.0), full size,
+  with its latent statistics (``ltxv_095_vae.safetensors``, version 2, only when asked for by name).
+  These video VAEs get non-constant weights everywhere (norm scales, biases, statistics: :func:`write_video_vaes`).
 * ``checkpoints/sd_xl_base_1.0.safetensors``: a checkpoint ComfyUI loads as an SD1.x model (a one-level 320-channel
   UNet and the full CLIP-L text encoder): a full SDXL UNet (2.6 B parameters) is beyond a CPU test; the graph
   (checkpoint -> CLIP encode -> KSampler -> decode) is the same.
@@ -31,6 +36,50 @@ def _init(module, seed):
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
     return module
+
+
+def _init_varied(module, seed):
+    """Every parameter and float buffer non-constant: weights ~ 1/sqrt(fan-in), norm scales 1 +- 0.1, biases and the
+    rest +- 0.02 around their kind's scale; LTX-Video's latent statistics (std 0.5..1.5, mean +- 0.3)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.ndim > 1 and not name.endswith("scale_shift_table"):
+                p.copy_(torch.randn(p.shape, generator=g) / max(1, p[0].numel()) ** 0.5)
+            elif name.endswith("timestep_scale_multiplier"):
+                p.copy_(1000.0 * (1 + 0.05 * torch.randn(p.shape, generator=g)))
+            elif name.endswith("gamma") or ("norm" in name and name.endswith("weight")):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        for name, b in module.named_buffers():
+            if b.is_floating_point():
+                b.copy_(torch.rand(b.shape, generator=g) + 0.5 if "std" in name else torch.randn(b.shape, generator=g) * 0.3)
+    return module
+
+
+def write_video_vaes(vae_dir, save, only=None):
+    """The Wan 2.2 and LTX-Video VAE files (or the ``only`` ones, by file name), built from ComfyUI's own classes
+    with the configs comfy.sd.VAE uses."""
+    import os
+
+    import comfy.ldm.wan.vae2_2
+    from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+
+    path = os.path.join(vae_dir, "wan2.2_vae.safetensors")
+    if not os.path.exists(path) and (only is None or os.path.basename(path) in only):
+        wan22 = comfy.ldm.wan.vae2_2.WanVAE(dim=160, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                                           temperal_downsample=[False, True, True], dropout=0.0)
+        save(_init_varied(wan22, 7).state_dict(), path)
+    for version, name in ((0, "ltxv_090_vae.safetensors"), (2, "ltxv_095_vae.safetensors")):
+        path = os.path.join(vae_dir, name)
+        # the full-size 0.9.5 VAE (1.2 B parameters, 2.5 GB) only on request: the suite tests that version in process
+        # with its config in the file (test_comfyui_ltx_decode_noise.py)
+        wanted = name in only if only is not None else version == 0
+        if not os.path.exists(path) and wanted:
+            save(_init_varied(VideoVAE(version=version), 8 + version).state_dict(), path)
 
 
 def main(comfy_dir, models_dir):
@@ -65,6 +114,7 @@ def main(comfy_dir, models_dir):
     wan = comfy.ldm.wan.vae.WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                                    temperal_downsample=[False, True, True], dropout=0.0)
     save(_init(wan, 3).state_dict(), os.path.join(vae_dir, "wan_2.1_vae.safetensors"))
+    write_video_vaes(vae_dir, save)
 
     ckpt = os.path.join(ckpt_dir, "sd_xl_base_1.0.safetensors")
     lora = os.path.join(models_dir, "loras", "patchray_test_lora.safetensors")

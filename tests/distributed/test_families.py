@@ -5,25 +5,28 @@ import inspect
 import pytest
 import torch
 
-from patchray.distributed.vae.families import FAMILIES, build_vae, family_of, get_family, latent_shape, resolve_class
+from patchray.distributed.vae.families import (
+    FAMILIES, build_vae, family_of, get_family, image_channels, instantiate, latent_shape, resolve_class, split_options,
+)
 
 SEVEN = ("kl", "flux2", "qwen_image", "wan", "hunyuan_video", "hunyuan_video_15", "ltx2")
+VIDEO = ("wan22", "ltx_video", "ltx_video_090")
 
 
 def test_the_seven_families_are_listed():
-    assert set(FAMILIES) == set(SEVEN)
+    assert set(FAMILIES) == set(SEVEN) | set(VIDEO)
     for name, spec in FAMILIES.items():
         assert spec.name == name
         assert spec.spatial_ratio in (8, 16, 32) and spec.temporal_ratio >= 1
         assert spec.is_video == (spec.temporal_ratio > 1)
 
 
-@pytest.mark.parametrize("family", SEVEN)
+@pytest.mark.parametrize("family", SEVEN + VIDEO)
 def test_configs_name_real_constructor_arguments(family):
     spec = FAMILIES[family]
     params = inspect.signature(resolve_class(family).__init__).parameters
     for config in (spec.tiny_config, spec.full_config):
-        unknown = set(config) - set(params)
+        unknown = set(split_options(config)[0]) - set(params)
         assert not unknown, f"{family}: {unknown} are not arguments of {spec.diffusers_class}"
 
 
@@ -60,6 +63,8 @@ def test_build_vae_dtype_and_errors():
         ("hunyuan_video", (720, 1280, 129), (1, 16, 33, 90, 160)),
         ("hunyuan_video_15", (480, 832, 129), (1, 32, 33, 30, 52)),
         ("ltx2", (1280, 1920, 121), (1, 128, 16, 40, 60)),
+        ("wan22", (704, 1280, 121), (1, 48, 31, 44, 80)),
+        ("ltx_video", (704, 1216, 121), (1, 128, 16, 22, 38)),
     ],
 )
 def test_latent_shape_of_canonical_sizes(family, args, want):
@@ -74,9 +79,28 @@ def test_latent_shape_refuses_sizes_the_vae_cannot_take():
 
 
 def test_family_of_and_unknown_families():
-    for family in SEVEN:
+    for family in SEVEN + VIDEO:
         assert family_of(build_vae(family)) == family
     for call in (lambda: family_of(torch.nn.Conv2d(1, 1, 1)), lambda: get_family("sd3"), lambda: build_vae("sd3")):
         with pytest.raises(ValueError, match="known families") as info:
             call()
         assert "kl" in str(info.value) and "ltx2" in str(info.value)
+
+
+def test_families_sharing_a_class_are_told_apart_by_config():
+    # Wan 2.1 and 2.2 are both AutoencoderKLWan; LTX-Video 0.9.0 and 0.9.5+ both AutoencoderKLLTXVideo
+    assert FAMILIES["wan22"].diffusers_class == FAMILIES["wan"].diffusers_class
+    assert family_of(instantiate("wan22", dict(FAMILIES["wan22"].tiny_config))) == "wan22"
+    assert family_of(instantiate("wan", {"base_dim": 8, "num_res_blocks": 1})) == "wan"
+    assert family_of(build_vae("ltx_video_090")) == "ltx_video_090" and family_of(build_vae("ltx_video")) == "ltx_video"
+
+
+def test_model_options_are_applied_and_recorded():
+    vae = build_vae("ltx_video")
+    assert {m.padding_mode for m in vae.decoder.modules() if isinstance(m, torch.nn.Conv3d)} == {"reflect"}
+    assert {m.padding_mode for m in vae.encoder.modules() if isinstance(m, torch.nn.Conv3d)} == {"zeros"}
+    assert vae.config["patchray_decode_timestep"] == 0.05 and vae.config["patchray_latents_normalized"]
+    with pytest.raises(ValueError, match="unknown PatchRay model option"):
+        split_options({"patchray_nonsense": 1})
+    # the Wan 2.2 encoder takes 12 patchified channels: the image has 3
+    assert image_channels("wan22", FAMILIES["wan22"].full_config) == 3 and image_channels("kl", None) == 3

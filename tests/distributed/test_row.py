@@ -51,14 +51,29 @@ def _image(family, batch=2, seed=2):
     return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
 
 
+def _stats(vae, like):
+    view = (1, -1) + (1,) * (like.dim() - 2)
+    return vae.latents_mean.view(view), vae.latents_std.view(view)
+
+
 def _decode_ref(vae, z):
     # diffusers' HunyuanVideo-1.5 attention broadcasts its [B, L, L] mask against the heads dim and fails for
     # batch > 1 (its own bug), so the references run sample by sample; row mode handles batches directly.
-    return torch.cat([vae.decode(z[i : i + 1]).sample for i in range(z.shape[0])])
+    kwargs = {}
+    if vae.config.get("patchray_latents_normalized"):  # ComfyUI's LTX-Video: un-normalise, then decode
+        mean, std = _stats(vae, z)
+        z = z * std + mean
+    if vae.config.get("timestep_conditioning"):  # and a timestep-conditioned decoder gets t = 0.05
+        kwargs["temb"] = torch.tensor([0.05])
+    return torch.cat([vae.decode(z[i : i + 1], **kwargs).sample for i in range(z.shape[0])])
 
 
 def _encode_ref(vae, x):
-    return torch.cat([vae.encode(x[i : i + 1]).latent_dist.mean for i in range(x.shape[0])])
+    mean = torch.cat([vae.encode(x[i : i + 1]).latent_dist.mean for i in range(x.shape[0])])
+    if vae.config.get("patchray_latents_normalized"):
+        latents_mean, latents_std = _stats(vae, mean)
+        mean = (mean - latents_mean) / latents_std
+    return mean
 
 
 @functools.lru_cache(maxsize=None)
