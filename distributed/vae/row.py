@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..comm import gather_to
 from ..context import ParallelContext
-from ..parallel.attention import GatheredAttention, GatheredCausalAttnBlock, GatheredFrameAttention, RecordVideoLayout
+from ..parallel.attention import GatheredAttention, GatheredAttnBlock, GatheredCausalAttnBlock, GatheredFrameAttention, RecordVideoLayout
 from ..parallel.conv import HaloConv, HaloPadThenConv, HaloPaddedCausalConv, HaloWanCausalConv
 from ..parallel.bands import row_bands
 from ..parallel.groupnorm import ShardedGroupNorm
@@ -140,6 +140,36 @@ ROW_PLANS: Dict[str, dict] = {
         ),
         # the spatial noise injection draws fresh noise per position: not reproducible per band
         "LTX2VideoResnetBlock3d": RowLocal(refuse=("per_channel_scale1", "per_channel_scale2")),
+    },
+    # --- Hunyuan image VAEs: pixel-(un)shuffle resamplers move whole rows (a band boundary at an even row
+    # stays one), the refiner's RMS norm is per position, attention gathers K/V over every rank ---
+    "hunyuan_image": {
+        **_TORCH_COMMON,
+        **_local(
+            "HunyuanImageEncoder2D",
+            "HunyuanImageDecoder2D",
+            "HunyuanImageMidBlock",
+            "HunyuanImageResnetBlock",
+            "HunyuanImageDownsample",
+            "HunyuanImageUpsample",
+        ),
+        "HunyuanImageAttentionBlock": GatheredAttnBlock(),
+    },
+    "hunyuan_image_refiner": {
+        **_TORCH_COMMON,
+        **_local(
+            "HunyuanImageRefinerEncoder3D",
+            "HunyuanImageRefinerDecoder3D",
+            "HunyuanImageRefinerMidBlock",
+            "HunyuanImageRefinerDownBlock3D",
+            "HunyuanImageRefinerUpBlock3D",
+            "HunyuanImageRefinerResnetBlock",
+            "HunyuanImageRefinerRMS_norm",
+            "HunyuanImageRefinerDownsampleDCAE",
+            "HunyuanImageRefinerUpsampleDCAE",
+        ),
+        "HunyuanImageRefinerCausalConv3d": HaloPaddedCausalConv(),
+        "HunyuanImageRefinerAttnBlock": GatheredAttnBlock(),
     },
 }
 # backstop, not the guard: an import-time check of the two tables

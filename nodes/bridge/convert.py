@@ -22,7 +22,7 @@ import torch
 
 __all__ = [
     "DTYPES", "vae_spec", "decoded_to_image", "image_to_sample", "latent_tensor", "stock_decode", "stock_encode",
-    "resolve_dtype", "plan_dict", "spatial_ratio",
+    "resolve_dtype", "plan_dict", "spatial_ratio", "latent_to_library", "latent_from_library", "encode_input",
 ]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -142,3 +142,34 @@ def plan_dict(plan) -> Optional[dict]:
     if not isinstance(plan, dict) or "latent_window" not in plan or "runs" not in plan:
         raise TypeError(f"the plan input must come from PatchRay Tile Planner (got {type(plan).__name__})")
     return plan
+
+
+def _latent_layout(spec):
+    from .vae_layouts import latent_layout
+
+    return latent_layout(spec.family)
+
+
+def latent_to_library(spec, z: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's latent -> the diffusers model's (identity unless the layout row says otherwise, e.g. the
+    HunyuanImage refiner's 64-channel packing). Raises ``ValueError`` for a latent the row cannot map."""
+    layout = _latent_layout(spec)
+    return z if layout is None else layout.to_library(z)
+
+
+def latent_from_library(spec, z: torch.Tensor) -> torch.Tensor:
+    """The diffusers encoder's latent mean -> ComfyUI's latent (the inverse of :func:`latent_to_library`)."""
+    layout = _latent_layout(spec)
+    return z if layout is None else layout.from_library(z)
+
+
+def encode_input(pixels: torch.Tensor, spec) -> torch.Tensor:
+    """IMAGE -> the encoder's input for ``spec``, as ComfyUI's ``VAE.encode`` shapes it: the frames of one clip for
+    video VAEs, a batch of one-frame clips for 5-D VAEs ComfyUI marks ``not_video`` (the layout row says so)."""
+    from ...distributed.vae.families import get_family
+
+    layout = _latent_layout(spec)
+    video = get_family(spec.family).is_video
+    batch = video and layout is not None and layout.images_are_batch
+    x = image_to_sample(pixels, spatial_ratio(spec), video and not batch)
+    return x.unsqueeze(2) if batch else x

@@ -53,6 +53,7 @@ def decode(
         spec = cv.vae_spec(vae)
     except UnsupportedVaeError as exc:
         return Result(cv.stock_decode(vae, samples), _fallback_note(exc, "decode"))
+    z = cv.latent_to_library(spec, z)
     with rank_errors_for_user():
         x = distributed_decode(
             get_cluster(cluster_config),
@@ -72,15 +73,14 @@ def encode(pixels, vae, cluster_config, precision: str = "auto", cancel_check: O
     from ...distributed.cluster import get_cluster
     from ...distributed.vae.api import distributed_encode
     from ...distributed.vae.convert import UnsupportedVaeError
-    from ...distributed.vae.families import get_family
 
     try:
         spec = cv.vae_spec(vae)
     except UnsupportedVaeError as exc:
         return Result({"samples": cv.stock_encode(vae, pixels)}, _fallback_note(exc, "encode"))
-    x = cv.image_to_sample(pixels, cv.spatial_ratio(spec), get_family(spec.family).is_video)
+    x = cv.encode_input(pixels, spec)
     with rank_errors_for_user():
         z: torch.Tensor = distributed_encode(
             get_cluster(cluster_config), spec, x, dtype=cv.resolve_dtype(precision, vae), cancel_check=cancel_check
         )
-    return Result({"samples": z}, None)
+    return Result({"samples": cv.latent_from_library(spec, z)}, None)

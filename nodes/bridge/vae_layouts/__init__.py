@@ -28,7 +28,7 @@ from ....distributed.vae.convert import UnsupportedVaeError, check_state_dict
 from .table import ConvertedVae, LayoutRow
 from . import hunyuan, kl, ltx, other, wan
 
-__all__ = ["ConvertedVae", "LayoutRow", "LAYOUTS", "UnsupportedVaeError", "detect_family", "convert_comfy_vae"]
+__all__ = ["ConvertedVae", "LayoutRow", "LAYOUTS", "UnsupportedVaeError", "detect_family", "convert_comfy_vae", "latent_layout"]
 
 #: the ordered table: most specific layouts first (a row may also *refuse* a layout with the reason)
 LAYOUTS = [*wan.ROWS, *hunyuan.ROWS, *ltx.ROWS, *kl.ROWS, *other.ROWS]
@@ -77,3 +77,12 @@ def convert_comfy_vae(sd: Mapping[str, torch.Tensor], norm_num_groups: int = kl.
     class_name, config, new = row.convert(sd, norm_num_groups=norm_num_groups)
     check_state_dict(class_name, config, new)
     return ConvertedVae(row.family, class_name, config, new)
+
+
+def latent_layout(family: str):
+    """The ``latents`` of the row converting to ``family``: how ComfyUI's LATENT / IMAGE differ from the diffusers
+    model's (``None``: they do not)."""
+    for row in LAYOUTS:
+        if row.family == family and row.latents is not None:
+            return row.latents
+    return None

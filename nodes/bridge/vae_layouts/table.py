@@ -36,6 +36,9 @@ class LayoutRow(NamedTuple):
         convert: ``convert(sd, *, norm_num_groups) -> (diffusers_class, config, diffusers_state_dict)``; raises
             ``UnsupportedVaeError`` with the reason for a variant it cannot map. ``None`` for refusing rows.
         refusal: for refusing rows, the reason shown on the node.
+        latents: how ComfyUI's LATENT / IMAGE for this layout differ from the diffusers model's (an object with
+            ``to_library``, ``from_library`` and ``images_are_batch``, e.g. ``hunyuan.LatentLayout``); ``None``:
+            the latent passes through and IMAGE batches of a 5-D VAE are the frames of one clip.
     """
 
     name: str
@@ -43,6 +46,7 @@ class LayoutRow(NamedTuple):
     match: Callable[[Mapping[str, torch.Tensor]], bool]
     convert: Optional[Callable[..., Tuple[str, dict, dict]]] = None
     refusal: str = ""
+    latents: Optional[object] = None
 
 
 def indices(sd: Mapping[str, torch.Tensor], pattern: str) -> list:
