@@ -178,6 +178,17 @@ FAMILIES: dict = {
             tiny_config=dict(block_out_channels=(8, 8, 16, 32, 32), layers_per_block=1, latent_channels=8),
             full_config={},
         ),
+        # HunyuanVideo's VAE as ComfyUI runs it: full mid-block attention, whole clips (distributed/vae/variants.py)
+        FamilySpec(
+            "hunyuan_video_full_attention",
+            "AutoencoderKLHunyuanVideoFullAttention",
+            8,
+            4,
+            16,
+            True,
+            tiny_config=dict(block_out_channels=(8, 8, 16, 16), norm_num_groups=4, layers_per_block=1),
+            full_config={},
+        ),
     )
 }
 
@@ -199,6 +210,10 @@ def resolve_class(family: str) -> type:
     spec = get_family(family)
     diffusers = importlib.import_module("diffusers")
     cls = getattr(diffusers, spec.diffusers_class, None)
+    if cls is None:
+        from .variants import variant_class
+
+        cls = variant_class(spec.diffusers_class)
     if cls is None:
         raise ImportError(
             f"family {family!r} needs diffusers.{spec.diffusers_class}, which diffusers "

@@ -171,6 +171,23 @@ ROW_PLANS: Dict[str, dict] = {
         "HunyuanImageRefinerCausalConv3d": HaloPaddedCausalConv(),
         "HunyuanImageRefinerAttnBlock": GatheredAttnBlock(),
     },
+    # HunyuanVideo with full mid-block attention: the same layers as "hunyuan_video"; the mid-block calls its
+    # attention without a mask, which the gathered attention then computes over every rank's tokens
+    "hunyuan_video_full_attention": {
+        **_TORCH_COMMON,
+        **_local(
+            "HunyuanVideoDecoder3D",
+            "HunyuanVideoEncoder3D",
+            "HunyuanVideoUpBlock3D",
+            "HunyuanVideoDownBlock3D",
+            "HunyuanVideoResnetBlockCausal3D",
+            "HunyuanVideoUpsampleCausal3D",
+            "HunyuanVideoDownsampleCausal3D",
+        ),
+        "HunyuanVideoCausalConv3d": HaloPaddedCausalConv(),
+        "HunyuanVideoMidBlock3DFullAttention": RecordVideoLayout(),
+        "Attention": GatheredAttention(frame_causal=True),
+    },
 }
 # backstop, not the guard: an import-time check of the two tables
 assert set(ROW_PLANS) == set(FAMILIES), "every family needs a row plan"

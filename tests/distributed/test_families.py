@@ -8,17 +8,19 @@ import torch
 from patchray.distributed.vae.families import FAMILIES, build_vae, family_of, get_family, latent_shape, resolve_class
 
 SEVEN = ("kl", "flux2", "qwen_image", "wan", "hunyuan_video", "hunyuan_video_15", "ltx2")
+HUNYUAN_IMAGE = ("hunyuan_image", "hunyuan_image_refiner", "hunyuan_video_full_attention")
 
 
 def test_the_seven_families_are_listed():
-    assert set(FAMILIES) == set(SEVEN)
+    assert set(FAMILIES) == set(SEVEN) | set(HUNYUAN_IMAGE)
     for name, spec in FAMILIES.items():
         assert spec.name == name
         assert spec.spatial_ratio in (8, 16, 32) and spec.temporal_ratio >= 1
-        assert spec.is_video == (spec.temporal_ratio > 1)
+        # a 5-D VAE may keep the frame count (the HunyuanImage refiner's diffusers class does)
+        assert spec.is_video or spec.temporal_ratio == 1
 
 
-@pytest.mark.parametrize("family", SEVEN)
+@pytest.mark.parametrize("family", SEVEN + HUNYUAN_IMAGE)
 def test_configs_name_real_constructor_arguments(family):
     spec = FAMILIES[family]
     params = inspect.signature(resolve_class(family).__init__).parameters
@@ -60,6 +62,9 @@ def test_build_vae_dtype_and_errors():
         ("hunyuan_video", (720, 1280, 129), (1, 16, 33, 90, 160)),
         ("hunyuan_video_15", (480, 832, 129), (1, 32, 33, 30, 52)),
         ("ltx2", (1280, 1920, 121), (1, 128, 16, 40, 60)),
+        ("hunyuan_image", (2048, 2048), (1, 64, 64, 64)),
+        ("hunyuan_image_refiner", (2048, 2048, 1), (1, 32, 1, 128, 128)),
+        ("hunyuan_video_full_attention", (720, 1280, 129), (1, 16, 33, 90, 160)),
     ],
 )
 def test_latent_shape_of_canonical_sizes(family, args, want):
@@ -74,7 +79,7 @@ def test_latent_shape_refuses_sizes_the_vae_cannot_take():
 
 
 def test_family_of_and_unknown_families():
-    for family in SEVEN:
+    for family in SEVEN + HUNYUAN_IMAGE:
         assert family_of(build_vae(family)) == family
     for call in (lambda: family_of(torch.nn.Conv2d(1, 1, 1)), lambda: get_family("sd3"), lambda: build_vae("sd3")):
         with pytest.raises(ValueError, match="known families") as info:

@@ -17,8 +17,12 @@
   32-channel ``decoder.conv_in.weight``): zero-padded, non-causal 3-D convolutions with GroupNorm, which no
   diffusers class has: refused (falls back to the stock decode).
 * HunyuanVideo's 3-D KL autoencoder (ComfyUI's ``AutoencoderKL`` with ``conv3d=True``, detected by
-  ``decoder.conv_in.conv.weight``): ComfyUI runs its mid-block attention over all frames at once, diffusers'
-  ``AutoencoderKLHunyuanVideo`` masks it frame-causally (and decodes long videos in temporal tiles): refused.
+  ``decoder.conv_in.conv.weight``): the same causal replicate-padded convolutions, GroupNorm(32) resnets, first-frame
+  aware nearest upsampling and replicate-padded strided downsampling as diffusers' ``AutoencoderKLHunyuanVideo``,
+  but ComfyUI runs the mid-block attention over all frames at once (diffusers masks it frame-causally) and decodes a
+  whole clip in one call (diffusers tiles clips of more than four latent frames in time). It converts to the
+  derived class ``AutoencoderKLHunyuanVideoFullAttention`` (family ``hunyuan_video_full_attention``,
+  ``distributed/vae/variants.py``), which changes exactly those two steps.
 
 Key maps: diffusers has no single-file converter for these layouts; ComfyUI keeps the released ``down.{i}.block.{j}``
 / ``up.{i}.block.{j}`` / ``mid.block_1, attn_1, block_2`` names, mapped here level by level.
@@ -227,6 +231,46 @@ def _is_hunyuan_video(sd) -> bool:
     return "decoder.conv_in.conv.weight" in sd and _LTX_KEY not in sd and not any(k in sd for k in _MOCHI_KEYS)
 
 
+_ATTN_KL = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
+
+
+def _convert_hunyuan_video(sd: Mapping[str, torch.Tensor], *, norm_num_groups: int = 32, **_):
+    down, up = _levels(sd, "encoder", "down"), _levels(sd, "decoder", "up")
+    widths = _widths(sd, "encoder", "down", down)
+    n = len(widths)
+    if len(up) != n:
+        raise UnsupportedVaeError(f"HunyuanVideo VAE with {n} encoder levels but {len(up)} decoder levels")
+    prefix = {f"{h}.conv_in.": f"{h}.conv_in." for h in ("encoder", "decoder")}
+    prefix.update({f"{h}.conv_out.": f"{h}.conv_out." for h in ("encoder", "decoder")})
+    prefix.update({f"{h}.norm_out.": f"{h}.conv_norm_out." for h in ("encoder", "decoder")})
+    prefix.update({"quant_conv.": "quant_conv.", "post_quant_conv.": "post_quant_conv."})
+    for i, _, _ in down:
+        prefix[f"encoder.down.{i}.block."] = f"encoder.down_blocks.{i}.resnets."
+        prefix[f"encoder.down.{i}.downsample."] = f"encoder.down_blocks.{i}.downsamplers.0."
+    for i, _, _ in up:  # ComfyUI numbers the decoder levels from the full resolution, diffusers from the latent
+        prefix[f"decoder.up.{i}.block."] = f"decoder.up_blocks.{n - 1 - i}.resnets."
+        prefix[f"decoder.up.{i}.upsample."] = f"decoder.up_blocks.{n - 1 - i}.upsamplers.0."
+    for half in ("encoder", "decoder"):
+        prefix.update(_mid_map(half, "mid_block", _ATTN_KL))
+    new = _renamed(sd, prefix, {"nin_shortcut.": "conv_shortcut."})
+    for key in list(new):
+        if ".attentions.0.to_" in key and key.endswith(".weight"):
+            new[key] = new[key].reshape(new[key].shape[0], -1)  # 1x1x1 Conv3d -> Linear
+    config = dict(
+        in_channels=int(sd["encoder.conv_in.conv.weight"].shape[1]),
+        out_channels=int(sd["decoder.conv_out.conv.weight"].shape[0]),
+        latent_channels=int(sd["decoder.conv_in.conv.weight"].shape[1]),
+        down_block_types=("HunyuanVideoDownBlock3D",) * n,
+        up_block_types=("HunyuanVideoUpBlock3D",) * n,
+        block_out_channels=tuple(widths),
+        layers_per_block=len(down[0][1]),
+        norm_num_groups=norm_num_groups,
+        spatial_compression_ratio=2 ** (n - 1),
+        temporal_compression_ratio=4,  # ComfyUI's time_compress; the resamplers' shapes are checked against it
+    )
+    return "AutoencoderKLHunyuanVideoFullAttention", config, new
+
+
 ROWS = [
     LayoutRow("HunyuanImage-2.1 VAE", "hunyuan_image", _is_hunyuan_image, _convert_hunyuan_image),
     LayoutRow("HunyuanImage-2.1 refiner VAE", "hunyuan_image_refiner", _is_refiner, _convert_refiner, latents=REFINER_LATENTS),
@@ -236,12 +280,7 @@ ROWS = [
         "this 32-channel Hunyuan VAE (vae_refiner.py without the refiner's causal convolutions) uses zero-padded "
         "non-causal 3-D convolutions and GroupNorm, which no diffusers VAE class computes",
     ),
-    refuse(
-        "HunyuanVideo VAE",
-        _is_hunyuan_video,
-        "ComfyUI runs HunyuanVideo's VAE mid-block attention over all frames at once, while diffusers' "
-        "AutoencoderKLHunyuanVideo masks it frame by frame, so PatchRay could not match the stock decode",
-    ),
+    LayoutRow("HunyuanVideo VAE", "hunyuan_video_full_attention", _is_hunyuan_video, _convert_hunyuan_video),
     refuse(
         "Hunyuan-style pixel-shuffle VAE",
         _pixel_shuffle_kl,
