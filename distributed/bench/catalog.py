@@ -55,8 +55,8 @@ CANONICAL_SHAPES: Dict[str, Tuple[Shape, ...]] = {
     "hunyuan_video_15": (Shape(480, 832, 129), Shape(720, 1280, 129)),
     # landscape 1536x1024 and 1920x1280 (width first), 121 frames, stored height first
     "ltx2": (Shape(1024, 1536, 121), Shape(1280, 1920, 121)),
-    # HunyuanImage-2.1 generates at 2048x2048; its refiner VAE takes one-frame clips; HunyuanVideo as ComfyUI runs it
-    "hunyuan_image": (Shape(1024, 1024), Shape(2048, 2048)),
+    # HunyuanImage-2.1 generates at 2K (2560x1536 and 2048x2048, width first); its refiner VAE takes one-frame clips; HunyuanVideo as ComfyUI runs it
+    "hunyuan_image": (Shape(1536, 2560), Shape(2048, 2048)),
     "hunyuan_image_refiner": (Shape(1024, 1024, 1), Shape(2048, 2048, 1)),
     "hunyuan_video_full_attention": (Shape(480, 832, 129), Shape(720, 1280, 129)),
 }
