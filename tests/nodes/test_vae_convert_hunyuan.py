@@ -113,3 +113,15 @@ def test_encode_input_follows_comfyui_images_and_clips():
     assert cv.encode_input(pixels, video).shape == (1, 3, 3, 64, 40)  # the frames of one clip
     image = _Spec("hunyuan_image", {"block_out_channels": (1,) * 6})
     assert cv.encode_input(pixels, image).shape == (3, 3, 64, 32)
+
+
+@pytest.mark.parametrize("other", ["decoder.up_blocks.0.res_blocks.0.conv1.conv.weight", "decoder.blocks.2.blocks.3.stack.5.weight"])
+def test_ltx_and_mochi_layouts_are_not_taken_for_hunyuan_video(other):
+    # ComfyUI tells LTX-Video and Mochi apart before its generic 3-D KL branch; the Hunyuan rows do the same
+    sd = {"decoder.conv_in.conv.weight": torch.zeros(512, 128, 3, 3, 3), other: torch.zeros(1)}
+    try:
+        family = detect_family(sd)
+    except UnsupportedVaeError as exc:  # LTX's own row, or no row (Mochi): never a Hunyuan row's reason
+        assert "LTX" in str(exc) or "unrecognised" in str(exc)
+    else:
+        assert not family.startswith("hunyuan")
