@@ -5,7 +5,7 @@ Runs only where ComfyUI is importable (``COMFYUI_DIR``), with the Python that ru
     COMFYUI_DIR=/path/to/ComfyUI /path/to/ComfyUI/python -m pytest -q tests/comfyui/test_hunyuan_vae_layouts.py
 
 For each Hunyuan layout ComfyUI loads, a random-weight model is built from ComfyUI's classes (reduced widths:
-tests/comfyui/make_layout_fixtures.py; every weight, bias and norm scale non-constant), its state dict goes through
+tests/comfyui/make_hunyuan_layout_fixtures.py; every weight, bias and norm scale non-constant), its state dict goes through
 the bridge (``convert_comfy_vae``) into the diffusers model PatchRay shards, and PatchRay's row mode on N = 2 and
 3 gloo ranks decodes and encodes in fp32. The references are ComfyUI's ``first_stage_model.decode`` /
 ``encode`` on the same tensors, i.e. what the stock VAE Decode / Encode compute before their pre/post-processing,
@@ -69,7 +69,7 @@ def _init(module, seed):
 
 
 def _comfy_model(layout):
-    from .make_layout_fixtures import build
+    from .make_hunyuan_layout_fixtures import build
 
     return _init(build(COMFYUI_DIR, layout), seed=7)
 

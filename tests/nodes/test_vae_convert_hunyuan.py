@@ -1,7 +1,7 @@
 """The Hunyuan rows of nodes/bridge/vae_layouts/: ComfyUI's key layouts -> the diffusers models PatchRay shards.
 
 The key names and shapes come from ComfyUI's own classes (tests/fixtures/comfy_hunyuan_vae_layouts.json, written by
-tests/comfyui/make_layout_fixtures.py); here they are filled with random tensors, converted, and loaded strictly
+tests/comfyui/make_hunyuan_layout_fixtures.py); here they are filled with random tensors, converted, and loaded strictly
 into the family's model. That ComfyUI and the converted model compute the same outputs is checked where ComfyUI is
 present (tests/comfyui/test_hunyuan_vae_layouts.py).
 """

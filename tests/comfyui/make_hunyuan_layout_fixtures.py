@@ -2,7 +2,7 @@
 
 Run once with the Python that runs ComfyUI, from the pack root:
 
-    python tests/comfyui/make_layout_fixtures.py <ComfyUI dir> tests/fixtures/comfy_hunyuan_vae_layouts.json
+    python tests/comfyui/make_hunyuan_layout_fixtures.py <ComfyUI dir> tests/fixtures/comfy_hunyuan_vae_layouts.json
 
 Each model is built from ComfyUI's own classes exactly as ``comfy.sd.VAE.__init__`` builds it (the same
 classes, regularizers and ``ddconfig`` keys), with widths reduced so a test can allocate random tensors of every
