@@ -60,6 +60,10 @@ CANONICAL_SHAPES: Dict[str, Tuple[Shape, ...]] = {
     "wan22": (Shape(704, 1280, 121), Shape(1088, 1920, 121)),
     "ltx_video": (Shape(1024, 1536, 121), Shape(1280, 1920, 121)),
     "ltx_video_090": (Shape(1024, 1536, 121), Shape(1280, 1920, 121)),
+    # HunyuanImage-2.1 generates at 2K (2560x1536 and 2048x2048, width first); its refiner VAE takes one-frame clips; HunyuanVideo as ComfyUI runs it
+    "hunyuan_image": (Shape(1536, 2560), Shape(2048, 2048)),
+    "hunyuan_image_refiner": (Shape(1024, 1024, 1), Shape(2048, 2048, 1)),
+    "hunyuan_video_full_attention": (Shape(480, 832, 129), Shape(720, 1280, 129)),
 }
 
 #: What ``python -m patchray bench`` runs with no arguments where there is no GPU: the full-size kl

@@ -19,7 +19,7 @@ Which layer type gets which style: per VAE family, the table ``distributed/vae/r
 UNet, ``distributed/sampling/denoiser.py:unet_plan``.
 """
 
-from .attention import GatheredAttention, GatheredCausalAttnBlock, GatheredFrameAttention, RecordVideoLayout
+from .attention import GatheredAttention, GatheredAttnBlock, GatheredCausalAttnBlock, GatheredFrameAttention, RecordVideoLayout
 from .bands import band_heights, row_bands, token_shards
 from .conv import HaloConv, HaloPadThenConv, HaloPaddedCausalConv, HaloWanCausalConv, conv_rows, halo_plan
 from .exchange import DISPLACED, EXACT, STALE, ExactExchange, PeerExchange, StaleExchange, StepState
@@ -55,6 +55,7 @@ __all__ = [
     "ExactExchange",
     "ExactStats",
     "GatheredAttention",
+    "GatheredAttnBlock",
     "GatheredCausalAttnBlock",
     "GatheredFrameAttention",
     "HaloConv",

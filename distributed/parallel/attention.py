@@ -41,6 +41,7 @@ __all__ = [
     "RecordVideoLayout",
     "GatheredFrameAttention",
     "GatheredCausalAttnBlock",
+    "GatheredAttnBlock",
     "frame_causal_attention",
     "chunked_attention",
 ]
@@ -215,12 +216,25 @@ class GatheredFrameAttention(Style):
         return Applied(replace_forward(module, path, lambda prior: forward))
 
 
-@dataclasses.dataclass(frozen=True)
-class GatheredCausalAttnBlock(Style):
-    """HunyuanVideo-1.5 ``AttnBlock``: frame-causal attention over all ``(T, h, W)`` tokens, K/V gathered."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatheredAttnBlock(Style):
+    """A single-head attention block with 1x1-conv projections (``norm``, ``to_q``/``to_k``/``to_v``, then ``proj``
+    or ``proj_out``, plus the residual): every token of the band attends to the tokens of the whole image, K/V
+    gathered. Covers HunyuanImage's ``AttentionBlock`` (2-D), HunyuanImage-refiner's ``AttnBlock`` (3-D, over all
+    ``(T, h, W)`` tokens) and, with ``frame_causal``, HunyuanVideo-1.5's ``AttnBlock``.
+
+    Args:
+        frame_causal: a query of frame ``t`` attends to the keys of frames ``<= t`` only (5-D inputs).
+    """
+
+    frame_causal: bool = False
 
     def _apply(self, module, path, state):
-        ctx = state.ctx
+        proj = getattr(module, "proj_out", None) or getattr(module, "proj", None)
+        for part, layer in (("to_q", module.to_q), ("to_k", module.to_k), ("to_v", module.to_v), ("proj", proj)):
+            if not isinstance(layer, (nn.Conv2d, nn.Conv3d)) or any(k != 1 for k in layer.kernel_size):
+                raise NotImplementedError(f"{path}.{part}: row mode expects a 1x1 convolution projection")
+        ctx, frame_causal = state.ctx, self.frame_causal
 
         def tokens(t):
             b, c = t.shape[:2]
@@ -230,15 +244,27 @@ class GatheredCausalAttnBlock(Style):
             identity = x
             x = module.norm(x)
             query, key, value = module.to_q(x), module.to_k(x), module.to_v(x)
-            batch, channels, frames, height, width = query.shape
+            batch, channels = query.shape[:2]
+            frames = query.shape[2] if query.dim() == 5 else 1
+            height, width = query.shape[-2:]
             sizes = _token_sizes(state, height, width, frames)
             key = all_gather_padded(tokens(key), ctx, 2, sizes)
             value = all_gather_padded(tokens(value), ctx, 2, sizes)
-            out = frame_causal_attention(tokens(query), key, value, frames, sizes)
-            out = out.squeeze(1).reshape(batch, frames, height, width, channels).permute(0, 4, 1, 2, 3)
-            return module.proj_out(out) + identity
+            if frame_causal and query.dim() == 5:
+                out = frame_causal_attention(tokens(query), key, value, frames, sizes)
+            else:  # softmax over keys does not depend on their (gathered, rank-by-rank) order
+                out = chunked_attention(tokens(query), key, value, ctx.world_size)
+            out = out.squeeze(1).reshape(batch, *query.shape[2:], channels).movedim(-1, 1)
+            return proj(out) + identity
 
         return Applied(replace_forward(module, path, lambda prior: forward))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatheredCausalAttnBlock(GatheredAttnBlock):
+    """HunyuanVideo-1.5 ``AttnBlock``: frame-causal attention over all ``(T, h, W)`` tokens, K/V gathered."""
+
+    frame_causal: bool = True
 
 
 _ATTENTION_PARTS = ("to_q", "to_k", "to_v", "to_out")

@@ -42,6 +42,10 @@ def check_state_dict(class_name: str, config: dict, sd: Mapping[str, torch.Tenso
 
     cls = getattr(diffusers, class_name, None)
     if cls is None:
+        from .variants import variant_class
+
+        cls = variant_class(class_name)
+    if cls is None:
         raise UnsupportedVaeError(f"diffusers {diffusers.__version__} has no {class_name}; upgrade diffusers")
     from .families import split_options
 

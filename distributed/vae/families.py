@@ -236,6 +236,57 @@ FAMILIES: dict = {
         ),
         # --- Wan 2.2 and LTX-Video (rebuilt from ComfyUI's classes by nodes/bridge/vae_layouts/{wan,ltx}.py)
         *_VIDEO_ROWS,
+        # --- Hunyuan image VAEs (HunyuanImage-2.1's 32x VAE and its refiner's 16x VAE) ---
+        FamilySpec(
+            "hunyuan_image",
+            "AutoencoderKLHunyuanImage",
+            32,
+            1,
+            64,
+            False,
+            # GroupNorm(32) is hard-coded in this class: widths stay multiples of 32; the channel-matching
+            # pixel-(un)shuffle resamplers keep every resnet's input and output widths equal, as released
+            tiny_config=dict(
+                in_channels=3,
+                out_channels=3,
+                latent_channels=8,
+                block_out_channels=(32, 32, 64, 64, 64, 64),
+                layers_per_block=1,
+                spatial_compression_ratio=32,
+                sample_size=256,
+            ),
+            full_config=dict(
+                in_channels=3,
+                out_channels=3,
+                latent_channels=64,
+                block_out_channels=(128, 256, 512, 512, 1024, 1024),
+                layers_per_block=2,
+                spatial_compression_ratio=32,
+                sample_size=384,
+            ),
+        ),
+        FamilySpec(
+            "hunyuan_image_refiner",
+            "AutoencoderKLHunyuanImageRefiner",
+            16,
+            # diffusers' refiner class packs time into channels only on the first frame: T frames in, T out
+            1,
+            32,
+            True,
+            tiny_config=dict(block_out_channels=(8, 8, 16, 32, 32), layers_per_block=1, latent_channels=8),
+            full_config={},
+        ),
+        # HunyuanVideo's VAE as ComfyUI runs it: full mid-block attention, whole clips (distributed/vae/variants.py)
+        FamilySpec(
+            "hunyuan_video_full_attention",
+            "AutoencoderKLHunyuanVideoFullAttention",
+            8,
+            4,
+            16,
+            True,
+            tiny_config=dict(block_out_channels=(8, 8, 16, 16), norm_num_groups=4, layers_per_block=1),
+            full_config={},
+        ),
     )
 }
 
@@ -304,6 +355,10 @@ def resolve_class(family: str) -> type:
     spec = get_family(family)
     diffusers = importlib.import_module("diffusers")
     cls = getattr(diffusers, spec.diffusers_class, None)
+    if cls is None:
+        from .variants import variant_class
+
+        cls = variant_class(spec.diffusers_class)
     if cls is None:
         raise ImportError(
             f"family {family!r} needs diffusers.{spec.diffusers_class}, which diffusers "

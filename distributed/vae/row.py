@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..comm import gather_to
 from ..context import ParallelContext
-from ..parallel.attention import GatheredAttention, GatheredCausalAttnBlock, GatheredFrameAttention, RecordVideoLayout
+from ..parallel.attention import GatheredAttention, GatheredAttnBlock, GatheredCausalAttnBlock, GatheredFrameAttention, RecordVideoLayout
 from ..parallel.conv import HaloConv, HaloPadThenConv, HaloPaddedCausalConv, HaloWanCausalConv
 from ..parallel.bands import row_bands
 from ..parallel.groupnorm import ShardedGroupNorm
@@ -177,6 +177,53 @@ ROW_PLANS: Dict[str, dict] = {
     # noise injection draws fresh noise per position: not reproducible per band, refused by name.
     "ltx_video": _LTX_PLAN,
     "ltx_video_090": _LTX_PLAN,
+    # --- Hunyuan image VAEs: pixel-(un)shuffle resamplers move whole rows (a band boundary at an even row
+    # stays one), the refiner's RMS norm is per position, attention gathers K/V over every rank ---
+    "hunyuan_image": {
+        **_TORCH_COMMON,
+        **_local(
+            "HunyuanImageEncoder2D",
+            "HunyuanImageDecoder2D",
+            "HunyuanImageMidBlock",
+            "HunyuanImageResnetBlock",
+            "HunyuanImageDownsample",
+            "HunyuanImageUpsample",
+        ),
+        "HunyuanImageAttentionBlock": GatheredAttnBlock(),
+    },
+    "hunyuan_image_refiner": {
+        **_TORCH_COMMON,
+        **_local(
+            "HunyuanImageRefinerEncoder3D",
+            "HunyuanImageRefinerDecoder3D",
+            "HunyuanImageRefinerMidBlock",
+            "HunyuanImageRefinerDownBlock3D",
+            "HunyuanImageRefinerUpBlock3D",
+            "HunyuanImageRefinerResnetBlock",
+            "HunyuanImageRefinerRMS_norm",
+            "HunyuanImageRefinerDownsampleDCAE",
+            "HunyuanImageRefinerUpsampleDCAE",
+        ),
+        "HunyuanImageRefinerCausalConv3d": HaloPaddedCausalConv(),
+        "HunyuanImageRefinerAttnBlock": GatheredAttnBlock(),
+    },
+    # HunyuanVideo with full mid-block attention: the same layers as "hunyuan_video"; the mid-block calls its
+    # attention without a mask, which the gathered attention then computes over every rank's tokens
+    "hunyuan_video_full_attention": {
+        **_TORCH_COMMON,
+        **_local(
+            "HunyuanVideoDecoder3D",
+            "HunyuanVideoEncoder3D",
+            "HunyuanVideoUpBlock3D",
+            "HunyuanVideoDownBlock3D",
+            "HunyuanVideoResnetBlockCausal3D",
+            "HunyuanVideoUpsampleCausal3D",
+            "HunyuanVideoDownsampleCausal3D",
+        ),
+        "HunyuanVideoCausalConv3d": HaloPaddedCausalConv(),
+        "HunyuanVideoMidBlock3DFullAttention": RecordVideoLayout(),
+        "Attention": GatheredAttention(frame_causal=True),
+    },
 }
 
 # backstop, not the guard: an import-time check of the two tables

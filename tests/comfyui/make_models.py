@@ -12,6 +12,11 @@ the stock loaders exactly as a downloaded one would:
 * ``vae/ltxv_090_vae.safetensors``: the LTX-Video VAE as ``comfy.sd.VAE`` builds its version 0 (0.9.0), full size,
   with its latent statistics (``ltxv_095_vae.safetensors``, version 2, only when asked for by name).
   These video VAEs get non-constant weights everywhere (norm scales, biases, statistics: :func:`write_video_vaes`).
+* ``vae/hunyuan_image_2.1_vae.safetensors``: HunyuanImage-2.1's 64-channel 32x VAE, full size
+  (``comfy.ldm.hunyuan_video.vae``, built as ``comfy.sd.VAE`` builds it), every norm scale non-constant.
+* ``vae/hunyuan_video_vae_bf16.safetensors``: HunyuanVideo's 3-D KL VAE, full size (``AutoencoderKL`` with
+  ``conv3d=True``), every norm scale non-constant. Both files are loaded back through ``comfy.sd.VAE`` here to
+  check that ComfyUI detects them as the intended class.
 * ``checkpoints/sd_xl_base_1.0.safetensors``: a checkpoint ComfyUI loads as an SD1.x model (a one-level 320-channel
   UNet and the full CLIP-L text encoder): a full SDXL UNet (2.6 B parameters) is beyond a CPU test; the graph
   (checkpoint -> CLIP encode -> KSampler -> decode) is the same.
@@ -41,6 +46,8 @@ def _init(module, seed):
 def _init_varied(module, seed):
     """Every parameter and float buffer non-constant: weights ~ 1/sqrt(fan-in), norm scales 1 +- 0.1, biases and the
     rest +- 0.02 around their kind's scale; LTX-Video's latent statistics (std 0.5..1.5, mean +- 0.3)."""
+def _init_nonconstant(module, seed):
+    """Every weight, bias and norm scale random and non-constant (norm scales around 1)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -80,6 +87,44 @@ def write_video_vaes(vae_dir, save, only=None):
         wanted = name in only if only is not None else version == 0
         if not os.path.exists(path) and wanted:
             save(_init_varied(VideoVAE(version=version), 8 + version).state_dict(), path)
+            if p.ndim > 1:
+                p.copy_(torch.randn(p.shape, generator=g) / max(1, p[0].numel()) ** 0.5)
+            elif "norm" in name or name.endswith("gamma"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return module
+
+
+def _hunyuan_vaes(vae_dir, save):
+    """HunyuanImage-2.1's VAE and HunyuanVideo's VAE with the configs ``comfy.sd.VAE.__init__`` builds them with."""
+    import comfy.ldm.hunyuan_video.vae
+    import comfy.ldm.modules.diffusionmodules.model
+    import comfy.sd
+    import comfy.utils
+    from comfy.ldm.models.autoencoder import AutoencoderKL as ComfyKL, AutoencodingEngine
+
+    image = {"block_out_channels": [128, 256, 512, 512, 1024, 1024], "in_channels": 3, "out_channels": 3, "num_res_blocks": 2,
+             "ffactor_spatial": 32, "downsample_match_channel": True, "upsample_match_channel": True, "z_channels": 64}
+    video = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+             "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0, "conv3d": True, "time_compress": 4}
+    builds = {
+        "hunyuan_image_2.1_vae.safetensors": (
+            lambda: AutoencodingEngine(regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+                                       encoder_config={"target": "comfy.ldm.hunyuan_video.vae.Encoder", "params": image},
+                                       decoder_config={"target": "comfy.ldm.hunyuan_video.vae.Decoder", "params": image}),
+            comfy.ldm.hunyuan_video.vae.Decoder, 64, 2, 11),
+        "hunyuan_video_vae_bf16.safetensors": (
+            lambda: ComfyKL(ddconfig=video, embed_dim=16), comfy.ldm.modules.diffusionmodules.model.Decoder, 16, 3, 12),
+    }
+    for name, (build, decoder_cls, channels, latent_dim, seed) in builds.items():
+        path = os.path.join(vae_dir, name)
+        if os.path.exists(path):
+            continue
+        save(_init_nonconstant(build(), seed).state_dict(), path)
+        loaded = comfy.sd.VAE(sd=comfy.utils.load_torch_file(path))  # what the stock VAE Loader builds
+        assert type(loaded.first_stage_model.decoder) is decoder_cls, name
+        assert (loaded.latent_channels, loaded.latent_dim) == (channels, latent_dim), name
 
 
 def main(comfy_dir, models_dir):
@@ -115,6 +160,8 @@ def main(comfy_dir, models_dir):
                                    temperal_downsample=[False, True, True], dropout=0.0)
     save(_init(wan, 3).state_dict(), os.path.join(vae_dir, "wan_2.1_vae.safetensors"))
     write_video_vaes(vae_dir, save)
+
+    _hunyuan_vaes(vae_dir, save)
 
     ckpt = os.path.join(ckpt_dir, "sd_xl_base_1.0.safetensors")
     lora = os.path.join(models_dir, "loras", "patchray_test_lora.safetensors")

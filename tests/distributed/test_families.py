@@ -11,17 +11,19 @@ from patchray.distributed.vae.families import (
 
 SEVEN = ("kl", "flux2", "qwen_image", "wan", "hunyuan_video", "hunyuan_video_15", "ltx2")
 VIDEO = ("wan22", "ltx_video", "ltx_video_090")
+HUNYUAN_IMAGE = ("hunyuan_image", "hunyuan_image_refiner", "hunyuan_video_full_attention")
 
 
 def test_the_seven_families_are_listed():
-    assert set(FAMILIES) == set(SEVEN) | set(VIDEO)
+    assert set(FAMILIES) == set(SEVEN) | set(VIDEO) | set(HUNYUAN_IMAGE)
     for name, spec in FAMILIES.items():
         assert spec.name == name
         assert spec.spatial_ratio in (8, 16, 32) and spec.temporal_ratio >= 1
-        assert spec.is_video == (spec.temporal_ratio > 1)
+        # a 5-D VAE may keep the frame count (the HunyuanImage refiner's diffusers class does)
+        assert spec.is_video or spec.temporal_ratio == 1
 
 
-@pytest.mark.parametrize("family", SEVEN + VIDEO)
+@pytest.mark.parametrize("family", SEVEN + VIDEO + HUNYUAN_IMAGE)
 def test_configs_name_real_constructor_arguments(family):
     spec = FAMILIES[family]
     params = inspect.signature(resolve_class(family).__init__).parameters
@@ -65,6 +67,9 @@ def test_build_vae_dtype_and_errors():
         ("ltx2", (1280, 1920, 121), (1, 128, 16, 40, 60)),
         ("wan22", (704, 1280, 121), (1, 48, 31, 44, 80)),
         ("ltx_video", (704, 1216, 121), (1, 128, 16, 22, 38)),
+        ("hunyuan_image", (2048, 2048), (1, 64, 64, 64)),
+        ("hunyuan_image_refiner", (2048, 2048, 1), (1, 32, 1, 128, 128)),
+        ("hunyuan_video_full_attention", (720, 1280, 129), (1, 16, 33, 90, 160)),
     ],
 )
 def test_latent_shape_of_canonical_sizes(family, args, want):
@@ -79,7 +84,7 @@ def test_latent_shape_refuses_sizes_the_vae_cannot_take():
 
 
 def test_family_of_and_unknown_families():
-    for family in SEVEN + VIDEO:
+    for family in SEVEN + VIDEO + HUNYUAN_IMAGE:
         assert family_of(build_vae(family)) == family
     for call in (lambda: family_of(torch.nn.Conv2d(1, 1, 1)), lambda: get_family("sd3"), lambda: build_vae("sd3")):
         with pytest.raises(ValueError, match="known families") as info:

@@ -35,6 +35,8 @@ def _tiny_channels(family):
 
 #: longer videos: Wan's two-frame feature caches, HunyuanVideo's framewise (temporal-tile) decode beyond 4 frames
 LONG_VIDEO_FRAMES = {"wan": 3, "hunyuan_video": 6}
+# whole clips beyond four latent frames (where diffusers' own HunyuanVideo class would tile in time)
+LONG_VIDEO_FRAMES["hunyuan_video_full_attention"] = 6
 
 
 def _latent(family, batch=2, seed=1, frames=2):
@@ -127,6 +129,7 @@ class _LiveBytes(TorchDispatchMode):
 
 
 MEMORY_CASES = {"kl": 32, "flux2": 32, "qwen_image": 16, "hunyuan_video": 16, "hunyuan_video_15": 16, "ltx2": 8}
+MEMORY_CASES.update({"hunyuan_image": 8, "hunyuan_image_refiner": 16, "hunyuan_video_full_attention": 16})
 
 
 def _memory(ctx):
