@@ -32,6 +32,8 @@ __all__ = [
     "group_stats",
     "merge_group_stats",
     "exact_group_norm",
+    "exact_group_norm_coefficients",
+    "normalize_with",
     "ShardedGroupNorm",
     "GroupNormStats",
     "ExactStats",
@@ -95,6 +97,16 @@ def exact_group_norm(x: torch.Tensor, norm: nn.GroupNorm, ctx: ParallelContext) 
     Works for any layout whose dim 0 is the batch and dim 1 the channels (``[B, C, *]``). Statistics and the
     normalisation run in fp32 (like ``nn.GroupNorm``'s kernels) whatever the input dtype.
     """
+    scale, shift = exact_group_norm_coefficients(x, norm, ctx)
+    return normalize_with(x, scale, shift, norm.num_groups)
+
+
+def exact_group_norm_coefficients(x: torch.Tensor, norm: nn.GroupNorm, ctx: ParallelContext):
+    """The per-(sample, channel) fp32 ``(scale, shift)`` of ``norm`` over every rank's part (one all-gather).
+
+    ``norm(x_full) = x * scale + shift`` with the affine parameters folded in; a caller that also holds rows of a
+    neighbour's part (a halo) normalises them with the same coefficients (:func:`normalize_with`).
+    """
     b, c = x.shape[0], x.shape[1]
     g = norm.num_groups
     stats = group_stats(x, g)
@@ -111,7 +123,14 @@ def exact_group_norm(x: torch.Tensor, norm: nn.GroupNorm, ctx: ParallelContext) 
     if norm.affine:
         shift = shift * norm.weight.float() + norm.bias.float()
         scale = scale * norm.weight.float()
-    chunks = _group_chunks(g, x.dtype)
+    return scale, shift
+
+
+def normalize_with(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``x * scale + shift`` per (sample, channel) in fp32, returned in ``x``'s dtype (low precision in group chunks)."""
+    b, c = x.shape[0], x.shape[1]
+    per_group = c // num_groups
+    chunks = _group_chunks(num_groups, x.dtype)
     if len(chunks) == 1:
         view = (b, c) + (1,) * (x.dim() - 2)
         return torch.addcmul(shift.view(view), x, scale.view(view)).to(x.dtype)
@@ -165,6 +184,8 @@ class ExactStats(GroupNormStats):
     """Statistics over the whole (row-sharded) tensor in one all-gather (:func:`exact_group_norm`)."""
 
     def normalize(self, x, module, path, state, prior, memo):
+        if state.ctx.world_size == 1:
+            return prior(x)  # one rank holds the whole tensor: the module's own kernel
         return exact_group_norm(x, module, state.ctx)
 
 
