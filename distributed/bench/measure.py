@@ -334,12 +334,13 @@ def measure(ctx, opts: Options, fn: Callable[[], Any], stem: str) -> Tuple[dict,
         # keep the logged output on the host: held on the device it would add to every later invocation's peak
         if isinstance(output, torch.Tensor) and output.device.type != "cpu":
             output = output.cpu()
-        for _ in range(opts.iters):
+        timing = getattr(opts, "timing", "concurrent")
+        for _ in range(opts.iters if timing != "alone" else 0):
             barrier(ctx)
             sync()
             ms, _ = timer.time_ms(fn)
             m["times_ms"].append(ms)
-        if getattr(opts, "timing", "concurrent") in ("alone", "both"):
+        if timing in ("alone", "both"):
             m["alone"] = measure_alone(ctx, fn, opts.iters)
         m["peak"] = _read_peak(ctx.device)
         if opts.profile or opts.profile_trace or opts.profile_memory:
