@@ -208,7 +208,7 @@ def model_alone(runs_by_rank: Sequence[Mapping], world_size: int, profiles: Opti
     out = {}
     for name in profiles or LINK_PROFILES:
         comm = _comm_model_ms([r["wire_bytes"] for r in runs_by_rank], name) if world_size > 1 else 0.0
-        out[name] = round(compute + comm, 3)
+        out[get_profile(name).name] = round(compute + comm, 3)
     return out
 
 

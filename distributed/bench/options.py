@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-trace", action="store_true", help="... and a Chrome trace")
     p.add_argument("--profile-memory", action="store_true", help="... with memory profiling")
     p.add_argument("--profile-dir", help=f"profiler artifacts (default ./{DEFAULT_REPORT_DIR}/profiles)")
-    p.add_argument("--out", help=f"schema-7 JSON path (default ./{DEFAULT_REPORT_DIR}/<run>.json); the PNG goes next to it")
+    p.add_argument("--out", help=f"schema-8 JSON path (default ./{DEFAULT_REPORT_DIR}/<run>.json); the PNG goes next to it")
     p.add_argument("--no-chart", action="store_true", help="do not write the PNG chart")
     p.add_argument("--size", choices=("full", "tiny"), default="full",
                    help="full: the released architecture; tiny: the reduced-width CI config (smoke runs)")
