@@ -145,13 +145,26 @@ def exact_group_norm_coefficients(x: torch.Tensor, norm: nn.GroupNorm, ctx: Para
 
 
 def normalize_with(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """``x * scale + shift`` per (sample, channel) in fp32, returned in ``x``'s dtype (low precision in group chunks)."""
+    """``x * scale + shift`` per (sample, channel) in fp32, returned in ``x``'s dtype.
+
+    A low-precision input goes through batch norm in inference mode with mean 0, variance 1 and eps 0, which is
+    exactly ``x * weight + bias`` computed in fp32 by one fused kernel with no fp32 copy of the activation (the
+    earlier path upcast it in sixteen group chunks: 4 kernels and an fp32 chunk each). Identical results to the
+    chunked path on CPU bf16; eps 0 keeps cuDNN out (it requires eps >= 1e-5), so the native kernel runs.
+    """
     b, c = x.shape[0], x.shape[1]
     per_group = c // num_groups
     chunks = _group_chunks(num_groups, x.dtype)
     if len(chunks) == 1:
         view = (b, c) + (1,) * (x.dim() - 2)
         return torch.addcmul(shift.view(view), x, scale.view(view)).to(x.dtype)
+    if x.is_contiguous():
+        bc = b * c
+        zeros = torch.zeros(bc, dtype=torch.float32, device=x.device)
+        ones = torch.ones(bc, dtype=torch.float32, device=x.device)
+        out = torch.batch_norm(x.reshape(1, bc, -1), scale.reshape(bc).float(), shift.reshape(bc).float(), zeros, ones,
+                               False, 0.0, 0.0, torch.backends.cudnn.enabled)
+        return out.view(x.shape)
     x3 = x.reshape(b, c, -1)
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     for start, stop in chunks:
