@@ -9,6 +9,7 @@ applied by a plan that is data; the exchange mode of each is a strategy, not ano
 * ``conv``: halo convolutions (2D, 3D, causal 3D with temporal caches, strided, padded wrappers; stepwise).
 * ``groupnorm``: :class:`ShardedGroupNorm` with its statistics modes (exact in one collective, sync, stale,
   corrected, separate); ``imagewide``: the image-wide mode for tiles.
+* ``resnet``: a diffusers resnet block on a band with one two-row halo exchange instead of one per convolution.
 * ``attention``: gathered attention (local queries, all keys/values), incl. frame-causal video attention, and
   the K/V-strategy path for host-application attention modules.
 
