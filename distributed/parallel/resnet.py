@@ -80,7 +80,7 @@ def _norm_silu(x: torch.Tensor, scale, shift, groups: int) -> torch.Tensor:
 def resnet_rows(block, x: torch.Tensor, state: RowState) -> torch.Tensor:
     """``block(x)`` on this rank's band ``x`` (``[B, C, rows, W]``), exact at band boundaries."""
     ctx = state.ctx
-    n, r = ctx.world_size, ctx.rank
+    n = ctx.world_size
     halos = tuple((_DEPTH if i > 0 else 0, _DEPTH if i < n - 1 else 0) for i in range(n))
     halo = exchange_halo(x, ctx, 2, halos, buffers=state.halo_buffers)
     g1, g2 = block.norm1.num_groups, block.norm2.num_groups
