@@ -72,6 +72,7 @@ __all__ = [
     "new_group",
     "all_gather_object",
     "comm_error_types",
+    "uncounted_barrier",
 ]
 
 _hooks: List[CommHook] = []
@@ -492,3 +493,18 @@ def all_gather_object(obj, ctx: ParallelContext) -> list:
 def comm_error_types() -> tuple:
     """The exception types torch.distributed raises when a peer times out or the connection drops."""
     return tuple(t for t in (getattr(dist, "DistError", None),) if t is not None)
+
+
+def uncounted_barrier(ctx: ParallelContext) -> None:
+    """A barrier that bypasses the interception layer: no hook counts, throttles or times it.
+
+    For the synchronisation a hook itself needs (the benchmark's turn-taking baton, which makes ranks compute
+    one at a time between collectives): it is not the measured work's communication. A no-op on one rank.
+    """
+    if ctx.world_size == 1:
+        return
+    fn = getattr(dist.barrier, "__patchray_wrapped__", dist.barrier)
+    if ctx.backend == "nccl" and ctx.device.type == "cuda":
+        fn(group=ctx.group, device_ids=[ctx.device.index or 0])
+    else:
+        fn(group=ctx.group)

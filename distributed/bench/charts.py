@@ -3,7 +3,8 @@
 Design decision: one row of panels per shape, horizontal bars with the case names on the axis (long names stay
 readable), the measured value printed at the end of each bar, failed cases drawn as an empty hatched bar labelled
 with their error kind (an out-of-memory baseline is a result, not a gap), and a third panel with the link model
-for every profile (measured latency marked for comparison). matplotlib runs headless (Agg); nothing is shown.
+for every profile (measured latency marked for comparison; the panel title says whether the modelled figures rest on compute
+measured alone, by turn-taking, or with the ranks running at once). matplotlib runs headless (Agg); nothing is shown.
 """
 
 from __future__ import annotations
@@ -87,7 +88,10 @@ def write_chart(records: Sequence[dict], path: str) -> str:
         if profiles:
             ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
         ax.grid(axis="x", alpha=0.3)
-        ax.set_title(f"{label}: modelled latency per link (ms; measured compute + link)", fontsize=10)
+        bases = {(r.get("link_model_basis") or {}).get("compute") for r in recs if r.get("link_model")}
+        basis = "compute measured ALONE (turn-taking)" if bases == {"alone"} else (
+            "compute measured with ranks at once" if bases == {"concurrent"} else "compute: see link_model_basis")
+        ax.set_title(f"{label}: MODELLED latency per link (ms; {basis} + link)", fontsize=10)
     fig.suptitle(
         f"PatchRay VAE benchmark: {first.get('family')} {first.get('half')} ({first.get('size')}), "
         f"{first.get('world_size')} ranks, {first.get('dtype')}, {first.get('device')}"

@@ -41,6 +41,10 @@ __all__ = [
     "model_record",
     "throttle_link",
     "time_comm",
+    "call_wire_bytes",
+    "stage_compute_ms",
+    "model_alone",
+    "summarise_alone",
 ]
 
 
@@ -84,7 +88,8 @@ def model_record(compute_ms_by_rank: Sequence[float], bytes_by_op_by_rank: Seque
 # hooks on comm's interception layer: a real throttle, and a timer of the time spent in communication
 
 
-def _op_wire_bytes(call: CommCall, world_size: int) -> int:
+def call_wire_bytes(call: CommCall, world_size: int) -> int:
+    """Bytes one top-level call puts on this rank's link (a batch: its sends; see :func:`wire_bytes`)."""
     if call.op == "batch_isend_irecv":
         ops = call.args[0] if call.args else []
         return sum(tensor_bytes(p.tensor) for p in ops if getattr(getattr(p, "op", None), "__name__", "") == "isend")
@@ -110,7 +115,7 @@ def throttle_link(profile, world_size: int) -> Iterator[dict]:
         result = proceed()
         if call.op == "barrier":
             return result
-        target = (p.latency_us / 1e3 + transfer_ms(_op_wire_bytes(call, world_size), p)) / 1e3
+        target = (p.latency_us / 1e3 + transfer_ms(call_wire_bytes(call, world_size), p)) / 1e3
         left = target - (time.perf_counter() - start)
         if left > 0:
             time.sleep(left)
@@ -168,3 +173,88 @@ def time_comm(synchronize=None) -> Iterator[dict]:
 
     with intercept(timer):
         yield stats
+
+
+# --------------------------------------------------------------------------------------------------
+# turn-taking runs (measure.take_turns): each rank's compute measured alone, stage by stage
+
+
+def stage_compute_ms(compute_by_rank: Sequence[Sequence[float]]) -> float:
+    """The compute of one run on N devices: per stage the slowest rank, summed over the stages.
+
+    The ranks meet at every collective, so a stage ends when its slowest rank does. Ranks whose stage lists
+    differ in length (not the same collectives) fall back to the slowest rank's total.
+    """
+    if not compute_by_rank:
+        return 0.0
+    if len({len(c) for c in compute_by_rank}) != 1:
+        return max(sum(c) for c in compute_by_rank)
+    return float(sum(max(col) for col in zip(*compute_by_rank)))
+
+
+def _comm_model_ms(wire_by_rank: Sequence[Sequence[int]], profile) -> float:
+    p = get_profile(profile)
+    if len({len(w) for w in wire_by_rank}) != 1:  # not the same calls: each rank's own sum, the slowest
+        return max(sum(p.latency_us / 1e3 + transfer_ms(b, p) for b in w) for w in wire_by_rank)
+    return float(sum(max(p.latency_us / 1e3 + transfer_ms(b, p) for b in col) for col in zip(*wire_by_rank)))
+
+
+def model_alone(runs_by_rank: Sequence[Mapping], world_size: int, profiles: Optional[Sequence[str]] = None) -> Dict[str, float]:
+    """``{profile: modelled_ms}`` of one turn-taking invocation (one :meth:`TurnTaking.to_dict` per rank).
+
+    Modelled latency = per stage the slowest rank's compute (measured alone), plus per collective the slowest
+    rank's modelled transfer (``latency + wire_bytes / bandwidth``, doubled via host), summed.
+    """
+    compute = stage_compute_ms([r["compute_ms"] for r in runs_by_rank])
+    out = {}
+    for name in profiles or LINK_PROFILES:
+        comm = _comm_model_ms([r["wire_bytes"] for r in runs_by_rank], name) if world_size > 1 else 0.0
+        out[get_profile(name).name] = round(compute + comm, 3)
+    return out
+
+
+def _median(xs: Sequence[float]) -> Optional[float]:
+    xs = sorted(xs)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return float(xs[mid]) if len(xs) % 2 else float(xs[mid - 1] + xs[mid]) / 2
+
+
+def summarise_alone(runs_by_rank: Sequence[Sequence[Mapping]], world_size: int) -> dict:
+    """The record's ``alone`` block from every rank's turn-taking invocations (``docs/benchmark.md``).
+
+    Args:
+        runs_by_rank: ``runs_by_rank[r][i]``: rank r's :meth:`TurnTaking.to_dict` of invocation i.
+        world_size: N.
+    """
+    iters = min(len(r) for r in runs_by_rank)
+    per_iter = [[runs_by_rank[r][i] for r in range(len(runs_by_rank))] for i in range(iters)]
+    compute = [stage_compute_ms([x["compute_ms"] for x in it]) for it in per_iter]
+    cpu = [stage_compute_ms([x["cpu_ms"] for x in it]) for it in per_iter]
+
+    def comm_measured(it):
+        cols = [x["comm_ms"] for x in it]
+        if len({len(c) for c in cols}) != 1:
+            return max(sum(c) for c in cols)
+        return float(sum(max(col) for col in zip(*cols)))
+
+    comm = [comm_measured(it) for it in per_iter]
+    models = [model_alone(it, world_size) for it in per_iter]
+    first = per_iter[0] if per_iter else []
+    return {
+        "method": "turn-taking",
+        "modelled": True,
+        "note": ("ranks computed one at a time between collectives (each with the device to itself); compute_ms is "
+                 "the sum over stages of the slowest rank's stage; latency figures here are modelled"),
+        "iterations": iters,
+        "stages": len(first[0]["compute_ms"]) if first else None,
+        "collectives": len(first[0]["comm_ms"]) if first else None,
+        "compute_ms": _median(compute),
+        "compute_ms_iterations": [round(c, 3) for c in compute],
+        "compute_ms_by_rank": [_median([sum(x["compute_ms"]) for x in runs]) for runs in runs_by_rank],
+        "cpu_compute_ms": _median(cpu),
+        "comm_ms_measured": _median(comm),
+        "latency_ms_modelled_measured_comm": _median([a + b for a, b in zip(compute, comm)]),
+        "link_model": {name: _median([m[name] for m in models]) for name in (models[0] if models else {})},
+    }

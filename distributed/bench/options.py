@@ -33,7 +33,7 @@ __all__ = [
     "resolve_options",
 ]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 #: Row mode's enforced agreement with the unsharded decode, per dtype. Row mode changes only the order of
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-trace", action="store_true", help="... and a Chrome trace")
     p.add_argument("--profile-memory", action="store_true", help="... with memory profiling")
     p.add_argument("--profile-dir", help=f"profiler artifacts (default ./{DEFAULT_REPORT_DIR}/profiles)")
-    p.add_argument("--out", help=f"schema-7 JSON path (default ./{DEFAULT_REPORT_DIR}/<run>.json); the PNG goes next to it")
+    p.add_argument("--out", help=f"schema-8 JSON path (default ./{DEFAULT_REPORT_DIR}/<run>.json); the PNG goes next to it")
     p.add_argument("--no-chart", action="store_true", help="do not write the PNG chart")
     p.add_argument("--size", choices=("full", "tiny"), default="full",
                    help="full: the released architecture; tiny: the reduced-width CI config (smoke runs)")
@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest output (height*width*frames, megapixels) compared against an unsharded reference")
     p.add_argument("--row-tolerance", type=float, help="override the enforced row max_abs tolerance")
     p.add_argument("--threads", type=int, help="torch threads per CPU rank (default: cores / ranks)")
+    p.add_argument("--timing", choices=("auto", "concurrent", "alone", "both"), default="auto",
+                   help="concurrent: ranks run at once (latency_ms); alone: ranks also take turns so each rank's compute "
+                        "is timed with the device to itself (the 'alone' block, the link model's basis); auto: both when "
+                        "the ranks share a device (more ranks than GPUs, or more rank threads than CPU cores)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="bound on the whole run on the ranks")
     return p
 
@@ -150,6 +154,7 @@ class Options:
     row_tolerance: Optional[float]
     threads: Optional[int]
     timeout_s: float
+    timing: str = "concurrent"
     defaults_used: str = ""
     progress_path: Optional[str] = None
     torchrun: bool = False
@@ -292,6 +297,14 @@ def resolve_options(args: argparse.Namespace, cuda_available: Optional[bool] = N
     if args.max_memory_mb is not None and args.max_memory_mb <= 0:
         raise SetupError(f"--max-memory-mb must be positive (got {args.max_memory_mb})")
 
+    timing = getattr(args, "timing", "auto") or "auto"
+    if timing == "auto":
+        if on_gpu:
+            shared = ranks > max(1, torch.cuda.device_count()) if cuda_available and args.address is None else False
+        else:
+            shared = ranks * (args.threads or 1) > (os.cpu_count() or 1)
+        timing = "both" if shared and ranks > 1 else "concurrent"
+
     out = args.out
     if not out:
         tag = "matrix" if args.matrix else "+".join(format_shape(s) for s in shapes)
@@ -309,6 +322,6 @@ def resolve_options(args: argparse.Namespace, cuda_available: Optional[bool] = N
         profile_dir=profile_dir, out=out, chart=not args.no_chart, launcher=args.launcher, backend=args.backend,
         address=args.address,
         link=args.link, max_memory_mb=args.max_memory_mb, reference_limit_mpix=args.reference_limit_mpix,
-        row_tolerance=args.row_tolerance, threads=args.threads, timeout_s=args.timeout_s,
+        row_tolerance=args.row_tolerance, threads=args.threads, timeout_s=args.timeout_s, timing=timing,
         defaults_used=defaults_used, torchrun=torchrun, hw_family=hw_family(),
     )

@@ -1,4 +1,4 @@
-"""The schema-7 record of a case: its fields, the comparison with the reference, and the exit status.
+"""The schema record of a case: its fields, the comparison with the reference, and the exit status.
 
 Design decision: a record is built from rank 0's view plus every rank's measurements (gathered once per case),
 so every rank returns the same records and the JSON cannot depend on how the ranks were started. The fields and
@@ -196,6 +196,9 @@ def base_record(opts: Options, spec, shape, case: Case, world: int, prov) -> dic
         "comm_ms_by_rank": None,
         "wire_bytes_by_rank": None,
         "link_model": None,
+        "link_model_basis": None,
+        "timing": getattr(opts, "timing", "concurrent"),
+        "alone": None,
         "link": None,
         "memory_cap_mb": opts.max_memory_mb,
         "profile": None,

@@ -123,8 +123,12 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _run_case(ctx, unet, plan, case: Optional[str]) -> dict:
-    """Sample once; ``case=None`` is the single-rank reference (unpatched model)."""
+def _run_case(ctx, unet, plan, case: Optional[str], alone: bool = False) -> dict:
+    """Sample once; ``case=None`` is the single-rank reference (unpatched model).
+
+    ``alone``: the ranks take turns between collectives (:func:`.measure.take_turns`), each step's end closing a
+    stage, so each rank's compute per step is measured with the device to itself (returned under ``"alone"``).
+    """
     from ..comm import log_comm
     from ..sampling import sdxl
     from ..sampling.config import preset
@@ -170,6 +174,8 @@ def _run_case(ctx, unet, plan, case: Optional[str]) -> dict:
             state["snap"] = snap
         if state["comm"] is not None:
             comm_ms.append(state["comm"]["ms"] - sum(comm_ms))
+        if state.get("turns") is not None:
+            state["turns"].mark()
 
     # No synchronisation around communication calls: it would serialise displaced mode's asynchronous all-gathers
     # and hide the overlap being measured. On CUDA an NCCL call returns once enqueued, so "compute" then includes
@@ -179,8 +185,12 @@ def _run_case(ctx, unet, plan, case: Optional[str]) -> dict:
         import contextlib
 
         cm = time_comm(sync_fn) if (time_comm is not None and case is not None) else contextlib.nullcontext({"ms": 0.0})
-        with cm as comm_stats:
+        from .measure import take_turns
+
+        turns_cm = take_turns(ctx, lambda: _sync(device)) if alone else contextlib.nullcontext(None)
+        with cm as comm_stats, turns_cm as turns:
             state["comm"] = comm_stats
+            state["turns"] = turns
             _sync(device)
             last[0] = time.perf_counter()
             x = sdxl.sample_euler_cfg(timed, lat, cond, plan["steps"], on_step=on_step)
@@ -195,6 +205,7 @@ def _run_case(ctx, unet, plan, case: Optional[str]) -> dict:
         "traffic": traffic,
         "comm_log": log.to_dict(),
         "latent": x.float().cpu().numpy() if ctx.rank == 0 else None,
+        "alone": turns.to_dict() if alone else None,
     }
 
 
@@ -219,6 +230,8 @@ def _bench_all(ctx, plan) -> dict:
         if device.type == "cuda":  # kernels and autotuning for the band shapes, outside the timed run
             _run_case(ctx, unet, dict(plan, split=split == "split", steps=2), case)
         out["cases"][key] = _run_case(ctx, unet, dict(plan, split=split == "split"), case)
+        if plan.get("timing", "concurrent") in ("alone", "both") and ctx.world_size > 1:
+            out["cases"][key]["alone"] = _run_case(ctx, unet, dict(plan, split=split == "split"), case, alone=True)["alone"]
     return out
 
 
@@ -254,6 +267,11 @@ def _summarise(key: str, per_rank: List[dict], ref: dict, ref_latent, plan, prof
     colls_by_step = [max(sum(r["traffic"][i]["collectives"].values()) for r in per_rank) for i in range(steps)]
     total_by_step = [sum(bytes_by_kind[k][i] for k in KINDS) for i in range(steps)]
     compute_by_step = [max(r["step_ms"][i] - r["comm_ms"][i] for r in per_rank) for i in range(steps)]
+    compute_concurrent = list(compute_by_step)
+    alone_steps = _alone_steps([r.get("alone") for r in per_rank], steps)
+    compute_basis = "concurrent"
+    if alone_steps is not None:
+        compute_by_step, compute_basis = alone_steps, "alone"
     ref_step = sorted(ref["step_ms"])[len(ref["step_ms"]) // 2]
     modelled_steps = [
         _modelled(compute_by_step[i], total_by_step[i] - async_by_step[i], async_by_step[i], colls_by_step[i], profiles, model_fn)
@@ -292,6 +310,9 @@ def _summarise(key: str, per_rank: List[dict], ref: dict, ref_latent, plan, prof
         "median_step_ms": sorted(step_ms)[steps // 2],
         "measured_speedup": (sum(ref["step_ms"]) / sum(step_ms)) if sum(step_ms) else None,
         "compute_ms_per_step": compute_by_step,
+        "compute_basis": compute_basis,
+        "compute_ms_per_step_concurrent": compute_concurrent,
+        "compute_ms_per_step_alone": alone_steps,
         "bytes_per_step": bytes_by_kind,
         "bytes_per_step_total": total_by_step,
         "mean_bytes_per_step": {k: sum(v) / steps for k, v in bytes_by_kind.items()},
@@ -306,6 +327,25 @@ def _summarise(key: str, per_rank: List[dict], ref: dict, ref_latent, plan, prof
     latent = per_rank[0]["latent"]
     rec.update(agreement(torch.tensor(latent), torch.tensor(ref_latent)))
     return rec
+
+
+def _alone_steps(alone: List[Optional[dict]], steps: int) -> Optional[List[float]]:
+    """Per step: the sum over its stages of the slowest rank's compute measured alone (``None`` without turns).
+
+    A step's stages are those between the previous step's mark and its own; every rank marks the same steps
+    and runs the same collectives, so stage k is the same work on every rank.
+    """
+    if not alone or any(a is None for a in alone):
+        return None
+    if len({len(a["compute_ms"]) for a in alone}) != 1 or any(len(a["marks"]) < steps for a in alone):
+        return None
+    marks = alone[0]["marks"]
+    out, start = [], 0
+    for i in range(steps):
+        stop = marks[i]
+        out.append(float(sum(max(a["compute_ms"][k] for a in alone) for k in range(start, stop))))
+        start = stop
+    return out
 
 
 def _cases_for(n: int, presets: Optional[List[str]], split_mode: str) -> List[str]:
@@ -332,6 +372,7 @@ def run_sample_bench(
     launcher: str = "ray",
     seed: int = 42,
     overrides: Optional[Dict[str, object]] = None,
+    timing: str = "auto",
 ) -> dict:
     """Run the benchmark and return the report dict (see the module docstring)."""
     for p in presets or []:
@@ -346,8 +387,16 @@ def run_sample_bench(
     for name, (p, over) in ALL_CASES.items():  # validate every case's config on the driver, before any rank starts
         if presets is None or name in presets:
             preset(p, **{**over, **overrides})
+    if timing == "auto":
+        # ranks sharing a device (more ranks than GPUs, or than CPU cores): measure compute alone as well
+        if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+            timing = "both" if ranks > max(1, torch.cuda.device_count()) else "concurrent"
+        else:
+            timing = "both" if ranks > (os.cpu_count() or 1) else "concurrent"
+    if timing not in ("concurrent", "alone", "both"):
+        raise ValueError(f"timing must be auto, concurrent, alone or both (got {timing!r})")
     plan = dict(tiny=tiny, height=height, width=width, batch=batch, steps=steps, dtype=dtype, seed=seed, cases=cases,
-                overrides=overrides)
+                overrides=overrides, timing=timing)
     started = time.time()
     if launcher == "ray":
         from ..cluster import ClusterConfig, get_cluster
@@ -388,6 +437,11 @@ def run_sample_bench(
         "overrides": overrides,
         "link_model": "patchray.distributed.bench.linkmodel" if have_linkmodel else "inline fallback (linkmodel absent)",
         "link_model_formula": "compute + messages*latency + sync_bytes/bandwidth + max(0, async_bytes/bandwidth - compute)",
+        "modelled": ["cases[].modelled", "cases[].modelled_ideal_compute"],
+        "timing": timing,
+        "compute_basis_note": ("compute_basis 'alone': per step, the sum over its stages of the slowest rank's compute "
+                               "measured with the device to itself (ranks take turns between collectives); "
+                               "'concurrent': the step time minus the time in communication while the ranks ran at once"),
         "ideal_compute_note": "modelled_ideal_compute: compute = reference step x the busiest rank's share of rows (and batch)",
         "host_syncs_note": "Tensor.item/tolist/__bool__/__int__/__float__ calls per model call, diffusers' own included",
         "reference": {
@@ -424,6 +478,9 @@ def sample_bench_main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a PatchConfig field in every case, e.g. --set k_ratio=0.5 --set refresh_every=5")
+    ap.add_argument("--timing", choices=["auto", "concurrent", "alone", "both"], default="auto",
+                    help="both/alone: also run each case with the ranks taking turns, so the modelled latency uses each "
+                         "rank's compute measured alone (auto: when the ranks share a device)")
     ap.add_argument("--out", required=True, help="JSON report path; the chart goes next to it (.png)")
     args = ap.parse_args(argv)
     presets = None
@@ -445,7 +502,7 @@ def sample_bench_main(argv: Optional[List[str]] = None) -> int:
         report = run_sample_bench(
             ranks=args.ranks, device=args.device, presets=presets, steps=steps, tiny=args.tiny, height=height, width=width,
             batch=args.batch, dtype=args.dtype, split=args.split, launcher=args.launcher, seed=args.seed,
-            overrides=overrides,
+            overrides=overrides, timing=args.timing,
         )
     finally:
         if args.launcher == "ray":

@@ -49,7 +49,8 @@ def write_chart(report: dict, path: str) -> str:
     ax.axhline(1.0, color="k", lw=0.5)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
-    ax.set_title(f"link-modelled speed-up vs 1 rank, N={report['ranks']} (bars: measured compute, x: ideal)")
+    basis = "compute measured ALONE" if cases and all(c.get("compute_basis") == "alone" for c in cases) else "measured compute"
+    ax.set_title(f"MODELLED speed-up vs 1 rank, N={report['ranks']} (bars: {basis}, x: ideal)")
     ax.legend(fontsize=7)
     ax = axes[1][1]
     ax.bar(range(len(cases)), [min(c["psnr_db"], 99) for c in cases], color="tab:green")

@@ -1,7 +1,7 @@
 """PatchRay's VAE benchmark: the launchers and the command line.
 
 ``torchrun --nproc_per_node=N -m patchray bench ...`` and ``python -m patchray bench --ranks N ...`` (the Ray
-cluster) run the same per-rank body, :func:`~.vae_rank.bench_rank`, and write the same schema-7 JSON
+cluster) run the same per-rank body, :func:`~.vae_rank.bench_rank`, and write the same schema-8 JSON
 (``docs/benchmark.md`` describes the cases, the counting rules and the schema).
 
 The benchmark is split along its seams: :mod:`.options` (command line and checks), :mod:`.cases` (what runs),

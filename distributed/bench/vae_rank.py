@@ -20,7 +20,7 @@ from ..cluster import report_progress
 from ..comm import all_gather_object
 from .cases import Case, Reference, make_input, make_runner, plan_cases
 from .catalog import format_shape
-from .linkmodel import model_record, throttle_link, wire_bytes
+from .linkmodel import model_record, summarise_alone, throttle_link, wire_bytes
 from .measure import error_record, measure, memory_cap
 from .options import DTYPES, Options
 from .records import base_record, check_output, comm_block, peak_block
@@ -178,6 +178,17 @@ def _run_case(ctx, opts, spec, vae, inp, shape, case: Case, prov, throttle, ref:
         rec["comm_ms_by_rank"] = [round(c, 3) for c in comm_ms]
         rec["wire_bytes_by_rank"] = [wire_bytes(c["bytes"], world) for c in comms]
         rec["link_model"] = model_record(compute, [c["bytes"] for c in comms], [c["total_calls"] for c in comms], world)
+        rec["link_model_basis"] = {"modelled": True, "compute": "concurrent",
+                                   "note": "compute = each rank's median latency minus its time in communication, "
+                                           "measured while the ranks ran at once (on a shared device: inflated)"}
+    alone = [m.get("alone") for m in per_rank]
+    if rec["error"] is None and all(alone):
+        rec["alone"] = summarise_alone(alone, world)
+        if rec["alone"]["link_model"]:
+            rec["link_model"] = rec["alone"]["link_model"]
+            rec["link_model_basis"] = {"modelled": True, "compute": "alone",
+                                       "note": "compute measured alone by turn-taking (the 'alone' block): per stage the "
+                                               "slowest rank, plus each collective modelled from its bytes"}
     if throttle is not None:
         slept = [m.get("slept_ms") for m in per_rank]
         rec["link"] = {"profile": throttle["profile"], "throttled": True,

@@ -28,6 +28,7 @@ from ..parallel.attention import GatheredAttention, GatheredAttnBlock, GatheredC
 from ..parallel.conv import HaloConv, HaloPadThenConv, HaloPaddedCausalConv, HaloWanCausalConv
 from ..parallel.bands import row_bands
 from ..parallel.groupnorm import ShardedGroupNorm
+from ..parallel.resnet import HaloResnetBlock
 from ..parallel.plan import Applied, ClaimedOnly, RowLocal, RowState, apply_plan, undo_all
 from .families import FAMILIES, family_of, get_family, image_channels
 
@@ -61,9 +62,9 @@ _KL_PLAN = {
         "UNetMidBlock2D",
         "UpDecoderBlock2D",
         "DownEncoderBlock2D",
-        "ResnetBlock2D",
         "Upsample2D",
     ),
+    "ResnetBlock2D": HaloResnetBlock(),  # one two-row halo exchange per block instead of one per conv
     "Downsample2D": HaloPadThenConv(),
     "Attention": GatheredAttention(),
 }
@@ -350,6 +351,19 @@ def _sharded(vae, ctx: ParallelContext, half: str, bounds: Tuple[int, ...]):
             handle.remove()
 
 
+@contextlib.contextmanager
+def _untiled(vae):
+    """Row mode replaces the VAE's own tiling for one call (as :func:`_sharded` does); restored afterwards."""
+    saved_tiling = getattr(vae, "use_tiling", None)
+    try:
+        if saved_tiling:
+            vae.use_tiling = False
+        yield
+    finally:
+        if saved_tiling:
+            vae.use_tiling = saved_tiling
+
+
 def _param_dtype_device(vae):
     p = next(vae.parameters())
     return p.dtype, p.device
@@ -387,6 +401,10 @@ def row_decode(vae: nn.Module, z: torch.Tensor, ctx: ParallelContext) -> Optiona
     """
     bands = validate_latent(vae, z, ctx.world_size)
     dtype, device = _param_dtype_device(vae)
+    if ctx.world_size == 1 and "decoder" not in vae.__dict__.get(_HANDLE_ATTR, {}):
+        # one rank holds every row: the plain decode, with no plan applied and nothing gathered
+        with _untiled(vae):
+            return vae.decode(z.to(device=device, dtype=dtype)).sample
     start, stop = bands[ctx.rank]
     with _sharded(vae, ctx, "decoder", _bounds(bands)):
         band = z.narrow(-2, start, stop - start).to(device=device, dtype=dtype)
@@ -456,10 +474,14 @@ def row_encode(vae: nn.Module, x: torch.Tensor, ctx: ParallelContext, *, return_
     bands = check_encode_input(family, x, image_channels(family, vae.config), ctx.world_size)
     dtype, device = _param_dtype_device(vae)
     start, stop = bands[ctx.rank]
-    with _sharded(vae, ctx, "encoder", _bounds(bands)):
-        band = x.narrow(-2, start * ratio, (stop - start) * ratio).to(device=device, dtype=dtype)
-        params = vae.encode(band).latent_dist.parameters
-    params = _gather_rows(params, ctx, bands)
+    if ctx.world_size == 1 and "encoder" not in vae.__dict__.get(_HANDLE_ATTR, {}):
+        with _untiled(vae):  # one rank: the plain encode
+            params = vae.encode(x.to(device=device, dtype=dtype)).latent_dist.parameters
+    else:
+        with _sharded(vae, ctx, "encoder", _bounds(bands)):
+            band = x.narrow(-2, start * ratio, (stop - start) * ratio).to(device=device, dtype=dtype)
+            params = vae.encode(band).latent_dist.parameters
+        params = _gather_rows(params, ctx, bands)
     if params is None or return_parameters:
         return params  # the raw parameters, before a normalising family's latent statistics
     mean = DiagonalGaussianDistribution(params).mean

@@ -1,4 +1,4 @@
-"""The VAE benchmark: schema-7 records for every case kind, the counting rules of docs/benchmark.md on a known
+"""The VAE benchmark: schema-8 records for every case kind, the counting rules of docs/benchmark.md on a known
 exchange, the out-of-memory path, the link throttle, option conflicts and exit statuses.
 
 All rank work happens in ONE spawn of two real gloo ranks (``_rank_checks``) on tiny reduced-width VAEs; the
@@ -137,7 +137,7 @@ def _check_types(rec, fields):
 def _check_measured(rec):
     _check_types(rec, COMMON)
     _check_types(rec, MEASURED)
-    assert rec["schema"] == 7 and rec["status"] == "ok" and rec["world_size"] == 2
+    assert rec["schema"] == 8 and rec["status"] == "ok" and rec["world_size"] == 2
     assert rec["shape"]["label"] == f"{rec['shape']['height']}x{rec['shape']['width']}x{rec['shape']['frames']}"
     assert rec["latency_ms"] > 0 and len(rec["latency_ms_by_rank"]) == 2
     peak = rec["peak_memory"]
