@@ -50,6 +50,9 @@ CANONICAL_SMALL = {
     "wan22": (704, 1280, 121),
     "ltx_video": (704, 1216, 121),
     "ltx_video_090": (512, 768, 121),
+    "hunyuan_video_full_attention": (480, 832, 129),
+    "hunyuan_image": (2048, 2048, 1),
+    "hunyuan_image_refiner": (2048, 2048, 1),
 }
 
 #: band 1/N peaks (GiB, ``max_memory_allocated``, weights included) measured for those shapes on one NVIDIA H200 with
@@ -65,7 +68,7 @@ RECORDED_BAND_GIB = {
 }
 
 
-def _rank_task(ctx, family: str, dtype_name: str, memory_fraction: float = 0.0) -> dict:
+def _rank_task(ctx, family: str, dtype_name: str, memory_fraction: float = 0.0, shape_hwf=None) -> dict:
     from .families import build_vae, latent_shape
     from .row import row_bands, row_decode
 
@@ -74,7 +77,7 @@ def _rank_task(ctx, family: str, dtype_name: str, memory_fraction: float = 0.0) 
         # blocks and retries before failing, so N ranks sharing one GPU cannot starve each other with cache
         torch.cuda.set_per_process_memory_fraction(memory_fraction, ctx.device)
     dtype = getattr(torch, dtype_name)
-    height, width, frames = CANONICAL_SMALL[family]
+    height, width, frames = shape_hwf or CANONICAL_SMALL[family]
     vae = build_vae(family, size="full", dtype=dtype, device=ctx.device)
     shape = latent_shape(family, height, width, frames=frames, size="full")
     z = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(ctx.device, dtype)
@@ -103,17 +106,20 @@ def _rank_task(ctx, family: str, dtype_name: str, memory_fraction: float = 0.0) 
     return result
 
 
-def measure(family: str, world_size: int, dtype: str = "bfloat16", memory_fraction: float = 0.0) -> dict:
-    """Run ``world_size`` gloo ranks on the one visible GPU; return per-rank peaks and the ratios."""
+def measure(family: str, world_size: int, dtype: str = "bfloat16", memory_fraction: float = 0.0, shape_hwf=None) -> dict:
+    """Run ``world_size`` gloo ranks on the one visible GPU; return per-rank peaks and the ratios.
+
+    ``shape_hwf``: ``(height, width, frames)`` instead of the family's canonical shape (the recorded band figure then
+    does not apply and is left out)."""
     from ..spawn import run_ranks
 
     # read by each rank process when it initialises CUDA (spawned children inherit the environment)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    ranks = run_ranks(_rank_task, world_size, family, dtype, memory_fraction, backend="gloo", device="cuda", timeout_s=1800.0)
+    ranks = run_ranks(_rank_task, world_size, family, dtype, memory_fraction, shape_hwf, backend="gloo", device="cuda", timeout_s=1800.0)
     worst = max(r["peak_gib"] for r in ranks)
     band = ranks[0]["band_peak_gib"]
-    recorded = RECORDED_BAND_GIB.get(family, {}).get(world_size)
-    height, width, frames = CANONICAL_SMALL[family]
+    recorded = None if shape_hwf else RECORDED_BAND_GIB.get(family, {}).get(world_size)
+    height, width, frames = shape_hwf or CANONICAL_SMALL[family]
     return {
         "family": family,
         "shape_hwf": [height, width, frames],
@@ -146,15 +152,26 @@ def main(argv: List[str] = None) -> int:
         default=0.0,
         help="cap each rank's CUDA allocator at this fraction of the GPU (ranks sharing one GPU); 0 = no cap",
     )
+    parser.add_argument("--shape", default=None, help="HEIGHTxWIDTHxFRAMES instead of each family's canonical shape")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    shape = None
+    if args.shape:
+        try:
+            parts = [int(v) for v in args.shape.lower().split("x")]
+            shape = (parts[0], parts[1], parts[2] if len(parts) > 2 else 1)
+        except (ValueError, IndexError):
+            parser.error(f"--shape must be HEIGHTxWIDTH or HEIGHTxWIDTHxFRAMES (got {args.shape!r})")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     results: List[Dict] = []
+    if args.out and os.path.exists(args.out):  # several invocations (one shape each) append to one record
+        with open(args.out) as f:
+            results = json.load(f)
     for family in args.families:
         for n in args.ranks:
             try:
-                row = measure(family, n, args.dtype, args.memory_fraction)
+                row = measure(family, n, args.dtype, args.memory_fraction, shape)
             except Exception as exc:  # keep measuring the other cases; the error is part of the record
                 row = {"family": family, "world_size": n, "error": f"{type(exc).__name__}: {exc}"[:2000]}
             results.append(row)

@@ -46,8 +46,6 @@ def _init(module, seed):
 def _init_varied(module, seed):
     """Every parameter and float buffer non-constant: weights ~ 1/sqrt(fan-in), norm scales 1 +- 0.1, biases and the
     rest +- 0.02 around their kind's scale; LTX-Video's latent statistics (std 0.5..1.5, mean +- 0.3)."""
-def _init_nonconstant(module, seed):
-    """Every weight, bias and norm scale random and non-constant (norm scales around 1)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -87,6 +85,15 @@ def write_video_vaes(vae_dir, save, only=None):
         wanted = name in only if only is not None else version == 0
         if not os.path.exists(path) and wanted:
             save(_init_varied(VideoVAE(version=version), 8 + version).state_dict(), path)
+
+
+def _init_nonconstant(module, seed):
+    """Every weight, bias and norm scale random and non-constant (norm scales around 1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
             if p.ndim > 1:
                 p.copy_(torch.randn(p.shape, generator=g) / max(1, p[0].numel()) ** 0.5)
             elif "norm" in name or name.endswith("gamma"):
