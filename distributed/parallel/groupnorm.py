@@ -78,7 +78,10 @@ def group_stats(x: torch.Tensor, num_groups: int) -> torch.Tensor:
     """
     b = x.shape[0]
     c = x.shape[1]
-    if x.numel() and c % num_groups == 0 and x.is_contiguous():  # the kernel takes contiguous inputs only
+    # the kernel takes contiguous inputs only; on CUDA it refuses fp32 affine parameters with a low-precision input
+    # ("expected scalar type BFloat16 but found Float", seen on an H200), so there low precision takes the chunks
+    mixed_ok = x.device.type == "cpu" or x.dtype in (torch.float32, torch.float64)
+    if x.numel() and c % num_groups == 0 and x.is_contiguous() and mixed_ok:
         count = x.numel() // (b * num_groups)
         weight = bias = None
         if x.dtype not in (torch.float32, torch.float64):
@@ -158,7 +161,7 @@ def normalize_with(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, nu
     if len(chunks) == 1:
         view = (b, c) + (1,) * (x.dim() - 2)
         return torch.addcmul(shift.view(view), x, scale.view(view)).to(x.dtype)
-    if x.is_contiguous():
+    if x.is_contiguous() and x.device.type == "cpu":  # CPU-checked; CUDA keeps the chunked path (mixed dtypes)
         bc = b * c
         zeros = torch.zeros(bc, dtype=torch.float32, device=x.device)
         ones = torch.ones(bc, dtype=torch.float32, device=x.device)

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 
 __all__ = ["FamilySpec", "FAMILIES", "build_vae", "latent_shape", "family_of", "resolve_class", "get_family", "image_channels",
-           "instantiate", "split_options", "OPTIONS"]
+           "instantiate", "split_options", "OPTIONS", "plain_decode"]
 
 
 class FamilySpec(NamedTuple):
@@ -460,3 +460,19 @@ def family_of(vae) -> str:
         f"no PatchRay VAE family covers {name}; known families: "
         + ", ".join(f"{s.name} ({s.diffusers_class})" for s in FAMILIES.values())
     )
+
+
+def plain_decode(vae, z: torch.Tensor) -> torch.Tensor:
+    """``vae.decode(z).sample`` with the model's PatchRay options (:data:`OPTIONS`): un-normalise latents stored
+    normalised, pass the decode timestep of a timestep-conditioned decoder. Every option is pointwise or global per
+    sample, so a band or a tile of ``z`` gets exactly what the whole latent would. Every decode path (row bands, one
+    rank, tiles, the benchmarks' references) goes through here."""
+    config = vae.config
+    if config.get("patchray_latents_normalized"):
+        view = (1, -1) + (1,) * (z.dim() - 2)
+        z = z * vae.latents_std.view(view).to(z) + vae.latents_mean.view(view).to(z)
+    kwargs = {}
+    timestep = config.get("patchray_decode_timestep")
+    if timestep is not None and config.get("timestep_conditioning"):
+        kwargs["temb"] = torch.full((z.shape[0],), float(timestep), device=z.device, dtype=z.dtype)
+    return vae.decode(z, **kwargs).sample

@@ -30,7 +30,7 @@ from ..parallel.bands import row_bands
 from ..parallel.groupnorm import ShardedGroupNorm
 from ..parallel.resnet import HaloResnetBlock
 from ..parallel.plan import Applied, ClaimedOnly, RowLocal, RowState, apply_plan, undo_all
-from .families import FAMILIES, family_of, get_family, image_channels
+from .families import FAMILIES, family_of, get_family, image_channels, plain_decode
 
 __all__ = ["ROW_PLANS", "row_bands", "parallelize_vae", "RowShardHandle", "row_decode", "row_encode", "validate_latent", "check_encode_input"]
 
@@ -404,7 +404,7 @@ def row_decode(vae: nn.Module, z: torch.Tensor, ctx: ParallelContext) -> Optiona
     if ctx.world_size == 1 and "decoder" not in vae.__dict__.get(_HANDLE_ATTR, {}):
         # one rank holds every row: the plain decode, with no plan applied and nothing gathered
         with _untiled(vae):
-            return vae.decode(z.to(device=device, dtype=dtype)).sample
+            return plain_decode(vae, z.to(device=device, dtype=dtype))
     start, stop = bands[ctx.rank]
     with _sharded(vae, ctx, "decoder", _bounds(bands)):
         band = z.narrow(-2, start, stop - start).to(device=device, dtype=dtype)
@@ -418,17 +418,8 @@ def _stats_view(vae, like: torch.Tensor):
 
 
 def _decode_band(vae, band: torch.Tensor) -> torch.Tensor:
-    """``vae.decode`` on a band, with the model's PatchRay options (``families.OPTIONS``): all pointwise or global
-    per sample, so a band gets exactly what the whole latent would."""
-    config = vae.config
-    if config.get("patchray_latents_normalized"):
-        mean, std = _stats_view(vae, band)
-        band = band * std + mean
-    kwargs = {}
-    timestep = config.get("patchray_decode_timestep")
-    if timestep is not None and config.get("timestep_conditioning"):
-        kwargs["temb"] = torch.full((band.shape[0],), float(timestep), device=band.device, dtype=band.dtype)
-    return vae.decode(band, **kwargs).sample
+    """``vae.decode`` on a band, with the model's PatchRay options (``families.plain_decode``)."""
+    return plain_decode(vae, band)
 
 
 @torch.no_grad()

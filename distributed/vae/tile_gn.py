@@ -82,6 +82,10 @@ def image_wide_norms(vae: nn.Module, enabled: bool):
 
 
 def _decode(vae, z: torch.Tensor) -> torch.Tensor:
+    if hasattr(vae, "config") and hasattr(vae.config, "get"):  # a diffusers VAE: with its PatchRay options
+        from .families import plain_decode
+
+        return plain_decode(vae, z)
     out = vae.decode(z)
     if isinstance(out, torch.Tensor):
         return out

@@ -59,8 +59,10 @@ def _gn_patched(vae):
 
 
 def _untiled(vae, z):
-    with torch.no_grad():
-        return vae.decode(z).sample
+    from patchray.distributed.vae.row import _decode_band
+
+    with torch.no_grad():  # the plain decode with the family's options (LTX-Video's decode timestep)
+        return _decode_band(vae, z)
 
 
 # ------------------------------------------------------------------------------ tile-runs on real ranks
