@@ -28,6 +28,8 @@ COUNTED_OPS = (
     "batch_isend_irecv",
     # PatchRay gathers outputs to the caller only, with gather
     "gather",
+    # Ulysses sequence parallelism (DiTs): sequence-sharded heads <-> head-sharded sequence
+    "all_to_all_single",
 )
 
 _C10D_MODULE = "torch.distributed.distributed_c10d"

@@ -60,6 +60,7 @@ __all__ = [
     "Halo",
     "tensor_bytes",
     "exchange_pieces",
+    "all_to_all_equal",
     "REDUCE_OPS",
     "init_process_group",
     "file_store",
@@ -257,6 +258,27 @@ def gather_to(t: torch.Tensor, ctx: ParallelContext, dim: int, sizes: Sequence[i
     if ctx.rank != dst:
         return None
     return torch.cat([b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)], dim=dim).to(t.device)
+
+
+def all_to_all_equal(send: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """Every rank sends ``send[j]`` to rank j and receives rank j's piece in ``out[j]`` (one ``all_to_all_single``).
+
+    ``send`` is ``[world_size, ...]`` with equal pieces (callers pad uneven ones to the largest extent, which every
+    rank derives from shared shapes, and cut the padding off after): no sizes travel. Under gloo a CUDA tensor is
+    staged through the host. Returns ``send`` itself on one rank.
+    """
+    if ctx.world_size == 1:
+        return send
+    if send.shape[0] != ctx.world_size:
+        raise ValueError(f"all_to_all_equal needs one piece per rank along dim 0 (got {send.shape[0]}, world_size {ctx.world_size})")
+    send = send.contiguous()
+    if ctx.backend == "gloo" and send.device.type == "cuda":
+        out = torch.empty_like(send, device="cpu")
+        dist.all_to_all_single(out, send.cpu(), group=ctx.group)
+        return out.to(send.device)
+    out = torch.empty_like(send)
+    dist.all_to_all_single(out, send, group=ctx.group)
+    return out
 
 
 class Halo(NamedTuple):

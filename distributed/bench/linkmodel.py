@@ -61,6 +61,7 @@ def wire_bytes(bytes_by_op: Mapping[str, int], world_size: int) -> int:
     total += (b.get("all_gather", 0.0) + b.get("all_gather_into_tensor", 0.0)) * (n - 1) / (n + 1)
     total += b.get("broadcast", 0.0)  # the root sends it once (ring/tree pipelines)
     total += b.get("gather", 0.0) * (n - 1)  # the root's inbound link carries N-1 inputs
+    total += b.get("all_to_all_single", 0.0) * (n - 1) / (2 * n)  # input + output counted; N-1 of N pieces leave
     total += b.get("isend", 0.0) + b.get("send", 0.0)  # exact: point-to-point payloads
     return int(round(total))
 

@@ -9,6 +9,9 @@ applied by a plan that is data; the exchange mode of each is a strategy, not ano
 * ``conv``: halo convolutions (2D, 3D, causal 3D with temporal caches, strided, padded wrappers; stepwise).
 * ``groupnorm``: :class:`ShardedGroupNorm` with its statistics modes (exact in one collective, sync, stale,
   corrected, separate); ``imagewide``: the image-wide mode for tiles.
+* ``sequence``: sequence (token) parallelism for DiTs: token shards by latent rows (:class:`TokenShards`), shard /
+  gather / RoPE slicing by one index, and :class:`SequenceAttention` (gathered K/V through the exchange strategies,
+  or Ulysses all-to-all; exact), with the styles that apply it to a host model.
 * ``attention``: gathered attention (local queries, all keys/values), incl. frame-causal video attention, and
   the K/V-strategy path for host-application attention modules.
 

@@ -1,0 +1,742 @@
+"""Sequence (token) parallelism for diffusion transformers: token shards by latent rows, and exact attention.
+
+Each rank owns a band of the image/video tokens: a contiguous band of token rows (rows of the latent after
+patchify), in every frame. Text (or any other replicated) tokens stay whole on every rank. Everything per-token
+(projections, MLPs, norms, modulation) then runs on the band only; attention is the one place that needs the
+other ranks, and :class:`SequenceAttention` computes it exactly.
+
+Design decisions:
+
+* **Bands of rows, shared with the rest of PatchRay.** The split is :func:`~.bands.row_bands` over token rows
+  (uneven bands allowed: the first ``rows % N`` ranks one row taller; explicit ``row_sizes`` for speed-weighted
+  bands). A video's tokens are frame-major (``t * rows * cols + row * cols + col``), so a rank's band is *not* a
+  contiguous piece of the flattened sequence: :class:`TokenShards` holds each rank's token **index**, and
+  sharding, gathering and the positional embedding (RoPE cos/sin, complex frequencies, any layout) all go through
+  that one index (:func:`shard_tokens`, :func:`gather_tokens`, :func:`shard_positions`). A band of the latent
+  rows and a token shard are then the same table, as for the VAE and the UNet.
+* **Gathered order is rank-major; the index restores the exact order.** :func:`gather_tokens` all-gathers the
+  bands (one collective, padded to the largest band, no sizes travel) and scatters them back with the index, so
+  the result equals the unsharded sequence element for element.
+* **One attention style, two exact modes, strategies for the K/V exchange.** :class:`SequenceAttention` is bound to a
+  :class:`SequenceState` (the context, the shard table, the step flags and the stale memory) and is called with
+  the local ``q, k, v`` and the model's own attention function:
+
+  - ``gathered``: the sharded part of K and V (packed in one tensor) is completed through a
+    :class:`~.exchange.PeerExchange` strategy (:data:`~.exchange.EXACT`: one all-gather; ``STALE``/``DISPLACED``:
+    the peers' K/V of an earlier step from the stale memory, DistriFusion-style), and the local queries attend to
+    every key. **Key order does not matter** for softmax attention without a mask, or with a mask permuted the
+    same way: ``softmax(q K^T) V`` is a sum over keys, so permuting the rows of K and V together leaves it
+    unchanged up to floating-point summation order. The gathered keys are therefore used in rank-major order
+    and never reordered (a key mask given over the global order is permuted instead).
+  - ``ulysses`` (DeepSpeed-Ulysses): one all-to-all turns "my tokens, all heads" into "all tokens, heads/N" for
+    q, k and v together, each rank attends for its heads, and a second all-to-all turns the output back. Only
+    where the heads divide by N; uneven bands are padded to the largest for transport and the padding is cut off
+    before attention (it never enters a softmax). Replicated tokens are not exchanged: each rank takes its heads'
+    slice of them, and their outputs are all-gathered over heads (one small all-gather).
+  - ``auto``: per call, from shapes every rank shares (:func:`choose_mode`).
+
+  The low-traffic modes (displaced K/V, OTIL, compressed residuals) are further ``PeerExchange`` strategies in
+  ``exchange.py``: this class never branches on them.
+* **Cross-attention exchanges nothing**: the queries are the band's, keys and values come from replicated text.
+* **Host integration is thin.** ComfyUI's ``optimized_attention_override`` hands the local q, k, v and its attention
+  function straight to :meth:`SequenceAttention.__call__`; diffusers' attention processors end in
+  ``F.scaled_dot_product_attention``, which :class:`SequenceAttentionStyle` intercepts (a ``TorchFunctionMode``
+  active only during the adapted attention module's forward: no module global is patched).
+
+Accepted layouts (``layout=``): ``"BHLD"`` (``[batch, heads, tokens, head_dim]``, SDPA's), ``"BLHD"``
+(``[batch, tokens, heads, head_dim]``, diffusers' processors and flash-attn), ``"BLC"`` (``[batch, tokens,
+heads * head_dim]``, ComfyUI's ``optimized_attention`` without ``skip_reshape``; needs ``heads=``). The
+attention function is called as ``attn_fn(q, k, v, mask, heads)`` with tensors in the caller's layout, ``heads``
+being the number of heads in those tensors (``H`` gathered, ``H/N`` Ulysses), and returns the output in the
+same layout as ``q``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..comm import all_gather_padded, all_to_all_equal
+from ..context import ParallelContext
+from .bands import bounds_of, row_bands
+from .exchange import EXACT, ExactExchange, PeerExchange, StepState
+from .plan import Applied, Style, replace_forward
+
+__all__ = [
+    "TokenShards",
+    "SequenceState",
+    "SeqMode",
+    "SequenceAttention",
+    "SequenceAttentionStyle",
+    "ShardTokens",
+    "ShardGridRows",
+    "GatherTokens",
+    "shard_tokens",
+    "gather_tokens",
+    "shard_positions",
+    "choose_mode",
+    "attention_cost",
+    "AttentionCost",
+    "LAYOUTS",
+]
+
+#: the q/k/v layouts :class:`SequenceAttention` accepts
+LAYOUTS = ("BHLD", "BLHD", "BLC")
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], int], torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------------
+# the token shard table
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenShards:
+    """Which image/video tokens each rank owns: a band of token rows in every frame.
+
+    Args:
+        frames, rows, cols: the token grid after patchify (``frames = 1`` for images).
+        row_sizes: token rows per rank (sums to ``rows``); every rank derives the same table.
+
+    Use :meth:`split` to build one. Tokens are numbered frame-major, ``t * rows * cols + row * cols + col``.
+
+    Example:
+        >>> s = TokenShards.split(frames=3, rows=5, cols=2, world_size=2)
+        >>> s.row_sizes, s.counts
+        ((3, 2), (18, 12))
+        >>> s.index(1)[:4].tolist()   # frame 0: rows 3 and 4; then frame 1 ...
+        [6, 7, 8, 9]
+    """
+
+    frames: int
+    rows: int
+    cols: int
+    row_sizes: Tuple[int, ...]
+
+    def __post_init__(self):
+        if min(self.frames, self.rows, self.cols) < 1:
+            raise ValueError(f"token grid must be positive (got frames={self.frames}, rows={self.rows}, cols={self.cols})")
+        if sum(self.row_sizes) != self.rows or min(self.row_sizes) < 1:
+            raise ValueError(f"row_sizes {self.row_sizes} must be positive and sum to rows={self.rows}")
+
+    @classmethod
+    def split(cls, frames: int, rows: int, cols: int, world_size: int, row_sizes: Optional[Sequence[int]] = None) -> "TokenShards":
+        """The shard table for ``world_size`` ranks: equal bands (:func:`~.bands.row_bands`) or ``row_sizes``.
+
+        Raises:
+            ValueError: fewer token rows than ranks (names the largest rank count that fits).
+        """
+        if row_sizes is None:
+            row_sizes = tuple(b - a for a, b in row_bands(rows, world_size))
+        elif len(row_sizes) != world_size:
+            raise ValueError(f"row_sizes needs one entry per rank (got {len(row_sizes)} for world_size {world_size})")
+        return cls(frames, rows, cols, tuple(int(r) for r in row_sizes))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.row_sizes)
+
+    @property
+    def total(self) -> int:
+        """Image/video tokens in all."""
+        return self.frames * self.rows * self.cols
+
+    @property
+    def counts(self) -> Tuple[int, ...]:
+        """Tokens per rank."""
+        return tuple(self.frames * r * self.cols for r in self.row_sizes)
+
+    @property
+    def row_bounds(self) -> Tuple[int, ...]:
+        return bounds_of(self.row_sizes)
+
+    def index(self, rank: int, device=None) -> torch.Tensor:
+        """Rank ``rank``'s token positions in the flattened sequence, ascending (a ``LongTensor``)."""
+        lo, hi = self.row_bounds[rank], self.row_bounds[rank + 1]
+        t = torch.arange(self.frames, device=device).view(-1, 1, 1) * (self.rows * self.cols)
+        r = torch.arange(lo, hi, device=device).view(1, -1, 1) * self.cols
+        c = torch.arange(self.cols, device=device).view(1, 1, -1)
+        return (t + r + c).reshape(-1)
+
+    def order(self, device=None) -> torch.Tensor:
+        """The global position of each token of the rank-major gathered sequence (every rank's index in turn)."""
+        return torch.cat([self.index(r, device) for r in range(self.world_size)])
+
+
+def _split_replicated(x: torch.Tensor, dim: int, before: int, after: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = x.shape[dim] - before - after
+    if n < 0:
+        raise ValueError(f"{before} + {after} replicated tokens exceed the sequence of {x.shape[dim]} along dim {dim}")
+    return x.narrow(dim, 0, before), x.narrow(dim, before, n), x.narrow(dim, before + n, after)
+
+
+def shard_tokens(x_full: torch.Tensor, shards: TokenShards, rank: int, *, dim: int = 1, before: int = 0, after: int = 0) -> torch.Tensor:
+    """This rank's tokens of a full sequence: ``before`` leading and ``after`` trailing replicated tokens kept whole,
+    the image/video tokens between them selected by the rank's index (global order kept)."""
+    dim = dim % x_full.dim()
+    head, img, tail = _split_replicated(x_full, dim, before, after)
+    if img.shape[dim] != shards.total:
+        raise ValueError(
+            f"expected {shards.total} image tokens ({shards.frames}x{shards.rows}x{shards.cols}) along dim {dim}, "
+            f"got {img.shape[dim]}"
+        )
+    local = img.index_select(dim, shards.index(rank, x_full.device))
+    if not before and not after:
+        return local
+    return torch.cat([head, local, tail], dim=dim)
+
+
+def shard_positions(freqs: Any, shards: TokenShards, rank: int, *, dim: int = 0, before: int = 0, after: int = 0) -> Any:
+    """The positional embedding of this rank's tokens: :func:`shard_tokens` on a tensor (real or complex: RoPE
+    cos, sin or complex frequencies) or on each tensor of a tuple/list, along ``dim`` (the sequence dimension of
+    that layout, e.g. 0 for ``[L, D]``, 1 for ``[B, L, D]`` or ``[1, L, 1, D]``)."""
+    if isinstance(freqs, torch.Tensor):
+        return shard_tokens(freqs, shards, rank, dim=dim, before=before, after=after)
+    if isinstance(freqs, (tuple, list)):
+        return type(freqs)(shard_positions(f, shards, rank, dim=dim, before=before, after=after) for f in freqs)
+    raise TypeError(f"positional embedding must be a tensor or a tuple of tensors (got {type(freqs).__name__})")
+
+
+def gather_tokens(x_local: torch.Tensor, shards: TokenShards, ctx: ParallelContext, *, dim: int = 1, before: int = 0, after: int = 0) -> torch.Tensor:
+    """The full sequence in exact global order from every rank's :func:`shard_tokens` output (one all-gather).
+
+    Replicated tokens are taken from this rank (they are the same on every rank)."""
+    if ctx.world_size == 1:
+        return x_local
+    dim = dim % x_local.dim()
+    head, img, tail = _split_replicated(x_local, dim, before, after)
+    gathered = all_gather_padded(img.contiguous(), ctx, dim=dim, sizes=list(shards.counts))
+    full = torch.empty_like(gathered).index_copy_(dim, shards.order(gathered.device), gathered)
+    if not before and not after:
+        return full
+    return torch.cat([head, full, tail], dim=dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# the shared state
+
+
+class SequenceState(StepState):
+    """What the sequence-parallel adapters of one model share: context, shard table, step flags, stale memory.
+
+    A :class:`~.exchange.StepState` whose band table is the token-row table: the exchange strategies
+    (``EXACT``/``STALE``/``DISPLACED``) work on it unchanged (a rank's K/V extent is proportional to its rows).
+
+    Args:
+        ctx: the sequence group.
+        traffic: the byte accounting (``sampling.comm_manager.Traffic``).
+        memory: ``memory(ctx, row_sizes, traffic)`` builds the stale memory (``sampling.comm_manager.CommManager``)
+            when the shard table changes; needed only for the stale/displaced strategies.
+
+    Outside :meth:`begin_step`/:meth:`end_step` (``active`` False) the adapters still shard and gather exactly:
+    ``active`` only tells the stale strategies that a step's bookkeeping runs.
+    """
+
+    def __init__(self, ctx: ParallelContext, traffic, memory: Optional[Callable] = None):
+        super().__init__(ctx, align=1, traffic=traffic)
+        self.shards: Optional[TokenShards] = None
+        self._memory = memory
+        self.steps_in_memory = 0
+
+    def set_shards(self, shards: TokenShards) -> bool:
+        """Use ``shards`` from now on; True (and a fresh, empty stale memory) when the table changed."""
+        if shards.world_size != self.ctx.world_size:
+            raise ValueError(f"shard table for {shards.world_size} ranks used in a group of {self.ctx.world_size}")
+        if shards == self.shards:
+            return False
+        if self.cm is not None:
+            self.cm.wait()
+        self.shards = shards
+        self.rows = shards.row_sizes
+        self.bounds = self.latent_bounds = shards.row_bounds
+        self.height, self.width = shards.rows, shards.cols
+        self.cm = self._memory(self.ctx, shards.row_sizes, self.traffic) if self._memory is not None else None
+        self.steps_in_memory = 0
+        return True
+
+    def set_grid(self, frames: int, rows: int, cols: int, row_sizes: Optional[Sequence[int]] = None) -> bool:
+        """:meth:`set_shards` for a token grid with equal bands (or ``row_sizes``)."""
+        return self.set_shards(TokenShards.split(frames, rows, cols, self.ctx.world_size, row_sizes))
+
+    def require_shards(self) -> TokenShards:
+        if self.shards is None:
+            # backstop, not the guard: the plan's root hook sets the grid before any adapter runs
+            raise RuntimeError("sequence-parallel model ran without a token grid; call set_grid() first")
+        return self.shards
+
+    def begin_step(self, step: int, sync: bool) -> None:
+        """Start logical step ``step`` (``sync``: exchange exactly and refill the stale memory)."""
+        if self.cm is None and not sync:
+            raise RuntimeError("a non-synchronous step needs a stale memory: build the SequenceState with memory=")
+        if self.steps_in_memory == 0 and not sync:
+            raise RuntimeError("the first step after a new token grid must be synchronous: the stale memory is empty")
+        if self.cm is not None:
+            self.cm.wait()
+        self.step, self.sync, self.active = step, sync, True
+
+    def end_step(self) -> None:
+        self.active = False
+        self.sync = True
+        if self.cm is not None and self.cm.num_slots:
+            if not self.cm.laid_out:
+                self.cm.build_layout()
+            else:
+                self.cm.flush()
+        self.steps_in_memory += 1
+
+    def finish(self) -> None:
+        """Wait for every in-flight exchange (before reading results or releasing the group)."""
+        if self.cm is not None:
+            self.cm.wait()
+
+
+# --------------------------------------------------------------------------------------------------
+# attention
+
+
+class SeqMode(str, enum.Enum):
+    """How :class:`SequenceAttention` reaches the other ranks' tokens (both exact with the exact K/V strategy)."""
+
+    GATHERED = "gathered"  # all-gather the sharded part of K and V; local queries
+    ULYSSES = "ulysses"  # all-to-all: my tokens x all heads <-> all tokens x heads/N
+    AUTO = "auto"  # per call, by the modelled cost (choose_mode)
+
+
+class AttentionCost(NamedTuple):
+    """Modelled traffic of one self-attention call for one rank (the slowest: the largest band).
+
+    ``wire_bytes``: bytes the rank sends; ``messages``: collective calls; ``counted``: the bytes comm's accounting
+    (``log_comm``) counts per operation, so ``bench/linkmodel.wire_bytes(counted, N) == wire_bytes``.
+    """
+
+    wire_bytes: int
+    messages: int
+    counted: Dict[str, int]
+
+
+def attention_cost(mode: Union[str, SeqMode], counts: Sequence[int], heads: int, head_dim: int, itemsize: int, *,
+                   batch: int = 1, replicated: int = 0) -> AttentionCost:
+    """The modelled cost of one exact self-attention call (per rank), from shapes.
+
+    Args:
+        mode: ``gathered`` or ``ulysses``.
+        counts: image tokens per rank (:attr:`TokenShards.counts`).
+        heads, head_dim, itemsize: of q/k/v.
+        batch: batch size of the call.
+        replicated: replicated (text) tokens in the joint sequence.
+
+    Gathered: one all-gather of K and V packed, padded to the largest band: each rank sends ``2 * n_max * H * D``
+    to N-1 peers. Ulysses: an all-to-all of q, k and v packed (``3 * n_max * H * D``, N-1 of N pieces leave) and one
+    of the output (``n_max * H * D``), plus an all-gather of the replicated tokens' output over heads.
+    """
+    mode = SeqMode(mode)
+    n = len(counts)
+    if n <= 1:
+        return AttentionCost(0, 0, {})
+    n_max = max(counts)
+    row = batch * heads * head_dim * itemsize
+    if mode is SeqMode.GATHERED:
+        piece = 2 * n_max * row
+        counted = {"all_gather": piece * (n + 1)}  # N outputs + the input
+        return AttentionCost(piece * (n - 1), 1, counted)
+    if mode is SeqMode.ULYSSES:
+        qkv = 3 * n_max * row  # this rank's whole send buffer (N pieces of heads/N)
+        out = n_max * row
+        counted = {"all_to_all_single": 2 * (qkv + out)}  # input + output buffers of both calls
+        wire = (qkv + out) * (n - 1) // n
+        messages = 2
+        if replicated:
+            piece = replicated * row // n
+            counted["all_gather"] = piece * (n + 1)
+            wire += piece * (n - 1)
+            messages += 1
+        return AttentionCost(wire, messages, counted)
+    raise ValueError("attention_cost needs a concrete mode (gathered or ulysses), not auto")
+
+
+def choose_mode(counts: Sequence[int], heads: int, head_dim: int, itemsize: int, *, batch: int = 1, replicated: int = 0,
+                kv: PeerExchange = EXACT, link=None) -> SeqMode:
+    """The ``auto`` rule: Ulysses where it is possible and modelled faster on ``link``, else gathered.
+
+    * Gathered when there is one rank, when the heads do not divide by N, or when the K/V strategy is not the exact
+      one (stale/displaced K/V live in the gathered memory).
+    * Otherwise the two modes' modelled times on the link profile ``link`` (a ``topology.links`` profile or its
+      name; default ``pcie4_x16_p2p``), ``messages * latency + wire_bytes / bandwidth``, decide; ties go to
+      gathered (fewer messages). Per layer, gathered sends ``2(N-1) n H D`` and Ulysses ``4(N-1)/N n H D`` (plus the
+      replicated tokens' output), so at N = 2 they move the same bytes and gathered wins on messages; from N = 3
+      Ulysses moves fewer bytes (``N/2`` times fewer) and wins once the band is long enough to hide its extra
+      messages.
+
+    Every input is shared by all ranks (shapes, config, the link profile name), so every rank picks the same mode.
+    """
+    n = len(counts)
+    if n <= 1 or heads % n or not isinstance(kv, ExactExchange):
+        return SeqMode.GATHERED
+    from ..topology.links import get_profile, model_latency_ms
+
+    profile = get_profile(link or "pcie4_x16_p2p")
+    costs = {}
+    for mode in (SeqMode.GATHERED, SeqMode.ULYSSES):
+        c = attention_cost(mode, counts, heads, head_dim, itemsize, batch=batch, replicated=replicated)
+        costs[mode] = model_latency_ms(0.0, c.wire_bytes, c.messages, profile.name)
+    return SeqMode.ULYSSES if costs[SeqMode.ULYSSES] < costs[SeqMode.GATHERED] else SeqMode.GATHERED
+
+
+def _to_blhd(t: torch.Tensor, layout: str, heads: Optional[int]) -> torch.Tensor:
+    if layout == "BLHD":
+        return t
+    if layout == "BHLD":
+        return t.transpose(1, 2)
+    return t.unflatten(-1, (heads, -1))
+
+
+def _from_blhd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "BLHD":
+        return t
+    if layout == "BHLD":
+        return t.transpose(1, 2)
+    return t.flatten(-2)
+
+
+def _key_mask(mask: Optional[torch.Tensor], lk_local: int, lk_full: int, before: int, after: int, n_total: int,
+              order: torch.Tensor, path: str) -> Optional[torch.Tensor]:
+    """The caller's mask over keys, re-expressed for the keys ``[before, image tokens rank-major, after]``.
+
+    A mask over the full key sequence (global order) has its image columns permuted like the keys. A mask over this
+    rank's local keys (a model that builds it from the local sequence length, as HunyuanVideo does) must treat
+    every image key alike (padding masks only ever mask replicated text tokens): its first image column stands for
+    all of them.
+    """
+    if mask is None:
+        return None
+    cols = mask.shape[-1]
+    if cols == lk_full and lk_full != lk_local:
+        idx = torch.cat([torch.arange(before, device=mask.device), before + order.to(mask.device),
+                         torch.arange(before + n_total, lk_full, device=mask.device)])
+        return mask.index_select(-1, idx)
+    if cols == lk_local:
+        n_local = lk_local - before - after
+        img = mask.narrow(-1, before, n_local)
+        if n_local and not bool((img == img.narrow(-1, 0, 1)).all()):
+            # backstop: no supported family masks image keys; the check depends on the mask every rank builds alike
+            raise NotImplementedError(f"{path}: an attention mask that differs between image keys is not supported")
+        rep = img.narrow(-1, 0, 1).expand(*img.shape[:-1], n_total) if n_local else img.new_zeros((*img.shape[:-1], n_total))
+        return torch.cat([mask.narrow(-1, 0, before), rep, mask.narrow(-1, before + n_local, after)], dim=-1)
+    if cols == 1:
+        return mask
+    raise NotImplementedError(f"{path}: attention mask with {cols} key columns for {lk_local} local keys ({lk_full} in all)")
+
+
+class SequenceAttention:
+    """Exact sequence-parallel attention of one rank's tokens, bound to a :class:`SequenceState`.
+
+    Args:
+        state: the shared state (context, shard table, step flags, stale memory).
+        mode: :class:`SeqMode` or its name: ``gathered``, ``ulysses`` or ``auto``.
+        kv: the K/V exchange strategy of gathered mode (``exchange.EXACT``, ``STALE``, ``DISPLACED``, or any
+            further :class:`~.exchange.PeerExchange`). Ulysses needs the exact one.
+        link: link profile (name) the ``auto`` rule models (default ``pcie4_x16_p2p``).
+
+    Call it with the local q, k, v as the model would pass them to its attention function; the output is what that
+    function would return for the local queries over the whole sequence.
+
+    Example:
+        >>> state = SequenceState(ctx, Traffic())                       # doctest: +SKIP
+        >>> state.set_grid(frames=1, rows=64, cols=64)                  # doctest: +SKIP
+        >>> attn = SequenceAttention(state, mode="auto")                # doctest: +SKIP
+        >>> sdpa = lambda q, k, v, mask, heads: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        >>> out = attn(q, k, v, sdpa, layout="BHLD", before=512, key="blocks.0.attn")  # doctest: +SKIP
+    """
+
+    def __init__(self, state: SequenceState, mode: Union[str, SeqMode] = SeqMode.AUTO, kv: PeerExchange = EXACT, link=None):
+        self.state = state
+        self.mode = SeqMode(mode)
+        self.kv = kv
+        self.link = link
+        if self.mode is SeqMode.ULYSSES and not isinstance(kv, ExactExchange):
+            raise ValueError(f"Ulysses attention exchanges this step's q/k/v; it cannot use the {type(kv).__name__} "
+                             f"K/V strategy: use mode='gathered' for stale or displaced K/V")
+        #: the mode of the last call (after ``auto`` resolved), for reports and tests
+        self.last_mode: Optional[SeqMode] = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_fn: AttentionFn, *, layout: str = "BHLD",
+                 heads: Optional[int] = None, before: int = 0, after: int = 0, cross: bool = False,
+                 mask: Optional[torch.Tensor] = None, key: str = "attn") -> torch.Tensor:
+        """Attention of the local queries over every rank's keys.
+
+        Args:
+            q, k, v: this rank's tensors in ``layout`` (see the module docstring). For self-attention the sequence
+                is ``[before replicated tokens, this rank's image tokens, after replicated tokens]``.
+            attn_fn: ``attn_fn(q, k, v, mask, heads)``, the model's own attention, same layout.
+            layout: ``"BHLD"``, ``"BLHD"`` or ``"BLC"`` (``"BLC"`` needs ``heads``).
+            heads: heads of the call (read from the tensors except in ``"BLC"``).
+            before, after: replicated (text) tokens before and after the image tokens (joint attention: FLUX and
+                Qwen-Image put text first, HunyuanVideo last).
+            cross: keys and values are replicated (cross-attention to text): nothing is exchanged.
+            mask: the caller's attention mask (broadcastable to ``[B, H, Lq, Lk]``): over the local keys or over the
+                full key sequence in global order; see :func:`_key_mask`.
+            key: a name unique per attention layer (the stale memory's slot).
+        """
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS} (got {layout!r})")
+        if layout == "BLC" and not heads:
+            raise ValueError("layout 'BLC' needs heads=")
+        st = self.state
+        ctx = st.ctx
+        if cross or ctx.world_size == 1:
+            return attn_fn(q, k, v, mask, heads or q.shape[1 if layout == "BHLD" else 2])
+        shards = st.require_shards()
+        q4, k4, v4 = (_to_blhd(t, layout, heads) for t in (q, k, v))
+        b, lq, h, d = q4.shape
+        n_me = shards.counts[ctx.rank]
+        if lq - before - after != n_me or k4.shape[1] != lq:
+            raise ValueError(
+                f"{key}: {lq} local tokens ({k4.shape[1]} keys) do not match {before} + {n_me} image tokens of rank "
+                f"{ctx.rank} + {after}; check the shard table and the replicated counts"
+            )
+        mode = self.mode
+        if mode is SeqMode.AUTO:
+            mode = choose_mode(shards.counts, h, d, q4.element_size(), batch=b, replicated=before + after, kv=self.kv, link=self.link)
+        if mode is SeqMode.ULYSSES and h % ctx.world_size:
+            raise ValueError(f"{key}: Ulysses needs the heads ({h}) to divide by the ranks ({ctx.world_size}); use mode='gathered' or 'auto'")
+        self.last_mode = mode
+        lk_full = before + shards.total + after
+        if mode is SeqMode.GATHERED:
+            out = self._gathered(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full)
+        else:
+            out = self._ulysses(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full)
+        return _from_blhd(out, layout)
+
+    # ---------------------------------------------------------------- gathered K/V
+
+    def _gathered(self, q, k, v, attn_fn, layout, before, after, mask, key, lq, lk_full):
+        st, shards = self.state, self.state.shards
+        kb, ki, ka = _split_replicated(k, 1, before, after)
+        vb, vi, va = _split_replicated(v, 1, before, after)
+        packed = torch.stack([ki, vi], dim=2).contiguous()  # [B, n, 2, H, D]: one exchange for K and V
+        full = self.kv.full_kv(packed, f"{key}.kv", st)  # [B, n_total, 2, H, D], rank-major
+        k_all = torch.cat([kb, full[:, :, 0], ka], dim=1)
+        v_all = torch.cat([vb, full[:, :, 1], va], dim=1)
+        m = _key_mask(mask, lq, lk_full, before, after, shards.total, shards.order(), key)
+        h = q.shape[2]
+        return _to_blhd(attn_fn(_from_blhd(q, layout), _from_blhd(k_all, layout), _from_blhd(v_all, layout), m, h), layout, h)
+
+    # ---------------------------------------------------------------- Ulysses
+
+    def _ulysses(self, q, k, v, attn_fn, layout, before, after, mask, key, lq, lk_full):
+        st, shards = self.state, self.state.shards
+        ctx = st.ctx
+        n, me = ctx.world_size, ctx.rank
+        b, _, h, d = q.shape
+        hn = h // n
+        counts = shards.counts
+        n_max = max(counts)
+        parts = [_split_replicated(t, 1, before, after) for t in (q, k, v)]
+        img = torch.stack([p[1] for p in parts], dim=0)  # [3, B, n_me, H, D]
+        if img.shape[2] < n_max:
+            img = torch.cat([img, img.new_zeros(3, b, n_max - img.shape[2], h, d)], dim=2)
+        send = img.unflatten(3, (n, hn)).permute(3, 0, 1, 2, 4, 5)  # [N, 3, B, n_max, H/N, D]
+        recv = all_to_all_equal(send, ctx)  # recv[s]: rank s's tokens, my heads
+        img_all = torch.cat([recv[s, :, :, : counts[s]] for s in range(n)], dim=2)  # [3, B, n_total, H/N, D]
+        heads_me = slice(me * hn, (me + 1) * hn)
+        seqs = []
+        for i, (pb, _, pa) in enumerate(parts):
+            seqs.append(torch.cat([pb[:, :, heads_me], img_all[i], pa[:, :, heads_me]], dim=1))
+        qa, ka, va = seqs
+        m = _key_mask(mask, lq, lk_full, before, after, shards.total, shards.order(), key)
+        if m is not None and m.dim() >= 2 and m.shape[-2] not in (1,):
+            raise NotImplementedError(f"{key}: Ulysses supports key masks only (a mask that varies per query needs mode='gathered')")
+        if m is not None and m.dim() == 4 and m.shape[1] not in (1,):
+            m = m[:, heads_me]
+        out = _to_blhd(attn_fn(_from_blhd(qa, layout), _from_blhd(ka, layout), _from_blhd(va, layout), m, hn), layout, hn)
+        ob, oi, oa = _split_replicated(out, 1, before, after)  # oi: [B, n_total, H/N, D] rank-major
+        back = []
+        for s, piece in enumerate(oi.split(list(counts), dim=1)):
+            if piece.shape[1] < n_max:
+                piece = torch.cat([piece, piece.new_zeros(b, n_max - piece.shape[1], hn, d)], dim=1)
+            back.append(piece)
+        mine = all_to_all_equal(torch.stack(back, dim=0), ctx)  # mine[s]: my tokens, heads of rank s
+        mine = mine[:, :, : counts[me]].permute(1, 2, 0, 3, 4).reshape(b, counts[me], h, d)
+        if before or after:
+            rep = torch.cat([ob, oa], dim=1).contiguous()
+            rep = all_gather_padded(rep, ctx, dim=2, sizes=[hn] * n)  # heads in rank order = head order
+            ob, oa = rep.narrow(1, 0, before), rep.narrow(1, before, after)
+        return torch.cat([ob, mine, oa], dim=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# styles for a host model (diffusers' DiT classes): shard inputs, shard positions, gather outputs, attention
+
+
+def _map_items(out: Any, items: Optional[Tuple[int, ...]], fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(fn(o) if (items is None or i in items) and isinstance(o, torch.Tensor) else o for i, o in enumerate(out))
+    raise TypeError(f"expected a tensor or a tuple of tensors, got {type(out).__name__}")
+
+
+def _replicated(extent: int, total: int, text: Optional[str], path: str) -> Tuple[int, int]:
+    extra = extent - total
+    if extra < 0 or (extra and text not in ("before", "after")):
+        raise ValueError(f"{path}: {extent} tokens for {total} image tokens (replicated tokens: {text})")
+    return (extra, 0) if text == "before" else (0, extra)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardTokens(Style):
+    """The module's output (a token sequence, or a positional embedding) is cut to this rank's tokens.
+
+    Args:
+        dim: the sequence dimension of the output.
+        items: for a tuple output, which elements (``None``: every tensor element).
+        text: where replicated tokens sit in that sequence (``"before"``/``"after"``; ``None``: image tokens only).
+            Their count is the extent minus the image tokens of the shard table.
+    """
+
+    dim: int = 1
+    items: Optional[Tuple[int, ...]] = None
+    text: Optional[str] = None
+
+    def _apply(self, module, path, state):
+        def hook(mod, args, out):
+            shards = state.require_shards()
+            if state.ctx.world_size == 1:
+                return out
+
+            def cut(t):
+                before, after = _replicated(t.shape[self.dim], shards.total, self.text, path)
+                return shard_tokens(t, shards, state.ctx.rank, dim=self.dim, before=before, after=after)
+
+            return _map_items(out, self.items, cut)
+
+        return Applied(module.register_forward_hook(hook).remove)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardGridRows(Style):
+    """The module's output is a ``[..., rows, cols]`` grid (a patch embedding before flattening): keep this rank's
+    band of token rows along ``row_dim`` (flattened frame-major afterwards, it is exactly the rank's token index)."""
+
+    row_dim: int = -2
+
+    def _apply(self, module, path, state):
+        def hook(mod, args, out):
+            shards = state.require_shards()
+            if state.ctx.world_size == 1:
+                return out
+            if out.shape[self.row_dim] != shards.rows:
+                raise ValueError(f"{path}: {out.shape[self.row_dim]} token rows, the shard table has {shards.rows}")
+            lo, hi = shards.row_bounds[state.ctx.rank], shards.row_bounds[state.ctx.rank + 1]
+            return out.narrow(self.row_dim, lo, hi - lo)
+
+        return Applied(module.register_forward_hook(hook).remove)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatherTokens(Style):
+    """The module's output (this rank's tokens) is completed to the full sequence in global order (one
+    all-gather): put it on the last per-token layer (the output projection), where tokens are narrowest."""
+
+    dim: int = 1
+    text: Optional[str] = None
+
+    def _apply(self, module, path, state):
+        def hook(mod, args, out):
+            shards = state.require_shards()
+            if state.ctx.world_size == 1:
+                return out
+
+            def full(t):
+                extra = t.shape[self.dim] - shards.counts[state.ctx.rank]
+                before, after = _replicated(shards.total + extra, shards.total, self.text, path)
+                res = gather_tokens(t, shards, state.ctx, dim=self.dim, before=before, after=after)
+                state.traffic.add("output", t.numel() * t.element_size() * (state.ctx.world_size - 1), collectives=1)
+                return res
+
+            return _map_items(out, None, full)
+
+        return Applied(module.register_forward_hook(hook).remove)
+
+
+class _SdpaRoute(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` calls made inside one attention module to its
+    :class:`SequenceAttention` (every other torch function runs as is)."""
+
+    def __init__(self, route):
+        super().__init__()
+        self.route = route
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.route(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SequenceAttentionStyle(Style):
+    """A host model's attention module whose processor ends in ``F.scaled_dot_product_attention`` (every
+    diffusers DiT processor on the native backend): that call is routed to a :class:`SequenceAttention`.
+
+    Args:
+        text: where replicated tokens sit in the module's joint sequence (``"before"``: FLUX, Qwen-Image;
+            ``"after"``: HunyuanVideo; ``None``: image tokens only, as Wan's and LTX-Video's self-attention). Their
+            count is derived per call: local length minus this rank's image tokens.
+        mode: :class:`SeqMode` name.
+        kv: the gathered mode's K/V strategy.
+        link: the link profile the ``auto`` rule models.
+
+    The route is a ``TorchFunctionMode`` entered only while this module's forward runs (thread-local, no module
+    global patched); an attention module that calls SDPA more than once, or a processor on another backend, is
+    refused by the shape check of :class:`SequenceAttention`.
+    """
+
+    text: Optional[str] = None
+    mode: str = "auto"
+    kv: PeerExchange = EXACT
+    link: Optional[str] = None
+
+    def _apply(self, module, path, state):
+        attn = SequenceAttention(state, self.mode, self.kv, self.link)
+        text = self.text
+
+        def route(*args, **kwargs):
+            call = dict(zip(_SDPA_ARGS, args))
+            call.update(kwargs)
+            if call.get("is_causal") or call.get("dropout_p", 0.0) or call.get("enable_gqa"):
+                raise NotImplementedError(f"{path}: causal, dropout or GQA attention is not supported in sequence-parallel mode")
+            scale = call.get("scale")
+
+            def sdpa(q, k, v, mask, heads):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+            q, k, v = call["query"], call["key"], call["value"]
+            shards = state.require_shards()
+            lq = q.shape[-2]
+            cross = k.shape[-2] != lq
+            before = after = 0
+            if not cross:
+                before, after = _replicated(lq - shards.counts[state.ctx.rank] + shards.total, shards.total, text, path)
+            return attn(q, k, v, sdpa, layout="BHLD", before=before, after=after, cross=cross, mask=call.get("attn_mask"), key=path)
+
+        def build(prior):
+            def forward(*args, **kwargs):
+                if state.ctx.world_size == 1:
+                    return prior(*args, **kwargs)
+                with _SdpaRoute(route):
+                    return prior(*args, **kwargs)
+
+            return forward
+
+        return Applied(replace_forward(module, path, build))
