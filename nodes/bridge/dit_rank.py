@@ -37,11 +37,16 @@ CFG_KEY = "patchray.cfg_parallel"
 BATCH_KEY = "patchray.batch_parallel"
 
 
-def _lib():
+def _comm():
     from ...distributed import comm
+
+    return comm
+
+
+def _seq():
     from ...distributed.parallel import sequence
 
-    return comm, sequence
+    return sequence
 
 
 # --------------------------------------------------------------------------------------------------- groups
@@ -61,7 +66,7 @@ def make_groups(ctx, cfg_groups: int, seq_ranks: int) -> Groups:
     from ...distributed.cluster import rank_cache
     from ...distributed.context import ParallelContext
 
-    comm, _ = _lib()
+    comm = _comm()
     if cfg_groups * seq_ranks != ctx.world_size:
         raise ValueError(f"layout {cfg_groups} x {seq_ranks} does not match the {ctx.world_size} ranks")
     group = ctx.rank // seq_ranks
@@ -84,7 +89,7 @@ def make_groups(ctx, cfg_groups: int, seq_ranks: int) -> Groups:
 
 def agree_min(ctx, value: float) -> float:
     """The minimum of ``value`` over ``ctx``'s ranks (one tiny all-gather)."""
-    comm, _ = _lib()
+    comm = _comm()
     if ctx.world_size == 1:
         return float(value)
     t = torch.tensor([[float(value)]], dtype=torch.float64, device=ctx.device)
@@ -164,7 +169,7 @@ class DitSequence:
     def __init__(self, ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None):
         from ...distributed.sampling.comm_manager import Traffic
 
-        _, seq = _lib()
+        seq = _seq()
         self.ctx, self.row, self.dm, self.counter = ctx, row, dm, counter
         self.state = seq.SequenceState(ctx, Traffic())
         self.attn = seq.SequenceAttention(self.state, attention)
@@ -177,7 +182,7 @@ class DitSequence:
     def apply(self) -> None:
         from ...distributed.parallel.plan import apply_plan
 
-        _, seq = _lib()
+        seq = _seq()
         row = self.row
         text = {"prefix": "before", "suffix": "after"}.get(row.text)
         plan = {row.rope.module: seq.ShardTokens(dim=2, text=text), row.gather.module: seq.GatherTokens(dim=1)}
@@ -209,7 +214,7 @@ class DitSequence:
         undo_all(self._applied)
 
     def _shard_input(self, module, args):
-        _, seq = _lib()
+        seq = _seq()
         if self.ctx.world_size == 1:
             return None
         i = self.row.tokens.arg
@@ -307,7 +312,7 @@ def batch_parallel(ctx, counter: Optional[Counter] = None):
     Every tensor argument whose first dimension is the call's row count (the latent, timesteps, text context,
     pooled vectors, guidance, CLIP features, masks) is cut to the rank's rows; the model is per-row independent.
     """
-    comm, _ = _lib()
+    comm = _comm()
 
     def wrapper(executor, x, *args, **kwargs):
         rows = int(x.shape[0])
@@ -343,7 +348,7 @@ def cfg_shares(live: List[int], groups: int) -> List[List[int]]:
 def cfg_parallel(groups: Groups, cfg_groups: int):
     """A CALC_COND_BATCH wrapper: this rank's CFG group evaluates its share of the conditionings, and the groups
     exchange their outputs (one all-gather over ``groups.cfg`` per call)."""
-    comm, _ = _lib()
+    comm = _comm()
 
     def wrapper(executor, model, conds, x_in, *args, **kwargs):
         live = [i for i, c in enumerate(conds) if c is not None]
