@@ -58,7 +58,10 @@ def build(ctx, payload: dict):
     mm.unload_all_models()  # the previous model (if any) is being replaced: give its memory back first
     mm.soft_empty_cache()
     base = payload["skeleton"]
-    base.load_state_dict(payload["state_dict"], strict=True, assign=True)
+    state = payload["state_dict"]
+    for k, dtype in payload.get("views", {}).items():  # float8 weights travel as their bytes (see model.portable_model)
+        state[k] = state[k].view(getattr(torch, dtype))
+    base.load_state_dict(state, strict=True, assign=True)
     return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
 
 
