@@ -114,7 +114,8 @@ def _random_state(module, seed, dtype):
 
 def make_dit_models(models_dir):
     """DiTs the stock UNet loader detects, at the widths its detection hard-codes (FLUX hidden 3072, text 4096;
-    Wan text 4096) and one or two blocks: FLUX.1 dev (one double, one single block), Wan 2.1 t2v (dim 256, two heads,
+    Wan text 4096) and one or two blocks: FLUX.1 dev (one double-stream block, no single-stream block: 340 M parameters
+    at full width; the single-stream blocks are covered by tests/comfyui/dit_ranks.py), Wan 2.1 t2v (dim 256, two heads,
     one block), Wan 2.2 5B (48 latent channels, dim 256, one block)."""
     import torch
     from safetensors.torch import save_file
@@ -129,7 +130,7 @@ def make_dit_models(models_dir):
     specs = {
         "flux1-dev.safetensors": lambda: comfy.ldm.flux.model.Flux(
             in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0,
-            num_heads=24, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True,
+            num_heads=24, depth=1, depth_single_blocks=0, axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True,
             guidance_embed=True, device="meta", operations=ops),
         "wan2.1_t2v_1.3B_fp16.safetensors": lambda: comfy.ldm.wan.model.WanModel(
             model_type="t2v", dim=256, ffn_dim=512, num_heads=2, num_layers=1, in_dim=16, out_dim=16, text_dim=4096,

@@ -382,6 +382,12 @@ NODE_CLASS_MAPPINGS = {"PatchRayTestConditioning": PatchRayTestConditioning}
 '''
 
 
+def _available_gib() -> float:
+    with open("/proc/meminfo") as fh:
+        info = {line.split(":")[0]: line.split()[1] for line in fh}
+    return int(info.get("MemAvailable", 0)) / 2**20
+
+
 def _install_test_conditioning_node(custom_nodes: Path) -> None:
     d = custom_nodes / "patchray_test_conditioning"
     d.mkdir(exist_ok=True)
@@ -441,6 +447,12 @@ def _dit_prompt(model_file, parallelism, ranks, batch, steps, sampler="euler", a
 ])
 def test_distributed_ksampler_on_dits_matches_the_stock_ksampler(server, model_file, parallelism, ranks, batch, steps):
     url, base = server
+    if model_file.startswith("flux"):
+        # FLUX at the width its detection hard-codes: the server and two ranks hold 340 M fp8 parameters each, plus the
+        # stock KSampler's run; Ray stops its workers when the machine is above 95% memory
+        free = _available_gib()
+        if free < 8:
+            pytest.skip(f"the full-width FLUX case needs about 8 GiB of free memory ({free:.1f} GiB free)")
     entry = _run(url, _dit_prompt(model_file, parallelism, ranks, batch, steps))
     stock, ours = _latent(base, entry, "9"), _latent(base, entry, "10")
     assert stock.shape == ours.shape and stock.shape[0] == batch
