@@ -1,8 +1,10 @@
-"""Distributed KSampler: the stock KSampler's inputs, run patch-parallel on the cluster's ranks.
+"""Distributed KSampler: the stock KSampler's inputs, run on the cluster's ranks.
 
-Every rank runs ComfyUI's own sampler and scheduler on the MODEL as loaded (LoRAs and patches applied); each
-rank's UNet computes one band of latent rows (DistriFusion-style patch parallelism, with OTIL's top-k output
-exchange in the ``otil`` preset). ``full_sync`` equals the stock KSampler within floating-point tolerance.
+Every rank runs ComfyUI's own sampler and scheduler on the MODEL as loaded (LoRAs and patches applied). The
+``parallelism`` widget picks how the ranks share the work: a band of latent rows each (``sequence``: UNets by
+DistriFusion-style patch parallelism with the preset, DiTs by token sharding with exact attention), cond and
+uncond on different ranks (``cfg``, ``cfg+sequence``), or the rows of the batch (``batch``). ``full_sync`` and every
+parallelism equal the stock KSampler within floating-point tolerance.
 Schema only; the work is one call into the bridge (:mod:`.bridge.ksampler`).
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from ._comfy import interrupt_check, io, progress_callback, sampler_lists
 from .bridge import ksampler as bridge_ksampler
-from .bridge.ksampler import PRESET_NAMES
+from .bridge.ksampler import ATTENTION_NAMES, PARALLELISM_NAMES, PRESET_NAMES
 from .types import CATEGORY, CLUSTER
 
 __all__ = ["PatchRayKSampler"]
@@ -25,10 +27,11 @@ class PatchRayKSampler(io.ComfyNode):
             display_name="PatchRay Distributed KSampler",
             category=f"{CATEGORY}/sampling",
             description=(
-                "The KSampler, patch-parallel across the cluster's ranks: every rank runs ComfyUI's own sampler and "
-                "scheduler on the MODEL as loaded, and its UNet computes one band of latent rows. full_sync equals the "
-                "stock KSampler; displaced/otil/balanced trade exactness for less traffic (stale neighbour data between "
-                "synchronous steps). UNet models (SD 1.x, SD 2.x, SDXL)."
+                "The KSampler across the cluster's ranks: every rank runs ComfyUI's own sampler and scheduler on the "
+                "MODEL as loaded. parallelism: a band of latent rows per rank (sequence; UNets SD 1.x/2.x/SDXL and the "
+                "DiTs FLUX.1, Chroma, Wan 2.1/2.2), cond and uncond on different ranks (cfg; every model), or the "
+                "batch split (batch; every model). Exact (equal to the stock KSampler) with preset full_sync; "
+                "displaced/otil/balanced trade exactness for less traffic on UNets."
             ),
             inputs=[
                 io.Model.Input("model", tooltip="The model (from a checkpoint loader; LoRAs and model patches applied)."),
@@ -56,6 +59,31 @@ class PatchRayKSampler(io.ComfyNode):
                 io.Int.Input("refresh_every", default=-1, min=-1, max=1000, tooltip="Run every Nth step synchronous to refresh stale data (-1: the preset's; 0: never). Ignored by full_sync."),
                 io.Float.Input("k_ratio", default=0.25, min=0.01, max=1.0, step=0.01, tooltip="otil: fraction of each band's latent blocks sent per step (the OTIL paper: 0.25)."),
                 io.Int.Input("block_size", default=8, min=1, max=64, tooltip="otil: side of a latent block in latent pixels (the OTIL paper: 8)."),
+                io.Combo.Input(
+                    "parallelism",
+                    options=PARALLELISM_NAMES,
+                    default="auto",
+                    optional=True,
+                    tooltip=(
+                        "How the ranks share the work (all exact). sequence: each rank a band of latent rows, all frames "
+                        "(DiTs: its tokens, attention over every token; UNets: the preset's patch parallelism). cfg: cond "
+                        "on one rank, uncond on the other, outputs exchanged once per step (2 ranks; every model). "
+                        "cfg+sequence: 2 CFG groups of N/2 sequence ranks (4, 6, 8 ranks). batch: the latent batch split "
+                        "across the ranks (batch size >= ranks; every model). auto: batch if the batch divides evenly, "
+                        "else cfg (+sequence) when cfg > 1, else sequence. cfg = 1 turns cfg into sequence, with a note."
+                    ),
+                ),
+                io.Combo.Input(
+                    "sequence_attention",
+                    options=ATTENTION_NAMES,
+                    default="auto",
+                    optional=True,
+                    tooltip=(
+                        "DiT sequence parallelism's attention (both exact). gathered: every rank gathers all keys and "
+                        "values. ulysses: all-to-all over attention heads (heads must divide by the sequence ranks; "
+                        "less traffic from 3 ranks). auto: per layer, from the modelled link cost."
+                    ),
+                ),
             ],
             outputs=[io.Latent.Output(display_name="LATENT", tooltip="The denoised latent, like the stock KSampler's.")],
         )
@@ -63,13 +91,14 @@ class PatchRayKSampler(io.ComfyNode):
     @classmethod
     def execute(
         cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster,
-        preset="full_sync", warmup_steps=-1, refresh_every=-1, k_ratio=0.25, block_size=8,
+        preset="full_sync", warmup_steps=-1, refresh_every=-1, k_ratio=0.25, block_size=8, parallelism="auto",
+        sequence_attention="auto",
     ) -> io.NodeOutput:
         config = bridge_ksampler.patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size)
         progress = progress_callback(steps)
         latent = bridge_ksampler.sample(
             model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster, config,
-            cancel_check=interrupt_check(), progress=progress,
+            parallelism=parallelism, attention=sequence_attention, cancel_check=interrupt_check(), progress=progress,
         )
         if progress is not None:
             progress(steps, steps)

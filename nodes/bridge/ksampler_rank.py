@@ -58,7 +58,10 @@ def build(ctx, payload: dict):
     mm.unload_all_models()  # the previous model (if any) is being replaced: give its memory back first
     mm.soft_empty_cache()
     base = payload["skeleton"]
-    base.load_state_dict(payload["state_dict"], strict=True, assign=True)
+    state = payload["state_dict"]
+    for k, dtype in payload.get("views", {}).items():  # float8 weights travel as their bytes (see model.portable_model)
+        state[k] = state[k].view(getattr(torch, dtype))
+    base.load_state_dict(state, strict=True, assign=True)
     return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
 
 
@@ -116,18 +119,128 @@ def patch_parallel(session):
     return wrapper
 
 
+def _layout(inputs: dict):
+    from .dit_layout import Layout
+
+    raw = inputs.get("layout")
+    return Layout(**raw) if raw else None
+
+
 def sample(ctx, mp, session, inputs: dict) -> torch.Tensor:
-    """``comfy.sample.sample`` with the UNet call routed through ``session``; returns the final latent."""
+    """``comfy.sample.sample`` with the model calls routed through PatchRay; returns the final latent.
+
+    Without a layout (or for a UNet's sequence layout over every rank) the UNet call goes through ``session`` (row-band
+    patch parallelism); other layouts install :mod:`.dit_rank`'s CFG, batch and sequence wrappers for this run.
+    """
     import comfy.model_management as mm
     import comfy.patcher_extension as pe
-    import comfy.sample
 
     model = mp.clone()
     model.model_options = inputs["model_options"]
     for name, obj in inputs["object_patches"].items():
         model.add_object_patch(name, obj)
-    model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, patch_parallel(session))
-    model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching(session, mm.get_free_memory))
+    _drop_other_group_session(session)
+    layout = _layout(inputs)
+    if layout is None or (layout.mode == "sequence" and inputs.get("kind", "unet") == "unet"):
+        model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, patch_parallel(session))
+        model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching(session, mm.get_free_memory))
+        return _run(model, session, inputs)
+    return _sample_layout(ctx, model, session, inputs, layout)
+
+
+def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
+    import comfy.model_management as mm
+    import comfy.patcher_extension as pe
+
+    from . import dit_rank
+    from .dit_models import find_row
+
+    counter = dit_rank.Counter(session)
+    undo = []
+    group_session = None
+    if layout.batch:
+        model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.BATCH_KEY, dit_rank.batch_parallel(ctx, counter))
+        agree = ctx
+    else:
+        if layout.mode == "replicated":  # cfg = 1 on a model without a sequence split: every rank samples it whole
+            from ...distributed.context import ParallelContext
+
+            seq_ctx = ParallelContext.single(ctx.device)
+        else:
+            place = dit_rank.make_groups(ctx, layout.cfg_groups, layout.seq_ranks)  # the library's GroupLayout
+            seq_ctx = place.inner
+            if layout.cfg_groups > 1:
+                model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, dit_rank.CFG_KEY, dit_rank.cfg_parallel(place))
+        agree = seq_ctx
+        dm = model.model.diffusion_model
+        if layout.seq_ranks > 1 and inputs.get("kind") == "dit":
+            row = find_row(type(dm).__name__)
+            if row is None:  # backstop, not the guard: the driver refuses models without a row
+                raise NotImplementedError(f"no DiT table row for {type(dm).__name__}")
+            seq = dit_rank.sequence_parallel(seq_ctx, row, dm, attention=inputs.get("attention", "auto"), counter=counter)
+            undo.append(seq.remove)
+            model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, seq.wrapper)
+        elif layout.seq_ranks > 1:
+            group_session = _group_session(seq_ctx, session)
+            group_session.begin()
+            model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, patch_parallel(group_session))
+        else:
+            model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, _counted(counter))
+    if layout.batch or layout.seq_ranks > 1:
+        # every rank of a group must batch cond/uncond alike: its model calls hold collectives
+        model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching(dit_rank.Agree(agree), mm.get_free_memory))
+    try:
+        latent = _run(model, session, inputs)
+        if group_session is not None:
+            latent = group_session.finalize(latent)
+            session.calls += group_session.calls
+            session.entered += group_session.entered
+        return latent
+    finally:
+        for fn in reversed(undo):
+            fn()
+
+
+def _counted(counter):
+    """A DIFFUSION_MODEL wrapper that only counts (the whole model runs on this rank: CFG split, no sequence split)."""
+
+    def wrapper(executor, *args, **kwargs):
+        with counter.call():
+            return executor(*args, **kwargs)
+
+    return wrapper
+
+
+_GROUP_SESSION = "patchray.sampling.group_session"
+
+
+def _group_session(ctx, session):
+    """The UNet's patch-parallel session over one CFG group (kept across runs like the WORLD session)."""
+    from ...distributed.cluster import rank_cache
+    from ...distributed.sampling.remote import RankSession
+
+    cache = rank_cache()
+    held = cache.get(_GROUP_SESSION)
+    if held is not None and (held.key, held.config, held.ctx.global_ranks) == (session.key, session.config, ctx.global_ranks):
+        return held
+    if held is not None:
+        held.close()
+    held = cache[_GROUP_SESSION] = RankSession(ctx, session.key, session.config, session.input_conv)
+    return held
+
+
+def _drop_other_group_session(session) -> None:
+    """A group session of another model (or another run's config) holds adapters on that model: release it."""
+    from ...distributed.cluster import rank_cache
+
+    held = rank_cache().get(_GROUP_SESSION)
+    if held is not None and (held.key, held.config) != (session.key, session.config):
+        rank_cache().pop(_GROUP_SESSION).close()
+
+
+def _run(model, session, inputs: dict) -> torch.Tensor:
+    import comfy.sample
+
     steps = int(inputs["steps"])
 
     def callback(step, x0, x, total_steps):

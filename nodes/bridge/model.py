@@ -12,8 +12,11 @@ Runs in ComfyUI's process (driver side). The rank side is :mod:`.ksampler_rank`.
   in-place patch markers) is not copied.
 * **Object patches** (e.g. ModelSamplingDiscrete) and **model_options** (CFG functions, ...) travel with each
   prompt: ComfyUI changes both without renewing ``patches_uuid``, so they cannot be part of the cached model.
-* Refused with a reason: non-UNet diffusion models, attention/block patches (they would see row bands),
-  wrappers/callbacks of other extensions, hooks, weight wrappers.
+* Refused with a reason: for sequence parallelism, diffusion models without a row (UNets of SD 1.x/2.x/SDXL and
+  the DiTs of :mod:`.dit_models` have one); for sequence and batch parallelism, attention/block patches (they would
+  see a band or a share of the rows); always, wrappers/callbacks of other extensions (they live on the driver's
+  ModelPatcher and would not reach the ranks), hooks, weight wrappers. CFG parallelism runs the whole model on each
+  rank: patches are fine there.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Callable, Hashable, Tuple
 
 import torch
 
-__all__ = ["comfy_root", "portable_model", "check_conditioning", "check_rows", "latent_and_noise"]
+__all__ = ["comfy_root", "portable_model", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal"]
 
 _UNSUPPORTED_COND_KEYS = {
     "control": "ControlNet conditioning (its residuals are full-image tensors added inside the UNet)",
@@ -48,8 +51,8 @@ def latent_and_noise(mp, latent_dict: dict, seed: int):
     import comfy.sample
 
     latent = comfy.sample.fix_empty_latent_channels(mp, latent_dict["samples"])
-    if latent.dim() != 4:
-        raise ValueError(f"Distributed KSampler takes image latents [B, C, H, W]; got shape {tuple(latent.shape)}")
+    if latent.dim() not in (4, 5):
+        raise ValueError(f"Distributed KSampler takes image latents [B, C, H, W] or video latents [B, C, T, H, W]; got shape {tuple(latent.shape)}")
     return latent, comfy.sample.prepare_noise(latent, seed, latent_dict.get("batch_index"))
 
 
@@ -71,38 +74,87 @@ def check_rows(mp, latent: torch.Tensor, num_ranks: int) -> None:
         raise ValueError(f"latent_image: {exc}") from None
 
 
+def diffusion_kind(mp) -> str:
+    """``"unet"`` for ComfyUI's UNetModel (SD 1.x, 2.x, SDXL), ``"dit"`` for every other diffusion model."""
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    return "unet" if isinstance(getattr(mp.model, "diffusion_model", None), UNetModel) else "dit"
+
+
+def sequence_refusal(mp):
+    """Why this MODEL cannot be sharded by sequence (row bands), or ``None`` when it can."""
+    from .dit_models import find_row, refusal
+
+    dm = getattr(mp.model, "diffusion_model", None)
+    if diffusion_kind(mp) == "unet":
+        if getattr(dm, "dims", 2) != 2:
+            return f"PatchRay Distributed KSampler: sequence parallelism does not cover a {dm.dims}-D UNet yet; parallelism=cfg or batch work with every model"
+        return None
+    if find_row(type(dm).__name__) is None:
+        return refusal(type(dm).__name__, type(dm).__module__)
+    return None
+
+
+def check_sequence(mp, latent: torch.Tensor, num_ranks: int) -> None:
+    """Refuse, before anything is shipped, a latent too small to give each of ``num_ranks`` a band of rows."""
+    if diffusion_kind(mp) == "unet":
+        if latent.dim() != 4:
+            raise ValueError(f"latent_image: the UNet takes image latents [B, C, H, W]; got shape {tuple(latent.shape)}")
+        return check_rows(mp, latent, num_ranks)
+    from .dit_models import find_row, token_grid
+
+    dm = mp.model.diffusion_model
+    row = find_row(type(dm).__name__)
+    frames, rows, cols = token_grid(row, dm, tuple(latent.shape))
+    if rows < num_ranks:
+        raise ValueError(
+            f"latent_image: {rows} token rows ({latent.shape[-2]} latent rows, patch {row.patch(dm)[1]}) cannot give each of the "
+            f"{num_ranks} sequence ranks a band; use a taller image or fewer ranks"
+        )
+
+
 def _refuse(what: str) -> NotImplementedError:
     return NotImplementedError(f"PatchRay Distributed KSampler: {what} is not supported yet; use the stock KSampler for this graph")
 
 
-def check_conditioning(name: str, conditioning) -> None:
+_SEQUENCE_ONLY_COND_KEYS = ("area", "mask")
+
+
+def check_conditioning(name: str, conditioning, mode: str = "sequence") -> None:
+    """Refuse conditioning the ranks cannot honour under ``mode`` (area and mask conditioning crop the latent, which
+    only the row bands of sequence parallelism cannot follow)."""
     if not isinstance(conditioning, list):
         raise TypeError(f"{name} must be ComfyUI CONDITIONING (a list of [tensor, dict]); got {type(conditioning).__name__}")
     for item in conditioning:
         extra = item[1] if isinstance(item, (list, tuple)) and len(item) > 1 and isinstance(item[1], dict) else {}
         for key, why in _UNSUPPORTED_COND_KEYS.items():
+            if key in _SEQUENCE_ONLY_COND_KEYS and "sequence" not in mode:
+                continue
             if extra.get(key) is not None:
                 raise _refuse(f"{why} in {name}")
 
 
-def _check_model(mp) -> None:
+def check_model_type(mp) -> None:
     import comfy.model_patcher
-    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
 
     if not isinstance(mp, comfy.model_patcher.ModelPatcher):
         raise TypeError(f"model must be a ComfyUI MODEL (from a checkpoint or UNet loader); got {type(mp).__name__}")
-    dm = getattr(mp.model, "diffusion_model", None)
-    if not isinstance(dm, UNetModel):
-        raise _refuse(
-            f"the diffusion model {type(dm).__name__} (patch parallelism shards the convolutional UNets of SD 1.x, SD 2.x "
-            "and SDXL)"
-        )
-    if getattr(dm, "dims", 2) != 2:
-        raise _refuse(f"a {dm.dims}-D UNet")
+    if getattr(mp.model, "diffusion_model", None) is None:
+        raise _refuse("a MODEL without a diffusion model")
+
+
+def _check_model(mp, mode: str = "sequence") -> None:
+    check_model_type(mp)
+    if "sequence" in mode:
+        why = sequence_refusal(mp)
+        if why:
+            raise NotImplementedError(why)
     to = mp.model_options.get("transformer_options", {})
-    for key in ("patches", "patches_replace"):
-        if any(to.get(key, {}).values()):
-            raise _refuse(f"the MODEL's {key} ({sorted(to[key])}) (attention or block patches would see only a row band)")
+    if mode in ("sequence", "cfg+sequence", "batch"):
+        for key in ("patches", "patches_replace"):
+            if any(to.get(key, {}).values()):
+                what = "a row band" if "sequence" in mode else "a share of the call's rows"
+                raise _refuse(f"the MODEL's {key} ({sorted(to[key])}) with parallelism={mode} (attention or block patches would see only {what}; parallelism=cfg runs them whole)")
     for kind, table in (("wrappers", mp.wrappers), ("callbacks", mp.callbacks)):
         used = sorted(k for k, v in table.items() if any(v.values()))
         if used:
@@ -111,6 +163,9 @@ def _check_model(mp) -> None:
         raise _refuse("weight wrapper patches")
     if getattr(mp, "hook_patches", None):
         raise _refuse("hook patches (scheduled weight hooks)")
+
+
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 def _patched_weight(mp, key: str, live: torch.Tensor) -> torch.Tensor:
@@ -161,14 +216,15 @@ def _skeleton(mp, state: dict):
     return skeleton
 
 
-def portable_model(mp) -> Tuple[Hashable, Callable[[], dict]]:
+def portable_model(mp, mode: str = "sequence") -> Tuple[Hashable, Callable[[], dict]]:
     """``(key, make_payload)`` for the MODEL ``mp``.
 
     The key names the base weights (a token stored on ComfyUI's model object) and the weight-patch set
     (``patches_uuid``, which ComfyUI renews whenever weight patches change): equal keys, equal weights.
     ``make_payload()`` builds ``{"skeleton", "state_dict"}``; it is called only when a rank lacks the key.
+    ``mode`` (the resolved parallelism) decides what is refused (see the module docstring).
     """
-    _check_model(mp)
+    _check_model(mp, mode)
     base = mp.model
     token = base.__dict__.get("_patchray_token")
     if token is None:
@@ -186,6 +242,9 @@ def portable_model(mp) -> Tuple[Hashable, Callable[[], dict]]:
             if isinstance(original, torch.nn.Module):
                 live.update({prefix + k: v for k, v in original.state_dict(keep_vars=True).items()})
         weights = {k: _patched_weight(mp, k, t) for k, t in live.items()}
-        return {"skeleton": _skeleton(mp, live), "state_dict": weights}
+        views = {k: str(t.dtype).replace("torch.", "") for k, t in weights.items() if t.dtype in _FP8}
+        for k in views:  # Ray cannot pickle float8 tensors: they travel as their bytes (uint8), viewed back on the rank
+            weights[k] = weights[k].view(torch.uint8)
+        return {"skeleton": _skeleton(mp, live), "state_dict": weights, "views": views}
 
     return key, make_payload

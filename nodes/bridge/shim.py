@@ -23,6 +23,7 @@ before any node module is imported):
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.abc
 import importlib.util

@@ -23,6 +23,9 @@ VIDEO_DECODES = {
 NAMES += list(VIDEO_DECODES)
 MODEL_FILES = {"sd_xl_base_1.0.safetensors", "sdxl_vae.safetensors", "ae.safetensors", "wan_2.1_vae.safetensors"}
 MODEL_FILES |= {f for f, _ in VIDEO_DECODES.values()}
+# the Distributed KSampler on DiTs
+NAMES += ["flux_txt2img_distributed", "wan21_txt2video_distributed", "wan22_txt2video_distributed"]
+MODEL_FILES |= {"wan2.2_vae.safetensors"}
 
 
 @pytest.fixture(scope="module")

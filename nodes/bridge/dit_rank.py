@@ -1,0 +1,324 @@
+"""The rank side of sequence-, CFG- and batch-parallel sampling, through ComfyUI 0.3.64's own extension points.
+
+Runs in the rank processes (imported by :mod:`.ksampler_rank` after ComfyUI is importable). Nothing in ComfyUI is
+edited or replaced process-wide; everything is installed on the rank's model for one sampling run and removed after.
+
+* **Sequence (DiT)** — a DIFFUSION_MODEL wrapper (around ``Flux._forward``, ``WanModel._forward``, ...) sets the
+  token grid of the call; the row of :mod:`.dit_models` says where to cut the image tokens to this rank's band
+  (library styles ``ShardTokens``/``GatherTokens`` on the named modules, a pre-hook where the tokens first exist as a
+  block's input), where to cut the RoPE table, and where to put the tokens back in order. Every attention call goes
+  through ``transformer_options["optimized_attention_override"]`` (ComfyUI calls it around each attention of each
+  model) into the library's :class:`SequenceAttention`; which calls are self/joint and which are cross is known from
+  the module the call happens in (forward pre/post hooks on the row's attention classes push and pop the kind).
+* **CFG** — a CALC_COND_BATCH wrapper gives each CFG group its share of the conditionings (cond on one group,
+  uncond on the other), runs ComfyUI's own batching on it, and exchanges the outputs with the peer group: one
+  all-gather per step. With one live conditioning (cfg = 1) every group evaluates it (no exchange).
+* **Batch** — a DIFFUSION_MODEL wrapper splits the rows of each model call across the ranks and all-gathers the
+  outputs. Every rank runs the sampler on the whole batch, so noise (initial, ancestral, SDE) is the stock
+  KSampler's exactly, whatever the sampler.
+
+All branches depend on what every rank shares (shapes, the layout, the conditionings), so every rank makes the same
+collective calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, List, Optional
+
+import torch
+
+__all__ = ["SEQ_KEY", "CFG_KEY", "BATCH_KEY", "make_groups", "sequence_parallel", "cfg_parallel", "batch_parallel", "agree_min"]
+
+SEQ_KEY = "patchray.sequence_parallel"
+CFG_KEY = "patchray.cfg_parallel"
+BATCH_KEY = "patchray.batch_parallel"
+
+
+def _comm():
+    from ...distributed import comm
+
+    return comm
+
+
+def _seq():
+    from ...distributed.parallel import sequence
+
+    return sequence
+
+
+# --------------------------------------------------------------------------------------------------- groups
+
+
+def make_groups(ctx, cfg_groups: int, seq_ranks: int):
+    """This rank's :class:`~patchray.distributed.sampling.split.GroupLayout` for ``cfg_groups`` x ``seq_ranks``:
+    ``inner`` (its CFG group's sequence ranks), ``across`` (the peers holding the same position in every CFG group).
+    A collective the first time (every rank calls it with the same layout); the library's ``RankGroups`` is kept in
+    the rank cache for the cluster's lifetime, so later runs make no new groups."""
+    from ...distributed.cluster import rank_cache
+    from ...distributed.sampling.split import RankGroups
+
+    if cfg_groups * seq_ranks != ctx.world_size:
+        raise ValueError(f"layout {cfg_groups} x {seq_ranks} does not match the {ctx.world_size} ranks")
+    cache = rank_cache().setdefault("patchray.dit.groups", {})
+    key = (cfg_groups, ctx.world_size, ctx.global_ranks)
+    if key not in cache:
+        cache[key] = RankGroups(ctx, cfg_groups)
+    return cache[key].layout
+
+
+def agree_min(ctx, value: float) -> float:
+    """The minimum of ``value`` over ``ctx``'s ranks (one tiny all-gather)."""
+    comm = _comm()
+    if ctx.world_size == 1:
+        return float(value)
+    t = torch.tensor([[float(value)]], dtype=torch.float64, device=ctx.device)
+    return float(comm.all_gather_padded(t, ctx, dim=0, sizes=[1] * ctx.world_size).min().item())
+
+
+class Agree:
+    """``agree_min`` bound to a context, for :func:`ksampler_rank.agreed_batching`."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def agree_min(self, value: float) -> float:
+        return agree_min(self.ctx, value)
+
+
+# --------------------------------------------------------------------------------------------------- counting
+
+
+class Counter:
+    """Model calls begun and completed through PatchRay's wrappers, written to the run's session (the driver refuses
+    a run in which none went through them; a failure after one began marks the group out of step)."""
+
+    def __init__(self, session):
+        self.session = session
+
+    @contextlib.contextmanager
+    def call(self):
+        if self.session is not None:
+            self.session.entered += 1
+        yield
+        if self.session is not None:
+            self.session.calls += 1
+
+
+def _bind(executor, x, args, kwargs) -> inspect.BoundArguments:
+    """The model call's arguments by name (the diffusion models' ``_forward`` signatures differ per family)."""
+    sig = inspect.signature(executor.original)
+    bound = sig.bind(x, *args, **kwargs)
+    return bound
+
+
+# --------------------------------------------------------------------------------------------------- sequence
+
+
+class _Scopes:
+    """Which attention kind the running code is inside (a stack: modules nest)."""
+
+    def __init__(self):
+        self.stack: List[tuple] = []
+
+    def hooks(self, dm, attends) -> List[Any]:
+        handles = []
+        for path, module in dm.named_modules():
+            kind = attends.get(type(module).__name__)
+            if kind is None:
+                continue
+
+            def pre(mod, args, kind=kind, path=path):
+                self.stack.append((kind, path))
+
+            def post(mod, args, out):
+                self.stack.pop()
+
+            handles.append(module.register_forward_pre_hook(pre))
+            handles.append(module.register_forward_hook(post))
+        return handles
+
+
+class DitSequence:
+    """Sequence parallelism for one sampling run of one ComfyUI DiT (a row of :mod:`.dit_models`).
+
+    :meth:`apply` installs the row's token, RoPE and gather sites and the attention scopes on ``dm``; :meth:`remove`
+    takes them off (the model is exactly as before). :meth:`wrapper` is the DIFFUSION_MODEL wrapper.
+    """
+
+    def __init__(self, ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None):
+        from ...distributed.sampling.comm_manager import Traffic
+
+        seq = _seq()
+        self.ctx, self.row, self.dm, self.counter = ctx, row, dm, counter
+        self.state = seq.SequenceState(ctx, Traffic())
+        self.attn = seq.SequenceAttention(self.state, attention)
+        self.scopes = _Scopes()
+        self._applied: list = []
+        self._handles: list = []
+
+    # ---------------------------------------------------------------- sites
+
+    def apply(self) -> None:
+        from ...distributed.parallel.plan import apply_plan
+
+        seq = _seq()
+        row = self.row
+        text = {"prefix": "before", "suffix": "after"}.get(row.text)
+        plan = {row.rope.module: seq.ShardTokens(dim=2, text=text), row.gather.module: seq.GatherTokens(dim=1)}
+        if row.tokens.where == "output":
+            plan[row.tokens.module] = seq.ShardTokens(dim=1)
+        for site in (row.tokens, row.rope, row.gather):
+            try:
+                self.dm.get_submodule(site.module)
+            except AttributeError:
+                raise NotImplementedError(
+                    f"PatchRay Distributed KSampler ({row.family}): this {type(self.dm).__name__} has no module "
+                    f"{site.module!r} where the table expects one (a ComfyUI version PatchRay does not know?)"
+                ) from None
+        try:
+            self._applied = apply_plan([("", self.dm)], plan, self.state, strict=False)
+            if row.tokens.where == "input":
+                self._handles.append(self.dm.get_submodule(row.tokens.module).register_forward_pre_hook(self._shard_input))
+            self._handles.extend(self.scopes.hooks(self.dm, row.attends))
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        from ...distributed.parallel.plan import undo_all
+
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        undo_all(self._applied)
+
+    def _shard_input(self, module, args):
+        seq = _seq()
+        if self.ctx.world_size == 1:
+            return None
+        i = self.row.tokens.arg
+        cut = seq.shard_tokens(args[i], self.state.require_shards(), self.ctx.rank, dim=1)
+        return tuple(cut if j == i else a for j, a in enumerate(args))
+
+    # ---------------------------------------------------------------- attention
+
+    def override(self, inner: Optional[Callable]):
+        """An ``optimized_attention_override``: ComfyUI's attention over every rank's tokens (``inner``: an override
+        that was already there, called in place of ComfyUI's function)."""
+
+        def call(func, *args, **kwargs):
+            if not self.scopes.stack:
+                raise NotImplementedError(
+                    f"PatchRay Distributed KSampler ({self.row.family}): an attention call outside the modules the DiT "
+                    f"table names ({sorted(self.row.attends)}); this model variant is not covered by sequence parallelism"
+                )
+            kind, path = self.scopes.stack[-1]
+            q, k, v = args[:3]
+            rest = list(args[3:])
+            heads = rest.pop(0) if rest else kwargs.pop("heads")
+            if rest:
+                raise TypeError(f"{path}: unexpected positional attention arguments {len(rest)}")
+            mask = kwargs.pop("mask", None)
+            bhld = bool(kwargs.get("skip_reshape", False))
+            keep_heads = bool(kwargs.pop("skip_output_reshape", False))
+
+            def attn_fn(q_, k_, v_, mask_, heads_):
+                kw = dict(kwargs, mask=mask_, skip_output_reshape=bhld)  # BHLD in, BHLD out; BLC in, BLC out
+                if inner is not None:
+                    return inner(func, q_, k_, v_, heads_, **kw)
+                return func(q_, k_, v_, heads_, **kw)
+
+            if kind == "cross":
+                out = self.attn(q, k, v, attn_fn, layout="BHLD" if bhld else "BLC", heads=heads, cross=True, mask=mask, key=path)
+            else:
+                n_me = self.state.require_shards().counts[self.ctx.rank]
+                extra = q.shape[2 if bhld else 1] - n_me
+                before, after = (extra, 0) if self.row.text == "prefix" else (0, extra)
+                if kind == "self" and extra:
+                    raise ValueError(f"{path}: self-attention over {q.shape[2 if bhld else 1]} tokens, this rank holds {n_me}")
+                out = self.attn(q, k, v, attn_fn, layout="BHLD" if bhld else "BLC", heads=heads, before=before, after=after, mask=mask, key=path)
+            if bhld and not keep_heads:
+                b, h, l, d = out.shape
+                out = out.transpose(1, 2).reshape(b, l, h * d)
+            return out
+
+        return call
+
+    # ---------------------------------------------------------------- the wrapper
+
+    def wrapper(self, executor, x, *args, **kwargs):
+        from .dit_models import call_refusal, token_grid
+
+        bound = _bind(executor, x, args, kwargs)
+        why = call_refusal(self.row, bound.arguments)
+        if why:
+            raise NotImplementedError(why)
+        self.state.set_grid(*token_grid(self.row, self.dm, x.shape))
+        to = dict(bound.arguments.get("transformer_options") or {})
+        to["optimized_attention_override"] = self.override(to.get("optimized_attention_override"))
+        bound.arguments["transformer_options"] = to
+        with self.counter.call() if self.counter is not None else contextlib.nullcontext():
+            return executor(*bound.args, **bound.kwargs)
+
+
+def sequence_parallel(ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None) -> DitSequence:
+    """:class:`DitSequence` applied to ``dm`` (call ``remove()`` when the run ends)."""
+    seq = DitSequence(ctx, row, dm, attention=attention, counter=counter)
+    seq.apply()
+    return seq
+
+
+# --------------------------------------------------------------------------------------------------- batch
+
+
+def batch_parallel(ctx, counter: Optional[Counter] = None):
+    """A DIFFUSION_MODEL wrapper: each rank runs its share of the call's rows, the outputs are all-gathered (the
+    library's ``split.batch_parallel``: every tensor argument whose first dimension is the call's row count — the
+    latent, timesteps, text context, pooled vectors, guidance, CLIP features, masks — is cut like the latent; the
+    model is per-row independent)."""
+    from ...distributed.sampling.split import GroupLayout, batch_parallel as split_batch
+    from ...distributed.context import ParallelContext
+
+    layout = GroupLayout(ctx.rank, ctx.world_size, ParallelContext.single(ctx.device), ctx)  # one rank per group
+
+    def wrapper(executor, x, *args, **kwargs):
+        bound = _bind(executor, x, args, kwargs)
+        with counter.call() if counter is not None else contextlib.nullcontext():
+            return split_batch(lambda *a, **k: executor(*a, **k), bound.args[0], layout, *bound.args[1:], **bound.kwargs)
+
+    return wrapper
+
+
+# --------------------------------------------------------------------------------------------------- CFG
+
+
+def cfg_parallel(layout):
+    """A CALC_COND_BATCH wrapper: this rank's CFG group evaluates its share of the live conditionings (ComfyUI's own
+    ``calc_cond_batch`` with the others set to ``None``), and the groups exchange their outputs: the library's
+    ``evaluate_split``, one all-gather over ``layout.across`` per call. With one live conditioning (cfg = 1) every
+    group evaluates it and nothing is exchanged."""
+    from ...distributed.sampling.split import evaluate_split
+
+    def wrapper(executor, model, conds, x_in, *args, **kwargs):
+        live = [i for i, c in enumerate(conds) if c is not None]
+        if len(live) < 2:
+            return executor(model, conds, x_in, *args, **kwargs)
+        result = {}
+
+        def evaluate(items):
+            if not items:
+                return x_in.new_zeros((0, *x_in.shape))
+            mine = {live[j] for j in items}
+            out = executor(model, [c if i in mine else None for i, c in enumerate(conds)], x_in, *args, **kwargs)
+            result["out"] = out
+            return torch.stack([out[live[j]] for j in items])
+
+        every = evaluate_split(evaluate, len(live), layout, allow_empty=True)
+        out = list(result["out"]) if "out" in result else [torch.zeros_like(x_in) for _ in conds]
+        for j, i in enumerate(live):
+            out[i] = every[j]
+        return out
+
+    return wrapper
