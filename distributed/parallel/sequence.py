@@ -544,6 +544,8 @@ class SequenceAttention:
             img = torch.cat([img, img.new_zeros(3, b, n_max - img.shape[2], h, d)], dim=2)
         send = img.unflatten(3, (n, hn)).permute(3, 0, 1, 2, 4, 5)  # [N, 3, B, n_max, H/N, D]
         recv = all_to_all_equal(send, ctx)  # recv[s]: rank s's tokens, my heads
+        es = q.element_size()
+        st.traffic.add("kv", send.numel() * es * (n - 1) // n, collectives=1)
         img_all = torch.cat([recv[s, :, :, : counts[s]] for s in range(n)], dim=2)  # [3, B, n_total, H/N, D]
         heads_me = slice(me * hn, (me + 1) * hn)
         seqs = []
@@ -562,13 +564,16 @@ class SequenceAttention:
             if piece.shape[1] < n_max:
                 piece = torch.cat([piece, piece.new_zeros(b, n_max - piece.shape[1], hn, d)], dim=1)
             back.append(piece)
-        mine = all_to_all_equal(torch.stack(back, dim=0), ctx)  # mine[s]: my tokens, heads of rank s
+        back = torch.stack(back, dim=0)
+        mine = all_to_all_equal(back, ctx)  # mine[s]: my tokens, heads of rank s
+        st.traffic.add("kv", back.numel() * es * (n - 1) // n, collectives=1)
         mine = mine[:, :, : counts[me]].permute(1, 2, 0, 3, 4).reshape(b, counts[me], h, d)
-        if before or after:
-            rep = torch.cat([ob, oa], dim=1).contiguous()
-            rep = all_gather_padded(rep, ctx, dim=2, sizes=[hn] * n)  # heads in rank order = head order
-            ob, oa = rep.narrow(1, 0, before), rep.narrow(1, before, after)
-        return torch.cat([ob, mine, oa], dim=1)
+        if not before and not after:
+            return mine
+        rep = torch.cat([ob, oa], dim=1).contiguous()
+        st.traffic.add("kv", rep.numel() * es * (n - 1), collectives=1)
+        rep = all_gather_padded(rep, ctx, dim=2, sizes=[hn] * n)  # heads in rank order = head order
+        return torch.cat([rep.narrow(1, 0, before), mine, rep.narrow(1, before, after)], dim=1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -160,7 +160,13 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
         model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.BATCH_KEY, dit_rank.batch_parallel(ctx, counter))
         agree = ctx
     else:
-        groups = dit_rank.make_groups(ctx, layout.cfg_groups, layout.seq_ranks)
+        if layout.mode == "replicated":  # cfg = 1 on a model without a sequence split: every rank samples it whole
+            from ...distributed.context import ParallelContext
+
+            one = ParallelContext.single(ctx.device)
+            groups = dit_rank.Groups(ctx, one, one, 0)
+        else:
+            groups = dit_rank.make_groups(ctx, layout.cfg_groups, layout.seq_ranks)
         if layout.cfg_groups > 1:
             model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, dit_rank.CFG_KEY, dit_rank.cfg_parallel(groups, layout.cfg_groups))
         agree = groups.seq

@@ -8,7 +8,7 @@ What :func:`use_canonical_library` guarantees, once ``<pack>.nodes`` is imported
 before any node module is imported):
 
 1. ``import patchray`` in this process resolves to this pack's folder: either the installed package already is this
-   folder, or a folder holding only a ``patchray`` link to the pack (``$TMPDIR/patchray-import-<uid>``) is put first
+   folder, or a folder holding only a ``patchray`` link to the pack (``$TMPDIR/patchray-import-<uid>-<hash of the pack folder>``) is put first
    on ``sys.path`` and on ``os.environ["PYTHONPATH"]``, which the rank processes inherit. Only that one name is
    exposed: the pack's parent folder on the path would shadow ComfyUI's own ``nodes`` module.
 2. Every module ``<pack>.distributed[.x]`` is the module object ``patchray.distributed[.x]`` (a meta-path finder
@@ -23,6 +23,7 @@ before any node module is imported):
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.abc
 import importlib.util
@@ -60,7 +61,10 @@ def _same_pack(spec) -> bool:
 
 
 def _staging_dir() -> str:
-    root = os.path.join(tempfile.gettempdir(), f"patchray-import-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    # one folder per user and pack folder: two ComfyUI servers with different PatchRay checkouts on one machine must
+    # not re-point each other's link (their rank processes would import the other checkout)
+    tag = hashlib.sha1(os.path.realpath(_PACK_DIR).encode()).hexdigest()[:12]
+    root = os.path.join(tempfile.gettempdir(), f"patchray-import-{os.getuid() if hasattr(os, 'getuid') else 0}-{tag}")
     os.makedirs(root, exist_ok=True)
     link = os.path.join(root, CANONICAL)
     if not (os.path.islink(link) and os.path.realpath(link) == os.path.realpath(_PACK_DIR)):

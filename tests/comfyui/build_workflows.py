@@ -28,7 +28,8 @@ def _nodes_sdxl():
         4: ("EmptyLatentImage", {"width": 1024, "height": 1024, "batch_size": 1}),
         5: ("PatchRayKSampler", {"model": (1, 0), "seed": 42, "steps": 25, "cfg": 7.0, "sampler_name": "euler", "scheduler": "normal",
                                  "positive": (2, 0), "negative": (3, 0), "latent_image": (4, 0), "denoise": 1.0, "cluster": (7, 0),
-                                 "preset": "otil", "warmup_steps": -1, "refresh_every": -1, "k_ratio": 0.25, "block_size": 8}),
+                                 "preset": "otil", "warmup_steps": -1, "refresh_every": -1, "k_ratio": 0.25, "block_size": 8,
+                                 "parallelism": "auto", "sequence_attention": "auto"}),
         6: ("VAELoader", {"vae_name": "sdxl_vae.safetensors"}),
         7: CLUSTER,
         8: ("PatchRayVAEDecode", {"samples": (5, 0), "vae": (6, 0), "cluster": (7, 0), "mode": "auto", "precision": "auto", "gn_sync": False}),
@@ -121,6 +122,97 @@ WORKFLOWS = {
     "topology_probe": _nodes_topology,
     "vae_benchmark": _nodes_bench,
 }
+
+
+# ------------------------------------------------------------------------------ Distributed KSampler on DiTs
+
+
+def _nodes_flux_txt2img():
+    return {
+        1: ("UNETLoader", {"unet_name": "flux1-dev.safetensors", "weight_dtype": "default"}),
+        2: ("DualCLIPLoader", {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors", "type": "flux", "device": "default"}),
+        3: ("CLIPTextEncode", {"text": "a lighthouse on a rocky coast at dawn, volumetric light, highly detailed", "clip": (2, 0)}),
+        4: ("FluxGuidance", {"conditioning": (3, 0), "guidance": 3.5}),
+        5: ("CLIPTextEncode", {"text": "", "clip": (2, 0)}),
+        6: ("EmptySD3LatentImage", {"width": 1024, "height": 1024, "batch_size": 1}),
+        7: CLUSTER,
+        8: ("PatchRayKSampler", {"model": (1, 0), "seed": 42, "steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
+                                 "positive": (4, 0), "negative": (5, 0), "latent_image": (6, 0), "denoise": 1.0, "cluster": (7, 0),
+                                 "preset": "full_sync", "warmup_steps": -1, "refresh_every": -1, "k_ratio": 0.25, "block_size": 8,
+                                 "parallelism": "auto", "sequence_attention": "auto"}),
+        9: ("VAELoader", {"vae_name": "ae.safetensors"}),
+        10: ("PatchRayVAEDecode", {"samples": (8, 0), "vae": (9, 0), "cluster": (7, 0), "mode": "auto", "precision": "auto", "gn_sync": False}),
+        11: ("SaveImage", {"images": (10, 0), "filename_prefix": "PatchRay_flux_txt2img"}),
+    }
+
+
+def _nodes_wan_txt2video(unet, vae, latent, steps, cfg, shift, fps):
+    return {
+        1: ("UNETLoader", {"unet_name": unet, "weight_dtype": "default"}),
+        2: ("ModelSamplingSD3", {"model": (1, 0), "shift": shift}),
+        3: ("CLIPLoader", {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan", "device": "default"}),
+        4: ("CLIPTextEncode", {"text": "a red fox running through fresh snow in a pine forest, morning light, cinematic", "clip": (3, 0)}),
+        5: ("CLIPTextEncode", {"text": "blurry, static, low quality, distorted", "clip": (3, 0)}),
+        6: ("VAELoader", {"vae_name": vae}),
+        7: latent,
+        8: CLUSTER,
+        9: ("PatchRayKSampler", {"model": (2, 0), "seed": 42, "steps": steps, "cfg": cfg, "sampler_name": "uni_pc", "scheduler": "simple",
+                                 "positive": (4, 0), "negative": (5, 0), "latent_image": (7, 0), "denoise": 1.0, "cluster": (8, 0),
+                                 "preset": "full_sync", "warmup_steps": -1, "refresh_every": -1, "k_ratio": 0.25, "block_size": 8,
+                                 "parallelism": "auto", "sequence_attention": "auto"}),
+        10: ("PatchRayVAEDecode", {"samples": (9, 0), "vae": (6, 0), "cluster": (8, 0), "mode": "row", "precision": "auto", "gn_sync": False}),
+        11: ("SaveAnimatedWEBP", {"images": (10, 0), "filename_prefix": "PatchRay_wan_txt2video", "fps": fps, "lossless": False, "quality": 85, "method": "default"}),
+    }
+
+
+def _nodes_wan21_txt2video():
+    latent = ("EmptyHunyuanLatentVideo", {"width": 832, "height": 480, "length": 81, "batch_size": 1})
+    return _nodes_wan_txt2video("wan2.1_t2v_14B_fp16.safetensors", "wan_2.1_vae.safetensors", latent, 30, 6.0, 8.0, 16.0)
+
+
+def _nodes_wan22_txt2video():
+    latent = ("Wan22ImageToVideoLatent", {"vae": (6, 0), "width": 1280, "height": 704, "length": 121, "batch_size": 1})
+    return _nodes_wan_txt2video("wan2.2_ti2v_5B_fp16.safetensors", "wan2.2_vae.safetensors", latent, 30, 5.0, 8.0, 24.0)
+
+
+_DIT_SAMPLER_NOTE = (
+    "**PatchRay Distributed KSampler** runs ComfyUI's own sampler on every rank of **PatchRay Cluster**. *parallelism* "
+    "*auto* picks, per run: *batch* when the batch divides over the ranks; *cfg* (cond on one rank, uncond on the other, "
+    "one exchange per step) when cfg > 1 on 2 ranks, *cfg+sequence* on 4, 6, 8; else *sequence* (each rank a band of latent "
+    "rows, all frames, as tokens; attention over every token, gathered K/V or Ulysses by *sequence_attention*). Every mode "
+    "gives the stock KSampler's result (fp32: within 1e-5)."
+)
+DIT_NOTES = {
+    "flux_txt2img_distributed": (
+        "## PatchRay: FLUX.1 dev text-to-image, Distributed KSampler and Distributed VAE Decode\n\n" + _DIT_SAMPLER_NOTE +
+        " FLUX dev is guidance-distilled (cfg 1, **FluxGuidance** 3.5): there is no uncond to split, so *auto* runs *sequence* over "
+        "all ranks. fp8 weights: set the loader's *weight_dtype* to fp8_e4m3fn. **Distributed VAE Decode** then decodes on the "
+        "same ranks.\n\nFiles: `models/diffusion_models/flux1-dev.safetensors`, `models/text_encoders/clip_l.safetensors`, "
+        "`models/text_encoders/t5xxl_fp16.safetensors`, `models/vae/ae.safetensors`."
+    ),
+    "wan21_txt2video_distributed": (
+        "## PatchRay: Wan 2.1 text-to-video (14B), Distributed KSampler and Distributed VAE Decode\n\n" + _DIT_SAMPLER_NOTE +
+        " With cfg 6 on 2 ranks *auto* is *cfg*; on 4 ranks *cfg+sequence*. **Distributed VAE Decode** in *row* mode decodes the "
+        "81 frames with each rank holding a band of rows (exact).\n\nFiles: `models/diffusion_models/wan2.1_t2v_14B_fp16.safetensors` "
+        "(or `wan2.1_t2v_1.3B_fp16.safetensors`), `models/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors`, "
+        "`models/vae/wan_2.1_vae.safetensors`."
+    ),
+    "wan22_txt2video_distributed": (
+        "## PatchRay: Wan 2.2 5B text-to-video, Distributed KSampler and Distributed VAE Decode\n\n" + _DIT_SAMPLER_NOTE +
+        " **Wan22ImageToVideoLatent** makes the 48-channel latent (connect a start image for image-to-video: the first frame is "
+        "then kept and the model gets per-frame timesteps, which the sequence split keeps). The Distributed VAE Decode falls "
+        "back to the stock decode (with a note) for VAEs PatchRay does not shard.\n\nFiles: "
+        "`models/diffusion_models/wan2.2_ti2v_5B_fp16.safetensors`, `models/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors`, "
+        "`models/vae/wan2.2_vae.safetensors`."
+    ),
+}
+DIT_WORKFLOWS = {
+    "flux_txt2img_distributed": _nodes_flux_txt2img,
+    "wan21_txt2video_distributed": _nodes_wan21_txt2video,
+    "wan22_txt2video_distributed": _nodes_wan22_txt2video,
+}
+NOTES.update(DIT_NOTES)
+WORKFLOWS.update(DIT_WORKFLOWS)
 
 
 def build(name: str, nodes: dict, info: dict):

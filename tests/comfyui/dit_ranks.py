@@ -40,6 +40,8 @@ CASES = {
     "wan21i2v-seq": ("wan21i2v", "sequence", "gathered", "euler", 1),
     "wan22-seq": ("wan22", "sequence", "auto", "euler", 1),
     "unet-cfg": ("unet", "cfg", "auto", "euler", 1),
+    # cfg = 1 on a model without a sequence split (forced here: FLUX has a row): every rank samples the whole graph
+    "flux-replicated": ("flux", "replicated", "auto", "euler", 1),
     "unet-cfgseq": ("unet", "cfg+sequence", "auto", "euler", 1),
 }
 
@@ -155,8 +157,12 @@ def _rank(ctx, opts):
         inputs = _inputs(kind, cond, shape, sampler, batch, parallelism, attention, opts["cfg"])
         dm = mp.model.diffusion_model
         is_unet = type(dm).__name__ == "UNetModel"
-        layout = plan_layout(parallelism, ctx.world_size, inputs["cfg"], batch,
-                             sequence_refusal=None if (is_unet or find_row(type(dm).__name__)) else "no row")
+        if parallelism == "replicated":
+            inputs["cfg"] = 1.0
+            layout = plan_layout("cfg", ctx.world_size, 1.0, batch, sequence_refusal="(forced: no sequence split)")
+        else:
+            layout = plan_layout(parallelism, ctx.world_size, inputs["cfg"], batch,
+                                 sequence_refusal=None if (is_unet or find_row(type(dm).__name__)) else "no row")
         inputs.update(layout=layout._asdict(), kind="unet" if is_unet else "dit", attention=attention)
         ref = None
         if ctx.rank == 0:

@@ -12,6 +12,9 @@ the stock loaders exactly as a downloaded one would:
   (checkpoint -> CLIP encode -> KSampler -> decode) is the same.
 * ``loras/patchray_test_lora.safetensors``: a rank-4 LoRA (kohya ``lora_unet_*`` keys) over that UNet's linear layers,
   changing each by roughly 10%: the Distributed KSampler test samples the MODEL with it applied.
+* ``diffusion_models/flux1-dev.safetensors``, ``wan2.1_t2v_1.3B_fp16.safetensors``,
+  ``wan2.2_ti2v_5B_fp16.safetensors``: DiTs for the Distributed KSampler (:func:`make_dit_models`), detected by the
+  stock UNet loader as FLUX.1 dev, Wan 2.1 text-to-video and Wan 2.2 5B.
 """
 
 import os
@@ -91,5 +94,57 @@ def main(comfy_dir, models_dir):
         save(lo, lora)
 
 
+def _random_state(module, seed, dtype):
+    """Seeded random weights for every entry of ``module``'s state dict (built on the meta device: no memory for the
+    model itself), non-constant: matrices ~ N(0, 1/fan_in), norm scales ~ 1 + N(0, 0.1^2), the rest ~ N(0, 0.02^2)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in module.state_dict().items():
+        if t.ndim > 1 and "modulation" not in name:
+            v = torch.randn(t.shape, generator=g) / max(1, t[0].numel()) ** 0.5
+        elif "norm" in name or name.endswith("scale"):
+            v = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
+        else:
+            v = 0.1 * torch.randn(t.shape, generator=g)
+        out[name] = v.to(dtype)
+    return out
+
+
+def make_dit_models(models_dir):
+    """DiTs the stock UNet loader detects, at the widths its detection hard-codes (FLUX hidden 3072, text 4096;
+    Wan text 4096) and one or two blocks: FLUX.1 dev (one double, one single block), Wan 2.1 t2v (dim 256, two heads,
+    one block), Wan 2.2 5B (48 latent channels, dim 256, one block)."""
+    import torch
+    from safetensors.torch import save_file
+
+    import comfy.ldm.flux.model
+    import comfy.ldm.wan.model
+    import comfy.ops
+
+    out_dir = os.path.join(models_dir, "diffusion_models")
+    os.makedirs(out_dir, exist_ok=True)
+    ops = comfy.ops.disable_weight_init
+    specs = {
+        "flux1-dev.safetensors": lambda: comfy.ldm.flux.model.Flux(
+            in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0,
+            num_heads=24, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True,
+            guidance_embed=True, device="meta", operations=ops),
+        "wan2.1_t2v_1.3B_fp16.safetensors": lambda: comfy.ldm.wan.model.WanModel(
+            model_type="t2v", dim=256, ffn_dim=512, num_heads=2, num_layers=1, in_dim=16, out_dim=16, text_dim=4096,
+            device="meta", operations=ops),
+        "wan2.2_ti2v_5B_fp16.safetensors": lambda: comfy.ldm.wan.model.WanModel(
+            model_type="t2v", dim=256, ffn_dim=512, num_heads=2, num_layers=1, in_dim=48, out_dim=48, text_dim=4096,
+            device="meta", operations=ops),
+    }
+    for i, (name, build) in enumerate(specs.items()):
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path):
+            save_file(_random_state(build(), 20 + i, torch.float16), path)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    comfy_dir, models_dir = sys.argv[1], sys.argv[2]  # main() rewrites sys.argv for ComfyUI's argument parser
+    main(comfy_dir, models_dir)
+    make_dit_models(models_dir)

@@ -61,6 +61,7 @@ def server(tmp_path_factory):
     base = tmp_path_factory.mktemp("comfy_base")
     (base / "custom_nodes").mkdir()
     os.symlink(ROOT, base / "custom_nodes" / "PatchRay")
+    _install_test_conditioning_node(base / "custom_nodes")
     (base / "input").mkdir()
     shutil.copy(Path(COMFYUI_DIR) / "input" / "example.png", base / "input" / "example.png")
     subprocess.run([PYTHON, str(Path(__file__).with_name("make_models.py")), COMFYUI_DIR, str(base / "models")],
@@ -268,7 +269,7 @@ def test_distributed_ksampler_full_sync_matches_the_stock_ksampler(server, sampl
         "7": {"class_type": "KSampler", "inputs": dict(common)},
         "8": {"class_type": "PatchRayCluster", "inputs": {"num_ranks": ranks, "device": "cpu", "address": "", "gpu_ids": ""}},
         "10": {"class_type": "PatchRayKSampler", "inputs": dict(common, cluster=["8", 0], preset="full_sync", warmup_steps=-1,
-                                                                refresh_every=-1, k_ratio=0.25, block_size=8)},
+                                                                refresh_every=-1, k_ratio=0.25, block_size=8, parallelism="sequence")},
         "11": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": f"stock_{sampler}"}},
         "12": {"class_type": "SaveLatent", "inputs": {"samples": ["10", 0], "filename_prefix": f"patchray_{sampler}"}},
     }
@@ -349,3 +350,111 @@ def test_cancel_stops_the_distributed_ksampler_and_the_next_prompt_works(server)
     assert "execution_interrupted" in [m[0] for m in hist[pid]["status"]["messages"]]
     # the next prompt rebuilds the ranks, ships the model again and completes
     assert _latent(base, _run(url, prompt(2, 64)), "12").shape == (1, 4, 8, 8)
+
+
+# --------------------------------------------------------------------------------------------------- DiT sampling
+# The Distributed KSampler on DiTs the stock UNet loader detects (make_models.make_dit_models), against the stock
+# KSampler in the same prompt. Their text encoders (T5-XXL, UMT5-XXL) are beyond a CPU test, so the conditioning comes
+# from a test-only node: seeded random tokens of the width the model's detection hard-codes (4096), and FLUX's pooled
+# CLIP vector.
+
+_TEST_NODE = '''
+import torch
+
+
+class PatchRayTestConditioning:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31}), "tokens": ("INT", {"default": 8, "min": 1}),
+                             "width": ("INT", {"default": 4096, "min": 1}), "pooled": ("INT", {"default": 0, "min": 0})}}
+
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, seed, tokens, width, pooled):
+        g = torch.Generator().manual_seed(seed)
+        extra = {"pooled_output": torch.randn(1, pooled, generator=g)} if pooled else {}
+        return ([[torch.randn(1, tokens, width, generator=g), extra]],)
+
+
+NODE_CLASS_MAPPINGS = {"PatchRayTestConditioning": PatchRayTestConditioning}
+'''
+
+
+def _install_test_conditioning_node(custom_nodes: Path) -> None:
+    d = custom_nodes / "patchray_test_conditioning"
+    d.mkdir(exist_ok=True)
+    (d / "__init__.py").write_text(_TEST_NODE)
+
+
+_DIT = {
+    # model file -> (weight_dtype, model-sampling node, latent node, pooled width)
+    "flux1-dev.safetensors": ("fp8_e4m3fn", {"class_type": "ModelSamplingFlux", "inputs": {"max_shift": 1.15, "base_shift": 0.5, "width": 80, "height": 112}},
+                              {"class_type": "EmptySD3LatentImage", "inputs": {"width": 80, "height": 104}}, 768),
+    "wan2.1_t2v_1.3B_fp16.safetensors": ("default", {"class_type": "ModelSamplingSD3", "inputs": {"shift": 8.0}},
+                                         {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 48, "height": 72, "length": 9}}, 0),
+    "wan2.2_ti2v_5B_fp16.safetensors": ("default", {"class_type": "ModelSamplingSD3", "inputs": {"shift": 5.0}},
+                                        {"class_type": "Wan22ImageToVideoLatent", "inputs": {"width": 96, "height": 176, "length": 9}}, 0),
+}
+
+
+def _dit_prompt(model_file, parallelism, ranks, batch, steps, sampler="euler", attention="auto"):
+    weight_dtype, sampling, latent, pooled = _DIT[model_file]
+    latent = {"class_type": latent["class_type"], "inputs": dict(latent["inputs"], batch_size=batch)}
+    common = {"seed": 5, "steps": steps, "cfg": 3.5, "sampler_name": sampler, "scheduler": "simple", "positive": ["3", 0],
+              "negative": ["4", 0], "latent_image": ["5", 0], "denoise": 1.0, "model": ["2", 0]}
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": model_file, "weight_dtype": weight_dtype}},
+        "2": {"class_type": sampling["class_type"], "inputs": dict(sampling["inputs"], model=["1", 0])},
+        "3": {"class_type": "PatchRayTestConditioning", "inputs": {"seed": 1, "tokens": 9, "width": 4096, "pooled": pooled}},
+        "4": {"class_type": "PatchRayTestConditioning", "inputs": {"seed": 2, "tokens": 6, "width": 4096, "pooled": pooled}},
+        "5": latent,
+        "6": {"class_type": "KSampler", "inputs": dict(common)},
+        "7": {"class_type": "PatchRayCluster", "inputs": {"num_ranks": ranks, "device": "cpu", "address": "", "gpu_ids": ""}},
+        "8": {"class_type": "PatchRayKSampler", "inputs": dict(common, cluster=["7", 0], preset="full_sync", warmup_steps=-1,
+                                                               refresh_every=-1, k_ratio=0.25, block_size=8,
+                                                               parallelism=parallelism, sequence_attention=attention)},
+        "9": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": f"stock_dit_{parallelism}_{ranks}"}},
+        "10": {"class_type": "SaveLatent", "inputs": {"samples": ["8", 0], "filename_prefix": f"patchray_dit_{parallelism}_{ranks}"}},
+    }
+
+
+# (model, parallelism, ranks, latent batch, steps); Wan first (cheap), the full-width FLUX (fp8 weights) last
+@pytest.mark.parametrize("model_file, parallelism, ranks, batch, steps", [
+    ("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 3),
+    ("wan2.1_t2v_1.3B_fp16.safetensors", "cfg", 2, 1, 3),
+    ("wan2.1_t2v_1.3B_fp16.safetensors", "batch", 2, 2, 3),
+    ("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 3, 1, 3),
+    ("wan2.2_ti2v_5B_fp16.safetensors", "sequence", 2, 1, 3),
+    ("flux1-dev.safetensors", "sequence", 2, 1, 2),
+    ("flux1-dev.safetensors", "cfg", 2, 1, 2),
+])
+def test_distributed_ksampler_on_dits_matches_the_stock_ksampler(server, model_file, parallelism, ranks, batch, steps):
+    url, base = server
+    entry = _run(url, _dit_prompt(model_file, parallelism, ranks, batch, steps))
+    stock, ours = _latent(base, entry, "9"), _latent(base, entry, "10")
+    assert stock.shape == ours.shape and stock.shape[0] == batch
+    # fp32 compute (FLUX: fp8 weights cast by ComfyUI to fp32 on both paths): sharding reorders sums only
+    # (attention over gathered keys in rank-major order, GEMMs over fewer rows); 1e-5 relative L2 is the issue's
+    # bound; a wrong band, RoPE slice or CFG share gives > 1e-2.
+    rel = ((ours - stock).norm() / stock.norm()).item()
+    print(f"{model_file} {parallelism} x{ranks}: relative L2 to the stock KSampler {rel:.2e}")
+    assert rel <= 1e-5, (model_file, parallelism, ranks, rel)
+
+
+def test_distributed_ksampler_refuses_what_a_dit_cannot_do_before_shipping(server):
+    """Stale presets are the UNet's; cfg on three ranks; Ulysses over heads that do not divide: refused with the
+    widget named, and the next prompt works."""
+    url, base = server
+    api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 2)
+    api["8"]["inputs"]["preset"] = "otil"
+    with pytest.raises(AssertionError, match="pick preset full_sync"):
+        _run(url, api)
+    api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "cfg", 3, 1, 2)
+    with pytest.raises(AssertionError, match="parallelism=cfg puts the conditional"):
+        _run(url, api)
+    api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 3, 1, 2, attention="ulysses")
+    with pytest.raises(AssertionError, match="sequence_attention=ulysses"):
+        _run(url, api)
+    assert _latent(base, _run(url, _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 2)), "10").shape[2] == 3

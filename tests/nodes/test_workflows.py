@@ -13,6 +13,9 @@ from workflow_tools import VIRTUAL, node_info, ui_to_api  # noqa: E402
 
 NAMES = ["sdxl_otil_txt2img", "flux_distributed_decode", "wan_video_row_decode", "topology_probe", "vae_benchmark"]
 MODEL_FILES = {"sd_xl_base_1.0.safetensors", "sdxl_vae.safetensors", "ae.safetensors", "wan_2.1_vae.safetensors"}
+# the Distributed KSampler on DiTs
+NAMES += ["flux_txt2img_distributed", "wan21_txt2video_distributed", "wan22_txt2video_distributed"]
+MODEL_FILES |= {"wan2.2_vae.safetensors"}
 
 
 @pytest.fixture(scope="module")
