@@ -17,9 +17,10 @@ Design decisions:
   (stepwise sampling: exact, stale or displaced K/V) the module's own attention code runs, whatever kernel or
   patches a host application gives it: output hooks on ``to_k``/``to_v`` replace the band's K/V by the
   strategy's full K/V during self-attention calls (a call without a context), so it becomes local-query
-  attention over the whole image. Token (sequence) shards of a DiT use the same seam: the strategy completes a
-  shard's K/V from the token table, and K/V modes still to come (Ulysses all-to-all, compressed residuals) are
-  further strategies, not further adapters.
+  attention over the whole image. Token (sequence) shards of a DiT use the same strategies through
+  ``sequence.SequenceAttention`` (a DiT's attention applies RoPE and q/k norms after the projections, so the K/V are
+  completed at the attention call, not at ``to_k``/``to_v``); compressed residuals will be further strategies, not
+  further adapters.
 """
 
 from __future__ import annotations

@@ -11,13 +11,13 @@ choice is a strategy object, shared by every adapter that exchanges (halo convol
   memory is refreshed every step by an asynchronous all-gather of this step's values, read one step later.
 
 The strategies do not branch on a mode inside the forward; each is its own small class. The K/V methods are the
-seam for sequence-parallel attention (DiTs): a token shard's keys and values are completed exactly like a row
-band's (the token table is the band table, see ``bands.py``). Further K/V strategies plug in here without a
-second attention code path: a compressed-residual exchange (send low-bit ``fresh - stale`` with error
-feedback, as OTIL's ``compress_bits`` does for the output), or Ulysses (an all-to-all from token shards to head
-shards of Q, K and V, and back for the attention output: a strategy with ``query``/``output`` methods besides
-``full_kv``, which :class:`~.attention.GatheredAttention` would hook on ``to_q`` and ``to_out`` the way it hooks
-``to_k``/``to_v`` now). Not implemented yet; the seam is this class.
+seam for sequence-parallel attention (DiTs, ``sequence.py``): :class:`~.sequence.SequenceAttention` in gathered mode
+completes a token shard's packed K and V through ``full_kv`` exactly like a row band's (the token table is the band
+table, see ``bands.py``), so displaced K/V work for DiTs unchanged. Further K/V strategies plug in here without a
+second attention code path: a compressed-residual exchange (send low-bit ``fresh - stale`` with error feedback, as
+OTIL's ``compress_bits`` does for the output). Ulysses (all-to-all of q, k, v over heads) exchanges this step's
+queries too, so it is a mode of :class:`~.sequence.SequenceAttention` rather than a K/V strategy; it only runs with
+:data:`EXACT`.
 
 :class:`StepState` is the state those adapters share: the band table of the current latent, the stale memory
 (a ``CommManager``, owned by the sampling handle, one per stream), the byte accounting, and the per-step flags

@@ -119,6 +119,8 @@ class TokenShards:
     rows: int
     cols: int
     row_sizes: Tuple[int, ...]
+    #: index tensors per (rank or "order", device), built once: every attention call of a step reuses them
+    _cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self):
         if min(self.frames, self.rows, self.cols) < 1:
@@ -158,7 +160,13 @@ class TokenShards:
         return bounds_of(self.row_sizes)
 
     def index(self, rank: int, device=None) -> torch.Tensor:
-        """Rank ``rank``'s token positions in the flattened sequence, ascending (a ``LongTensor``)."""
+        """Rank ``rank``'s token positions in the flattened sequence, ascending (a ``LongTensor``; do not modify)."""
+        key = (rank, str(device))
+        if key not in self._cache:
+            self._cache[key] = self._index(rank, device)
+        return self._cache[key]
+
+    def _index(self, rank: int, device=None) -> torch.Tensor:
         lo, hi = self.row_bounds[rank], self.row_bounds[rank + 1]
         t = torch.arange(self.frames, device=device).view(-1, 1, 1) * (self.rows * self.cols)
         r = torch.arange(lo, hi, device=device).view(1, -1, 1) * self.cols
@@ -167,7 +175,10 @@ class TokenShards:
 
     def order(self, device=None) -> torch.Tensor:
         """The global position of each token of the rank-major gathered sequence (every rank's index in turn)."""
-        return torch.cat([self.index(r, device) for r in range(self.world_size)])
+        key = ("order", str(device))
+        if key not in self._cache:
+            self._cache[key] = torch.cat([self.index(r, device) for r in range(self.world_size)])
+        return self._cache[key]
 
 
 def _split_replicated(x: torch.Tensor, dim: int, before: int, after: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -244,6 +255,8 @@ class SequenceState(StepState):
         self.shards: Optional[TokenShards] = None
         self._memory = memory
         self.steps_in_memory = 0
+        #: the last local key mask verified to treat image keys alike (shared by every attention of the model)
+        self.checked_masks: dict = {}
 
     def set_shards(self, shards: TokenShards) -> bool:
         """Use ``shards`` from now on; True (and a fresh, empty stale memory) when the table changed."""
@@ -405,8 +418,12 @@ def _from_blhd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.flatten(-2)
 
 
+def _mask_id(mask: torch.Tensor) -> tuple:
+    return (mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask._version)
+
+
 def _key_mask(mask: Optional[torch.Tensor], lk_local: int, lk_full: int, before: int, after: int, n_total: int,
-              order: torch.Tensor, path: str) -> Optional[torch.Tensor]:
+              order: torch.Tensor, path: str, checked: Optional[dict] = None) -> Optional[torch.Tensor]:
     """The caller's mask over keys, re-expressed for the keys ``[before, image tokens rank-major, after]``.
 
     A mask over the full key sequence (global order) has its image columns permuted like the keys. A mask over this
@@ -424,7 +441,13 @@ def _key_mask(mask: Optional[torch.Tensor], lk_local: int, lk_full: int, before:
     if cols == lk_local:
         n_local = lk_local - before - after
         img = mask.narrow(-1, before, n_local)
-        if n_local and not bool((img == img.narrow(-1, 0, 1)).all()):
+        if n_local and checked is not None and checked.get("mask") != _mask_id(mask):
+            uniform = bool((img == img.narrow(-1, 0, 1)).all())
+            if uniform:
+                checked["mask"] = _mask_id(mask)  # models pass one mask tensor to every block: check it once
+        else:
+            uniform = True
+        if not uniform:
             # backstop: no supported family masks image keys; the check depends on the mask every rank builds alike
             raise NotImplementedError(f"{path}: an attention mask that differs between image keys is not supported")
         rep = img.narrow(-1, 0, 1).expand(*img.shape[:-1], n_total) if n_local else img.new_zeros((*img.shape[:-1], n_total))
@@ -465,6 +488,7 @@ class SequenceAttention:
                              f"K/V strategy: use mode='gathered' for stale or displaced K/V")
         #: the mode of the last call (after ``auto`` resolved), for reports and tests
         self.last_mode: Optional[SeqMode] = None
+        self._checked = state.checked_masks
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_fn: AttentionFn, *, layout: str = "BHLD",
                  heads: Optional[int] = None, before: int = 0, after: int = 0, cross: bool = False,
@@ -524,7 +548,7 @@ class SequenceAttention:
         full = self.kv.full_kv(packed, f"{key}.kv", st)  # [B, n_total, 2, H, D], rank-major
         k_all = torch.cat([kb, full[:, :, 0], ka], dim=1)
         v_all = torch.cat([vb, full[:, :, 1], va], dim=1)
-        m = _key_mask(mask, lq, lk_full, before, after, shards.total, shards.order(), key)
+        m = _key_mask(mask, lq, lk_full, before, after, shards.total, shards.order(mask.device if mask is not None else None), key, self._checked)
         h = q.shape[2]
         return _to_blhd(attn_fn(_from_blhd(q, layout), _from_blhd(k_all, layout), _from_blhd(v_all, layout), m, h), layout, h)
 
@@ -552,7 +576,7 @@ class SequenceAttention:
         for i, (pb, _, pa) in enumerate(parts):
             seqs.append(torch.cat([pb[:, :, heads_me], img_all[i], pa[:, :, heads_me]], dim=1))
         qa, ka, va = seqs
-        m = _key_mask(mask, lq, lk_full, before, after, shards.total, shards.order(), key)
+        m = _key_mask(mask, lq, lk_full, before, after, shards.total, shards.order(mask.device if mask is not None else None), key, self._checked)
         if m is not None and m.dim() >= 2 and m.shape[-2] not in (1,):
             raise NotImplementedError(f"{key}: Ulysses supports key masks only (a mask that varies per query needs mode='gathered')")
         if m is not None and m.dim() == 4 and m.shape[1] not in (1,):
@@ -735,12 +759,27 @@ class SequenceAttentionStyle(Style):
                 before, after = _replicated(lq - shards.counts[state.ctx.rank] + shards.total, shards.total, text, path)
             return attn(q, k, v, sdpa, layout="BHLD", before=before, after=after, cross=cross, mask=call.get("attn_mask"), key=path)
 
+        routed = [0]
+
+        def counted_route(*args, **kwargs):
+            routed[0] += 1
+            return route(*args, **kwargs)
+
         def build(prior):
             def forward(*args, **kwargs):
                 if state.ctx.world_size == 1:
                     return prior(*args, **kwargs)
-                with _SdpaRoute(route):
-                    return prior(*args, **kwargs)
+                routed[0] = 0
+                with _SdpaRoute(counted_route):
+                    out = prior(*args, **kwargs)
+                if not routed[0]:
+                    # its tokens would have attended to this rank's keys only: a wrong result, not a slow one
+                    raise NotImplementedError(
+                        f"{path}: {type(module).__name__} computed attention without F.scaled_dot_product_attention "
+                        f"(another attention backend, e.g. flash or sage); sequence parallelism needs diffusers' native "
+                        f"backend for this model"
+                    )
+                return out
 
             return forward
 

@@ -38,7 +38,12 @@ from ..context import ParallelContext
 from ..parallel.exchange import EXACT, PeerExchange
 from ..parallel.plan import Applied, Style, apply_plan, undo_all
 from ..parallel.sequence import (
+    AttentionCost,
     GatherTokens,
+    SeqMode,
+    TokenShards,
+    attention_cost,
+    choose_mode,
     SequenceAttentionStyle,
     SequenceState,
     ShardGridRows,
@@ -47,7 +52,18 @@ from ..parallel.sequence import (
 )
 from .comm_manager import CommManager, Traffic
 
-__all__ = ["DiTFamily", "DIT_FAMILIES", "family_of", "dit_plan", "parallelize_dit", "DiTHandle", "cp_plan_points"]
+__all__ = [
+    "DiTFamily",
+    "DIT_FAMILIES",
+    "family_of",
+    "dit_plan",
+    "parallelize_dit",
+    "DiTHandle",
+    "cp_plan_points",
+    "DiTShape",
+    "FULL_SIZE_SHAPES",
+    "step_cost",
+]
 
 
 class DiTFamily(NamedTuple):
@@ -387,3 +403,79 @@ def _check_plan_matches(model: nn.Module, family: DiTFamily, plan: Dict[str, Sty
                 f"{type(model).__name__}: no module matches {glob!r} of the {family.name} plan; this diffusers version "
                 f"names its modules differently: update the family row in distributed/sampling/dit.py"
             )
+
+
+# --------------------------------------------------------------------------------------------------
+# the modelled cost of one sampling step (for the benchmark and the README; no model needed)
+
+
+class DiTShape(NamedTuple):
+    """What the traffic of a sequence-parallel DiT step depends on.
+
+    Args:
+        attention_layers: self/joint attention calls per forward (double + single stream blocks).
+        heads, head_dim: of those attentions.
+        frames, rows, cols: the token grid after patchify.
+        text: replicated tokens in the joint sequences (0 when text enters by cross-attention only).
+        out_features: features per token at the output projection (gathered once per forward).
+    """
+
+    attention_layers: int
+    heads: int
+    head_dim: int
+    frames: int
+    rows: int
+    cols: int
+    text: int
+    out_features: int
+
+
+#: the full-size architectures of the README's figures (the configs of the public checkpoints)
+FULL_SIZE_SHAPES: Dict[str, DiTShape] = {
+    # FLUX.1 dev/schnell: 19 double + 38 single blocks, 24 heads x 128; 1024x1024 -> latent 128x128 -> 64x64 tokens
+    # (2x2 patches); 512 T5 tokens; proj_out 64 features per token
+    "flux1_1024": DiTShape(57, 24, 128, 1, 64, 64, 512, 64),
+    # Wan 2.1 14B: 40 blocks, 40 heads x 128; 480x832x81 -> latent 21x60x104 -> 21x30x52 tokens (1x2x2 patches);
+    # text by cross-attention; proj_out 1*2*2*16 = 64 features
+    "wan21_14b_480x832x81": DiTShape(40, 40, 128, 21, 30, 52, 0, 64),
+    # Qwen-Image: 60 blocks, 24 heads x 128; 1328x1328 -> latent 166x166 -> 83x83 tokens; ~256 text tokens;
+    # proj_out 2*2*16 = 64 features
+    "qwen_image_1328": DiTShape(60, 24, 128, 1, 83, 83, 256, 64),
+}
+
+
+def step_cost(shape: DiTShape, world_size: int, mode: str = "auto", *, itemsize: int = 2, batch: int = 1,
+              link: Optional[str] = None, kv: PeerExchange = EXACT) -> Dict[str, Any]:
+    """Modelled traffic of one model evaluation (one step of one CFG branch) for one rank (the largest band).
+
+    Args:
+        shape: :class:`DiTShape` (see :data:`FULL_SIZE_SHAPES`).
+        world_size: ranks of the sequence group.
+        mode: ``gathered``, ``ulysses`` or ``auto`` (resolved by :func:`~..parallel.sequence.choose_mode` on
+            ``link``).
+        itemsize: bytes per element of the activations (2: bf16/fp16).
+        batch: latents per call (CFG batched in one call: 2).
+
+    Returns:
+        ``{"mode", "wire_bytes", "messages", "counted"}``: bytes the rank sends per step, collective calls, and
+        the bytes comm's accounting would count per operation (``bench/linkmodel.wire_bytes`` turns those into
+        ``wire_bytes`` again). Add :func:`~.split.split_cost` for CFG-/batch-parallel exchanges.
+    """
+    shards = TokenShards.split(shape.frames, shape.rows, shape.cols, world_size)
+    if world_size == 1:
+        return {"mode": "none", "wire_bytes": 0, "messages": 0, "counted": {}}
+    resolved = SeqMode(mode)
+    if resolved is SeqMode.AUTO:
+        resolved = choose_mode(shards.counts, shape.heads, shape.head_dim, itemsize, batch=batch, replicated=shape.text,
+                               kv=kv, link=link)
+    one: AttentionCost = attention_cost(resolved, shards.counts, shape.heads, shape.head_dim, itemsize, batch=batch,
+                                        replicated=shape.text)
+    counted = {op: shape.attention_layers * b for op, b in one.counted.items()}
+    out_piece = batch * max(shards.counts) * shape.out_features * itemsize
+    counted["all_gather"] = counted.get("all_gather", 0) + out_piece * (world_size + 1)
+    return {
+        "mode": resolved.value,
+        "wire_bytes": shape.attention_layers * one.wire_bytes + out_piece * (world_size - 1),
+        "messages": shape.attention_layers * one.messages + 1,
+        "counted": counted,
+    }

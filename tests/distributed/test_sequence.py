@@ -151,6 +151,14 @@ def _core_task(ctx):
         for kind, m in (("local", mask_local), ("full", mask_full)):
             out = attn(ql, kl, vl, _sdpa, layout="BHLD", after=text, mask=m, key="a")
             res["errors"][(mode, "mask", kind)] = rel(gather_tokens(out, s, ctx, dim=2, after=text), want)
+        # a local mask that masks some image keys cannot be completed without the peers' columns: refused
+        bad = mask_local.clone()
+        bad[..., 0] = False  # every rank masks its first image key
+        try:
+            attn(ql, kl, vl, _sdpa, layout="BHLD", after=text, mask=bad, key="a")
+            res["bad_mask"] = "accepted"
+        except NotImplementedError as e:
+            res["bad_mask"] = str(e)
         # cross-attention: keys/values of replicated text, nothing exchanged
         tq = shard(qf[:, :, text:], 0, 0)
         with log_comm() as log:
@@ -204,6 +212,7 @@ def test_gathered_and_ulysses_equal_one_rank_attention(n):
         assert not bad, (n, rank, bad)
         assert res["modes"][("gathered", "before")] == "gathered" and res["modes"][("ulysses", "before")] == "ulysses"
         assert res["cross_calls"] == 0
+        assert "differs between image keys" in res["bad_mask"], res["bad_mask"]
 
 
 @pytest.mark.parametrize("n", [2, 3])
