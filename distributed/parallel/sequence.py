@@ -418,7 +418,9 @@ def _from_blhd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.flatten(-2)
 
 
-def _mask_id(mask: torch.Tensor) -> tuple:
+def _mask_id(mask: torch.Tensor) -> Optional[tuple]:
+    if mask.is_inference():  # no version counter (ComfyUI samples under inference_mode): checked on every call
+        return None
     return (mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask._version)
 
 
@@ -441,10 +443,11 @@ def _key_mask(mask: Optional[torch.Tensor], lk_local: int, lk_full: int, before:
     if cols == lk_local:
         n_local = lk_local - before - after
         img = mask.narrow(-1, before, n_local)
-        if n_local and checked is not None and checked.get("mask") != _mask_id(mask):
+        mask_id = _mask_id(mask)
+        if n_local and checked is not None and (mask_id is None or checked.get("mask") != mask_id):
             uniform = bool((img == img.narrow(-1, 0, 1)).all())
-            if uniform:
-                checked["mask"] = _mask_id(mask)  # models pass one mask tensor to every block: check it once
+            if uniform and mask_id is not None:
+                checked["mask"] = mask_id  # models pass one mask tensor to every block: check it once
         else:
             uniform = True
         if not uniform:

@@ -155,6 +155,10 @@ def _inputs(kind, cond, shape, mask, sampler, batch, parallelism, attention, cfg
     if mask is not None:
         latent = 0.5 * torch.randn((batch,) + tuple(shape[1:]), generator=g)
     pos, neg = cond(g, 1), cond(g, 1)
+    if kind == "hyimage":
+        # ComfyUI 0.3.64's HunyuanVideo class writes the text mask into a one-row attention mask: a masked prompt
+        # only runs unbatched, so the negative has no mask (ComfyUI then evaluates the two apart)
+        neg[0][1].pop("attention_mask")
     return {
         "noise": comfy.sample.prepare_noise(latent, 42), "latent_image": latent, "noise_mask": mask, "seed": 42,
         "steps": 3, "cfg": cfg_scale, "sampler_name": sampler, "scheduler": "simple", "denoise": 1.0,

@@ -175,3 +175,21 @@ def test_hunyuan_first_frame_modulation_moves_to_this_ranks_rows(rank, first):
     assert (shards.index(rank)[:first] < full).all() and (shards.index(rank)[first:] >= full).all()
     for h in handles:
         h.remove()
+
+
+def test_a_local_text_mask_made_under_inference_mode_is_checked_not_cached():
+    """HunyuanVideo builds its text mask from the local length inside ComfyUI's inference_mode (no version counter):
+    it is re-expressed over every rank's keys, and a mask changed in place to differ between image keys is refused."""
+    from patchray.distributed.parallel.sequence import _key_mask
+
+    order = torch.tensor([0, 1, 4, 5, 2, 3])  # 6 image tokens, rank-major
+    with torch.inference_mode():
+        mask = torch.zeros(1, 1, 2 + 3)  # 2 local image keys + 3 text keys (text after)
+        mask[..., 4] = -1e9
+        checked = {}
+        for _ in range(2):
+            out = _key_mask(mask, 5, 9, 0, 3, 6, order, "single_blocks.0", checked)
+            assert torch.equal(out, torch.cat([torch.zeros(1, 1, 6), mask[..., 2:]], dim=-1))
+        mask[..., 1] = -1e9  # the same tensor changed in place: checked again, refused
+        with pytest.raises(NotImplementedError, match="differs between image keys"):
+            _key_mask(mask, 5, 9, 0, 3, 6, order, "single_blocks.0", checked)
