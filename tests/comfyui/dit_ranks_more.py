@@ -45,6 +45,7 @@ CASES = {
     "hunyuan-cfgseq": ("hunyuan", "cfg+sequence", "auto", "euler", 1),
     "hunyuan-batch": ("hunyuan", "batch", "auto", "euler_ancestral", 3),
     "hunyuani2v-seq": ("hunyuani2v", "sequence", "gathered", "euler", 1),
+    "hunyuani2vc-seq": ("hunyuani2vc", "sequence", "gathered", "euler", 1),
     "hyimage-seq": ("hyimage", "sequence", "gathered", "euler", 1),
     "hyimage-seq-ulysses": ("hyimage", "sequence", "ulysses", "euler", 1),
     "ltxv-seq": ("ltxv", "sequence", "gathered", "euler", 1),
@@ -60,9 +61,9 @@ CASES = {
 # over one row (ComfyUI 0.3.64's stock sampler fails on cond and uncond batched together), so that case runs at cfg 1
 CFG = {"hunyuani2v": 1.0}
 
-EXPECT_CLASS = {"qwen": "QwenImageTransformer2DModel", "hunyuan": "HunyuanVideo", "hunyuani2v": "HunyuanVideo",
+EXPECT_CLASS = {"qwen": "QwenImageTransformer2DModel", "hunyuan": "HunyuanVideo", "hunyuani2v": "HunyuanVideo", "hunyuani2vc": "HunyuanVideo",
                 "hyimage": "HunyuanVideo", "ltxv": "LTXVModel", "ltxvi2v": "LTXVModel"}
-EXPECT_CONFIG = {"qwen": "QwenImage", "hunyuan": "HunyuanVideo", "hunyuani2v": "HunyuanVideo",
+EXPECT_CONFIG = {"qwen": "QwenImage", "hunyuan": "HunyuanVideo", "hunyuani2v": "HunyuanVideo", "hunyuani2vc": "HunyuanVideoI2V",
                  "hyimage": "HunyuanImage21", "ltxv": "LTXV", "ltxvi2v": "LTXV"}
 
 
@@ -110,14 +111,14 @@ def _model(kind):
 
         def cond(g, b=1):
             return [[torch.randn(b, 7, 3584, generator=g), {}]]
-    elif kind in ("hunyuan", "hunyuani2v", "hyimage"):
+    elif kind in ("hunyuan", "hunyuani2v", "hunyuani2vc", "hyimage"):
         image = kind == "hyimage"
-        cfg = {"image_model": "hunyuan_video", "in_channels": 64 if image else 16, "out_channels": 64 if image else 16,
+        cfg = {"image_model": "hunyuan_video", "in_channels": 64 if image else 33 if kind == "hunyuani2vc" else 16, "out_channels": 64 if image else 16,
                "vec_in_dim": None if image else 768, "context_in_dim": 4096 if not image else 3584, "hidden_size": 768,
                "mlp_ratio": 4.0, "num_heads": 6, "depth": 1, "depth_single_blocks": 1,
                "axes_dim": [64, 64] if image else [16, 56, 56], "theta": 256, "patch_size": [1, 1] if image else [1, 2, 2],
                "qkv_bias": True, "guidance_embed": True, "byt5": image, "meanflow": False}
-        mp = _through_file((sm.HunyuanImage21 if image else sm.HunyuanVideo)(cfg), kind)
+        mp = _through_file((sm.HunyuanImage21 if image else sm.HunyuanVideoI2V if kind == "hunyuani2vc" else sm.HunyuanVideo)(cfg), kind)
         shape = (1, 64, 7, 5) if image else (1, 16, 5, 10, 6)  # image: 7 x 5 tokens; video: 5 frames of 5 x 3
 
         def cond(g, b=1):
@@ -128,6 +129,8 @@ def _model(kind):
             extra = {"pooled_output": torch.randn(b, 768, generator=g)}
             if kind == "hunyuani2v":  # image-to-video "v2 (replace)": the first frame modulated apart
                 extra["guiding_frame_index"] = 0
+            if kind == "hunyuani2vc":  # image-to-video "v1 (concat)": the image latent and a mask as channels
+                extra["concat_latent_image"] = torch.randn(1, 16, 5, 10, 6, generator=g)
             return [[torch.randn(b, 7, 4096, generator=g), extra]]
     elif kind in ("ltxv", "ltxvi2v"):
         cfg = {"image_model": "ltxv", "num_layers": 2, "attention_head_dim": 8, "cross_attention_dim": 256}

@@ -32,7 +32,7 @@ LAYERS = 2  # attention layers whose K/V are exchanged (Qwen-Image 2 blocks; Hun
 
 RUNS = {
     2: ["qwen-seq", "qwen-seq-ulysses", "qwen-cfg", "qwen-batch", "hunyuan-seq", "hunyuan-seq-ulysses", "hunyuan-cfg",
-        "hunyuan-batch", "hunyuani2v-seq", "hyimage-seq", "hyimage-seq-ulysses", "ltxv-seq", "ltxv-seq-ulysses",
+        "hunyuan-batch", "hunyuani2v-seq", "hunyuani2vc-seq", "hyimage-seq", "hyimage-seq-ulysses", "ltxv-seq", "ltxv-seq-ulysses",
         "ltxv-cfg", "ltxv-batch", "ltxvi2v-seq", "ltxvi2v-seq-ulysses"],
     3: ["qwen-seq", "qwen-seq-ulysses", "hunyuan-seq", "hunyuan-seq-ulysses", "hunyuani2v-seq", "hyimage-seq",
         "ltxv-seq", "ltxvi2v-seq", "ltxv-batch"],
