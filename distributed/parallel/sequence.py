@@ -55,11 +55,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 

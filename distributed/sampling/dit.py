@@ -26,7 +26,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import inspect
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple

@@ -165,20 +165,26 @@ class RankGroups:
         self.layout = None
 
 
-def assign_items(n_items: int, groups: int) -> Tuple[Tuple[int, ...], ...]:
+def assign_items(n_items: int, groups: int, allow_empty: bool = False) -> Tuple[Tuple[int, ...], ...]:
     """The items (indices) each group evaluates: contiguous, the first groups one more when uneven.
+
+    With ``allow_empty`` fewer items than groups leave the last groups without any (a sampler that sometimes
+    evaluates only the positive prompt); otherwise that is refused.
 
     Example:
         >>> assign_items(3, 2)
         ((0, 1), (2,))
+        >>> assign_items(1, 2, allow_empty=True)
+        ((0,), ())
     """
-    if n_items < groups:
+    if n_items < groups and not allow_empty:
         raise ValueError(f"{n_items} items cannot give each of {groups} groups one; use fewer groups (plan_split)")
     b = bounds_of(split_extent(n_items, groups))
     return tuple(tuple(range(b[g], b[g + 1])) for g in range(groups))
 
 
-def evaluate_split(evaluate: Callable[[Tuple[int, ...]], torch.Tensor], n_items: int, layout: GroupLayout, traffic=None) -> torch.Tensor:
+def evaluate_split(evaluate: Callable[[Tuple[int, ...]], torch.Tensor], n_items: int, layout: GroupLayout, traffic=None,
+                   allow_empty: bool = False) -> torch.Tensor:
     """Every item's output on every rank, each group evaluating its own items; one all-gather across the groups.
 
     Args:
@@ -187,11 +193,13 @@ def evaluate_split(evaluate: Callable[[Tuple[int, ...]], torch.Tensor], n_items:
         n_items: items in all (CFG: the conds; batch-parallel: the latents).
         layout: this rank's :class:`GroupLayout`.
         traffic: optional byte accounting (kind ``"cfg"``).
+        allow_empty: fewer items than groups is allowed; ``evaluate(())`` must then return a ``[0, ...]`` tensor of
+            the items' shape (e.g. ``x.new_zeros((0, *x.shape))``).
 
     Returns:
         ``[n_items, ...]``, item order.
     """
-    assigned = assign_items(n_items, layout.groups)
+    assigned = assign_items(n_items, layout.groups, allow_empty)
     mine = evaluate(assigned[layout.group])
     if mine.shape[0] != len(assigned[layout.group]):
         raise ValueError(f"evaluate returned {mine.shape[0]} rows for {len(assigned[layout.group])} items")

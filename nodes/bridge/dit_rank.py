@@ -30,7 +30,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-__all__ = ["SEQ_KEY", "CFG_KEY", "BATCH_KEY", "Groups", "make_groups", "sequence_parallel", "cfg_parallel", "batch_parallel", "split_rows", "agree_min"]
+__all__ = ["SEQ_KEY", "CFG_KEY", "BATCH_KEY", "make_groups", "sequence_parallel", "cfg_parallel", "batch_parallel", "agree_min"]
 
 SEQ_KEY = "patchray.sequence_parallel"
 CFG_KEY = "patchray.cfg_parallel"
@@ -52,39 +52,21 @@ def _seq():
 # --------------------------------------------------------------------------------------------------- groups
 
 
-class Groups:
-    """This rank's contexts for a layout: ``seq`` (its CFG group's ranks), ``cfg`` (the peers holding the same
-    position in every CFG group), ``world``. Made once per layout and kept (``rank_cache``), released with it."""
-
-    def __init__(self, world, seq, cfg, group: int):
-        self.world, self.seq, self.cfg, self.group = world, seq, cfg, group
-
-
-def make_groups(ctx, cfg_groups: int, seq_ranks: int) -> Groups:
-    """The contexts of layout (``cfg_groups`` x ``seq_ranks``) for WORLD context ``ctx`` (a collective: every rank
-    calls it with the same layout)."""
+def make_groups(ctx, cfg_groups: int, seq_ranks: int):
+    """This rank's :class:`~patchray.distributed.sampling.split.GroupLayout` for ``cfg_groups`` x ``seq_ranks``:
+    ``inner`` (its CFG group's sequence ranks), ``across`` (the peers holding the same position in every CFG group).
+    A collective the first time (every rank calls it with the same layout); the library's ``RankGroups`` is kept in
+    the rank cache for the cluster's lifetime, so later runs make no new groups."""
     from ...distributed.cluster import rank_cache
-    from ...distributed.context import ParallelContext
+    from ...distributed.sampling.split import RankGroups
 
-    comm = _comm()
     if cfg_groups * seq_ranks != ctx.world_size:
         raise ValueError(f"layout {cfg_groups} x {seq_ranks} does not match the {ctx.world_size} ranks")
-    group = ctx.rank // seq_ranks
-    if cfg_groups == 1:
-        return Groups(ctx, ctx, ParallelContext.single(ctx.device), 0)
-    if seq_ranks == 1:
-        return Groups(ctx, ParallelContext.single(ctx.device), ctx, group)
     cache = rank_cache().setdefault("patchray.dit.groups", {})
-    key = (ctx.world_size, cfg_groups, seq_ranks, ctx.global_ranks)
+    key = (cfg_groups, ctx.world_size, ctx.global_ranks)
     if key not in cache:
-        position = ctx.rank % seq_ranks
-        seq_members = [ctx.global_ranks[r] for r in range(group * seq_ranks, (group + 1) * seq_ranks)]
-        cfg_members = [ctx.global_ranks[g * seq_ranks + position] for g in range(cfg_groups)]
-        seq = comm.context_for_group(comm.new_group(seq_members), ctx.device)
-        cfg = comm.context_for_group(comm.new_group(cfg_members), ctx.device)
-        cache[key] = (seq, cfg)
-    seq, cfg = cache[key]
-    return Groups(ctx, seq, cfg, group)
+        cache[key] = RankGroups(ctx, cfg_groups)
+    return cache[key].layout
 
 
 def agree_min(ctx, value: float) -> float:
@@ -299,47 +281,20 @@ def sequence_parallel(ctx, row, dm, *, attention: str = "auto", counter: Optiona
 # --------------------------------------------------------------------------------------------------- batch
 
 
-def split_rows(rows: int, world_size: int) -> List[int]:
-    """Rows of a model call per rank: equal shares, the first ``rows % N`` ranks one more."""
-    base, extra = divmod(int(rows), int(world_size))
-    return [base + (1 if r < extra else 0) for r in range(world_size)]
-
-
-def _slice_rows(value, rows: int, lo: int, hi: int):
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
-        return value[lo:hi]
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
-        return type(value)(_slice_rows(v, rows, lo, hi) for v in value)
-    return value
-
-
 def batch_parallel(ctx, counter: Optional[Counter] = None):
-    """A DIFFUSION_MODEL wrapper: each rank runs its share of the call's rows, the outputs are all-gathered.
+    """A DIFFUSION_MODEL wrapper: each rank runs its share of the call's rows, the outputs are all-gathered (the
+    library's ``split.batch_parallel``: every tensor argument whose first dimension is the call's row count — the
+    latent, timesteps, text context, pooled vectors, guidance, CLIP features, masks — is cut like the latent; the
+    model is per-row independent)."""
+    from ...distributed.sampling.split import GroupLayout, batch_parallel as split_batch
+    from ...distributed.context import ParallelContext
 
-    Every tensor argument whose first dimension is the call's row count (the latent, timesteps, text context,
-    pooled vectors, guidance, CLIP features, masks) is cut to the rank's rows; the model is per-row independent.
-    """
-    comm = _comm()
+    layout = GroupLayout(ctx.rank, ctx.world_size, ParallelContext.single(ctx.device), ctx)  # one rank per group
 
     def wrapper(executor, x, *args, **kwargs):
-        rows = int(x.shape[0])
-        sizes = split_rows(rows, ctx.world_size)
-        if min(sizes) < 1:
-            # backstop, not the guard: the driver refuses batches smaller than the ranks
-            raise ValueError(f"a model call of {rows} rows cannot give each of {ctx.world_size} ranks one")
-        lo = sum(sizes[: ctx.rank])
-        hi = lo + sizes[ctx.rank]
         bound = _bind(executor, x, args, kwargs)
-        for name, value in list(bound.arguments.items()):
-            if name == "transformer_options":
-                continue
-            if name == "kwargs":
-                bound.arguments[name] = {k: _slice_rows(v, rows, lo, hi) for k, v in value.items()}
-            else:
-                bound.arguments[name] = _slice_rows(value, rows, lo, hi)
         with counter.call() if counter is not None else contextlib.nullcontext():
-            out = executor(*bound.args, **bound.kwargs)
-            return comm.all_gather_padded(out.contiguous(), ctx, dim=0, sizes=sizes)
+            return split_batch(lambda *a, **k: executor(*a, **k), bound.args[0], layout, *bound.args[1:], **bound.kwargs)
 
     return wrapper
 
@@ -347,32 +302,31 @@ def batch_parallel(ctx, counter: Optional[Counter] = None):
 # --------------------------------------------------------------------------------------------------- CFG
 
 
-def cfg_shares(live: List[int], groups: int) -> List[List[int]]:
-    """Which conditionings (indices into ``conds``) each CFG group evaluates: round-robin over the live ones."""
-    return [[i for j, i in enumerate(live) if j % groups == g] for g in range(groups)]
-
-
-def cfg_parallel(groups: Groups, cfg_groups: int):
-    """A CALC_COND_BATCH wrapper: this rank's CFG group evaluates its share of the conditionings, and the groups
-    exchange their outputs (one all-gather over ``groups.cfg`` per call)."""
-    comm = _comm()
+def cfg_parallel(layout):
+    """A CALC_COND_BATCH wrapper: this rank's CFG group evaluates its share of the live conditionings (ComfyUI's own
+    ``calc_cond_batch`` with the others set to ``None``), and the groups exchange their outputs: the library's
+    ``evaluate_split``, one all-gather over ``layout.across`` per call. With one live conditioning (cfg = 1) every
+    group evaluates it and nothing is exchanged."""
+    from ...distributed.sampling.split import evaluate_split
 
     def wrapper(executor, model, conds, x_in, *args, **kwargs):
         live = [i for i, c in enumerate(conds) if c is not None]
         if len(live) < 2:
-            return executor(model, conds, x_in, *args, **kwargs)  # nothing to split: every group evaluates it
-        shares = cfg_shares(live, cfg_groups)
-        mine = shares[groups.group]
-        sub = [c if i in mine else None for i, c in enumerate(conds)]
-        out = executor(model, sub, x_in, *args, **kwargs)
-        own = torch.stack([out[i] for i in mine]) if mine else x_in.new_zeros((0, *x_in.shape))
-        every = comm.all_gather_padded(own.contiguous(), groups.cfg, dim=0, sizes=[len(s) for s in shares])
-        result = list(out)
-        pos = 0
-        for share in shares:
-            for i in share:
-                result[i] = every[pos]
-                pos += 1
-        return result
+            return executor(model, conds, x_in, *args, **kwargs)
+        result = {}
+
+        def evaluate(items):
+            if not items:
+                return x_in.new_zeros((0, *x_in.shape))
+            mine = {live[j] for j in items}
+            out = executor(model, [c if i in mine else None for i, c in enumerate(conds)], x_in, *args, **kwargs)
+            result["out"] = out
+            return torch.stack([out[live[j]] for j in items])
+
+        every = evaluate_split(evaluate, len(live), layout, allow_empty=True)
+        out = list(result["out"]) if "out" in result else [torch.zeros_like(x_in) for _ in conds]
+        for j, i in enumerate(live):
+            out[i] = every[j]
+        return out
 
     return wrapper

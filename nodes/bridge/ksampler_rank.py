@@ -58,7 +58,10 @@ def build(ctx, payload: dict):
     mm.unload_all_models()  # the previous model (if any) is being replaced: give its memory back first
     mm.soft_empty_cache()
     base = payload["skeleton"]
-    base.load_state_dict(payload["state_dict"], strict=True, assign=True)
+    state = payload["state_dict"]
+    for k, dtype in payload.get("views", {}).items():  # float8 weights travel as their bytes (see model.portable_model)
+        state[k] = state[k].view(getattr(torch, dtype))
+    base.load_state_dict(state, strict=True, assign=True)
     return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
 
 
@@ -156,30 +159,29 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
     undo = []
     group_session = None
     if layout.batch:
-        groups = dit_rank.Groups(ctx, ctx, ctx, 0)
         model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.BATCH_KEY, dit_rank.batch_parallel(ctx, counter))
         agree = ctx
     else:
         if layout.mode == "replicated":  # cfg = 1 on a model without a sequence split: every rank samples it whole
             from ...distributed.context import ParallelContext
 
-            one = ParallelContext.single(ctx.device)
-            groups = dit_rank.Groups(ctx, one, one, 0)
+            seq_ctx = ParallelContext.single(ctx.device)
         else:
-            groups = dit_rank.make_groups(ctx, layout.cfg_groups, layout.seq_ranks)
-        if layout.cfg_groups > 1:
-            model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, dit_rank.CFG_KEY, dit_rank.cfg_parallel(groups, layout.cfg_groups))
-        agree = groups.seq
+            place = dit_rank.make_groups(ctx, layout.cfg_groups, layout.seq_ranks)  # the library's GroupLayout
+            seq_ctx = place.inner
+            if layout.cfg_groups > 1:
+                model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, dit_rank.CFG_KEY, dit_rank.cfg_parallel(place))
+        agree = seq_ctx
         dm = model.model.diffusion_model
         if layout.seq_ranks > 1 and inputs.get("kind") == "dit":
             row = find_row(type(dm).__name__)
             if row is None:  # backstop, not the guard: the driver refuses models without a row
                 raise NotImplementedError(f"no DiT table row for {type(dm).__name__}")
-            seq = dit_rank.sequence_parallel(groups.seq, row, dm, attention=inputs.get("attention", "auto"), counter=counter)
+            seq = dit_rank.sequence_parallel(seq_ctx, row, dm, attention=inputs.get("attention", "auto"), counter=counter)
             undo.append(seq.remove)
             model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, seq.wrapper)
         elif layout.seq_ranks > 1:
-            group_session = _group_session(groups.seq, session)
+            group_session = _group_session(seq_ctx, session)
             group_session.begin()
             model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, patch_parallel(group_session))
         else:

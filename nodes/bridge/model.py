@@ -165,6 +165,9 @@ def _check_model(mp, mode: str = "sequence") -> None:
         raise _refuse("hook patches (scheduled weight hooks)")
 
 
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
+
+
 def _patched_weight(mp, key: str, live: torch.Tensor) -> torch.Tensor:
     import comfy.float
     import comfy.lora
@@ -239,6 +242,9 @@ def portable_model(mp, mode: str = "sequence") -> Tuple[Hashable, Callable[[], d
             if isinstance(original, torch.nn.Module):
                 live.update({prefix + k: v for k, v in original.state_dict(keep_vars=True).items()})
         weights = {k: _patched_weight(mp, k, t) for k, t in live.items()}
-        return {"skeleton": _skeleton(mp, live), "state_dict": weights}
+        views = {k: str(t.dtype).replace("torch.", "") for k, t in weights.items() if t.dtype in _FP8}
+        for k in views:  # Ray cannot pickle float8 tensors: they travel as their bytes (uint8), viewed back on the rank
+            weights[k] = weights[k].view(torch.uint8)
+        return {"skeleton": _skeleton(mp, live), "state_dict": weights, "views": views}
 
     return key, make_payload

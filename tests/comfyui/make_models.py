@@ -114,7 +114,8 @@ def _random_state(module, seed, dtype):
 
 def make_dit_models(models_dir):
     """DiTs the stock UNet loader detects, at the widths its detection hard-codes (FLUX hidden 3072, text 4096;
-    Wan text 4096) and one or two blocks: FLUX.1 dev (one double, one single block), Wan 2.1 t2v (dim 256, two heads,
+    Wan text 4096) and one or two blocks: FLUX.1 dev (one double-stream block, no single-stream block: 340 M parameters
+    at full width; the single-stream blocks are covered by tests/comfyui/dit_ranks.py), Wan 2.1 t2v (dim 256, two heads,
     one block), Wan 2.2 5B (48 latent channels, dim 256, one block)."""
     import torch
     from safetensors.torch import save_file
@@ -129,7 +130,7 @@ def make_dit_models(models_dir):
     specs = {
         "flux1-dev.safetensors": lambda: comfy.ldm.flux.model.Flux(
             in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0,
-            num_heads=24, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True,
+            num_heads=24, depth=1, depth_single_blocks=0, axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True,
             guidance_embed=True, device="meta", operations=ops),
         "wan2.1_t2v_1.3B_fp16.safetensors": lambda: comfy.ldm.wan.model.WanModel(
             model_type="t2v", dim=256, ffn_dim=512, num_heads=2, num_layers=1, in_dim=16, out_dim=16, text_dim=4096,
@@ -138,10 +139,27 @@ def make_dit_models(models_dir):
             model_type="t2v", dim=256, ffn_dim=512, num_heads=2, num_layers=1, in_dim=48, out_dim=48, text_dim=4096,
             device="meta", operations=ops),
     }
+    lora_dir = os.path.join(models_dir, "loras")
+    os.makedirs(lora_dir, exist_ok=True)
     for i, (name, build) in enumerate(specs.items()):
         path = os.path.join(out_dir, name)
-        if not os.path.exists(path):
-            save_file(_random_state(build(), 20 + i, torch.float16), path)
+        lora = os.path.join(lora_dir, "patchray_test_" + name.split("_")[0].split("-")[0].replace(".", "") + "_lora.safetensors")
+        if os.path.exists(path) and os.path.exists(lora):
+            continue
+        model = build()
+        save_file(_random_state(model, 20 + i, torch.float16), path)
+        # a rank-4 LoRA over every linear layer of the blocks (ComfyUI's generic "diffusion_model.<path>" keys),
+        # changing each by roughly 10%: loras/patchray_test_flux1_lora, ..._wan21_lora, ..._wan22_lora
+        g = torch.Generator().manual_seed(40 + i)
+        lo = {}
+        for k, w in model.state_dict().items():
+            if w.ndim == 2 and k.endswith(".weight") and "blocks." in k:
+                base = "diffusion_model." + k[: -len(".weight")]
+                out_f, in_f = w.shape
+                lo[base + ".lora_down.weight"] = (torch.randn(4, in_f, generator=g) / in_f**0.5).to(torch.float16)
+                lo[base + ".lora_up.weight"] = (torch.randn(out_f, 4, generator=g) * 0.1 / in_f**0.5).to(torch.float16)
+                lo[base + ".alpha"] = torch.tensor(4.0)
+        save_file(lo, lora)
 
 
 if __name__ == "__main__":

@@ -382,6 +382,12 @@ NODE_CLASS_MAPPINGS = {"PatchRayTestConditioning": PatchRayTestConditioning}
 '''
 
 
+def _available_gib() -> float:
+    with open("/proc/meminfo") as fh:
+        info = {line.split(":")[0]: line.split()[1] for line in fh}
+    return int(info.get("MemAvailable", 0)) / 2**20
+
+
 def _install_test_conditioning_node(custom_nodes: Path) -> None:
     d = custom_nodes / "patchray_test_conditioning"
     d.mkdir(exist_ok=True)
@@ -402,11 +408,19 @@ _DIT = {
 def _dit_prompt(model_file, parallelism, ranks, batch, steps, sampler="euler", attention="auto"):
     weight_dtype, sampling, latent, pooled = _DIT[model_file]
     latent = {"class_type": latent["class_type"], "inputs": dict(latent["inputs"], batch_size=batch)}
+    extra = {}
+    if latent["class_type"] == "Wan22ImageToVideoLatent":
+        # a required input, read only to encode a start image (none here): any VAE the loader has
+        extra["11"] = {"class_type": "VAELoader", "inputs": {"vae_name": "wan_2.1_vae.safetensors"}}
+        latent["inputs"]["vae"] = ["11", 0]
     common = {"seed": 5, "steps": steps, "cfg": 3.5, "sampler_name": sampler, "scheduler": "simple", "positive": ["3", 0],
               "negative": ["4", 0], "latent_image": ["5", 0], "denoise": 1.0, "model": ["2", 0]}
     return {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": model_file, "weight_dtype": weight_dtype}},
-        "2": {"class_type": sampling["class_type"], "inputs": dict(sampling["inputs"], model=["1", 0])},
+        # a LoRA (weight patches: applied on the ranks exactly as ComfyUI applies them, fp8 rounding included)
+        "12": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "strength_model": 1.0, "lora_name":
+                                                                "patchray_test_" + model_file.split("_")[0].split("-")[0].replace(".", "") + "_lora.safetensors"}},
+        "2": {"class_type": sampling["class_type"], "inputs": dict(sampling["inputs"], model=["12", 0])},
         "3": {"class_type": "PatchRayTestConditioning", "inputs": {"seed": 1, "tokens": 9, "width": 4096, "pooled": pooled}},
         "4": {"class_type": "PatchRayTestConditioning", "inputs": {"seed": 2, "tokens": 6, "width": 4096, "pooled": pooled}},
         "5": latent,
@@ -417,21 +431,28 @@ def _dit_prompt(model_file, parallelism, ranks, batch, steps, sampler="euler", a
                                                                parallelism=parallelism, sequence_attention=attention)},
         "9": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": f"stock_dit_{parallelism}_{ranks}"}},
         "10": {"class_type": "SaveLatent", "inputs": {"samples": ["8", 0], "filename_prefix": f"patchray_dit_{parallelism}_{ranks}"}},
+        **extra,
     }
 
 
 # (model, parallelism, ranks, latent batch, steps); Wan first (cheap), the full-width FLUX (fp8 weights) last
 @pytest.mark.parametrize("model_file, parallelism, ranks, batch, steps", [
+    ("wan2.2_ti2v_5B_fp16.safetensors", "sequence", 2, 1, 3),
     ("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 3),
     ("wan2.1_t2v_1.3B_fp16.safetensors", "cfg", 2, 1, 3),
     ("wan2.1_t2v_1.3B_fp16.safetensors", "batch", 2, 2, 3),
     ("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 3, 1, 3),
-    ("wan2.2_ti2v_5B_fp16.safetensors", "sequence", 2, 1, 3),
     ("flux1-dev.safetensors", "sequence", 2, 1, 2),
     ("flux1-dev.safetensors", "cfg", 2, 1, 2),
 ])
 def test_distributed_ksampler_on_dits_matches_the_stock_ksampler(server, model_file, parallelism, ranks, batch, steps):
     url, base = server
+    if model_file.startswith("flux"):
+        # FLUX at the width its detection hard-codes: the server and two ranks hold 340 M fp8 parameters each, plus the
+        # stock KSampler's run; Ray stops its workers when the machine is above 95% memory
+        free = _available_gib()
+        if free < 8:
+            pytest.skip(f"the full-width FLUX case needs about 8 GiB of free memory ({free:.1f} GiB free)")
     entry = _run(url, _dit_prompt(model_file, parallelism, ranks, batch, steps))
     stock, ours = _latent(base, entry, "9"), _latent(base, entry, "10")
     assert stock.shape == ours.shape and stock.shape[0] == batch

@@ -26,7 +26,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def build(family: str, seed: int = 0):
+def build(family: str, seed: int = 0, heads: int = HEADS):
     """``(model, inputs)`` for ``family``; ``inputs`` are keyword arguments of the model's forward."""
     from diffusers import (
         FluxTransformer2DModel,
@@ -41,7 +41,7 @@ def build(family: str, seed: int = 0):
     b, txt = 2, 5
     if family == "flux":
         m = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=HEAD_DIM,
-                                   num_attention_heads=HEADS, joint_attention_dim=16, pooled_projection_dim=8,
+                                   num_attention_heads=heads, joint_attention_dim=16, pooled_projection_dim=8,
                                    guidance_embeds=False, axes_dims_rope=(2, 2, 4))
         h, w = 7, 3  # packed latent of a 14x6 latent (2x2 packing): 7 token rows
         ids = torch.zeros(h, w, 3)
@@ -51,21 +51,21 @@ def build(family: str, seed: int = 0):
                       timestep=torch.tensor([0.7, 0.3]), img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(txt, 3))
     elif family == "qwen-image":
         m = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=HEAD_DIM,
-                                        num_attention_heads=HEADS, joint_attention_dim=16, axes_dims_rope=(2, 2, 4))
+                                        num_attention_heads=heads, joint_attention_dim=16, axes_dims_rope=(2, 2, 4))
         h, w = 7, 3
         mask = torch.ones(b, txt, dtype=torch.bool)
         mask[1, -2:] = False  # a padded prompt: the joint mask masks text keys
         inputs = dict(hidden_states=r(b, h * w, 16), encoder_hidden_states=r(b, txt, 16), encoder_hidden_states_mask=mask,
                       timestep=torch.tensor([0.7, 0.3]), img_shapes=[[(1, h, w)]] * b)
     elif family == "wan":
-        m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4,
+        m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=HEAD_DIM, in_channels=4,
                                   out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True,
                                   qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
         t, h, w = 3, 14, 6  # 3 frames, 7 token rows, 3 token columns
         inputs = dict(hidden_states=r(b, 4, t, h, w), encoder_hidden_states=r(b, txt, 16),
                       timestep=(torch.rand(b, t * (h // 2) * (w // 2), generator=g) * 900))  # per-token (Wan 2.2 TI2V)
     elif family == "hunyuan-video":
-        m = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+        m = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=heads, attention_head_dim=HEAD_DIM,
                                            num_layers=1, num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=1,
                                            patch_size_t=1, text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4),
                                            guidance_embeds=True)
@@ -75,8 +75,8 @@ def build(family: str, seed: int = 0):
         inputs = dict(hidden_states=r(b, 4, t, h, w), timestep=torch.tensor([700, 300]), encoder_hidden_states=r(b, txt, 16),
                       encoder_attention_mask=mask, pooled_projections=r(b, 8), guidance=torch.tensor([3.5, 3.5]))
     elif family == "ltx-video":
-        m = LTXVideoTransformer3DModel(in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=HEADS,
-                                       attention_head_dim=HEAD_DIM, cross_attention_dim=HEADS * HEAD_DIM, num_layers=2,
+        m = LTXVideoTransformer3DModel(in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=heads,
+                                       attention_head_dim=HEAD_DIM, cross_attention_dim=heads * HEAD_DIM, num_layers=2,
                                        caption_channels=16, qk_norm="rms_norm_across_heads")
         t, h, w = 3, 5, 4
         inputs = dict(hidden_states=r(b, t * h * w, 4), encoder_hidden_states=r(b, txt, 16), timestep=torch.tensor([700, 300]),

@@ -5,7 +5,8 @@ A diffusers-style flow-matching Euler loop with classifier-free guidance runs on
 
 * CFG-parallel on 2 ranks (cond on one, uncond on the other, one exchange per step);
 * batch-parallel on 2 ranks with an uneven batch of 3 latents (2 + 1);
-* composed on 4 ranks: 2 CFG groups x 2 sequence-parallel ranks (gathered and Ulysses attention).
+* composed on 4 ranks: 2 CFG groups x 2 sequence-parallel ranks (gathered and Ulysses attention);
+* and, in the same 4-rank run, one forward sequence-parallel over all 4 ranks (bands 2, 2, 2, 1).
 
 Every final latent equals the serial one to 1e-5 relative L2 (fp32: each item's model call computes the same
 arithmetic as the serial call, except for the key order inside the sequence-parallel softmax; three steps do not
@@ -44,6 +45,7 @@ def test_plan_split_decides_groups_and_notes():
     assert (b.cfg_groups, b.batch_groups, b.sequence) == (1, 2, 2)
     assert plan_split(8, cfg_scale=3.0, batch=4, batch_parallel=True).groups == 8
     assert assign_items(3, 2) == ((0, 1), (2,)) and assign_items(2, 2) == ((0,), (1,))
+    assert assign_items(1, 2, allow_empty=True) == ((0,), ())
     with pytest.raises(ValueError, match="fewer groups"):
         assign_items(1, 2)
 
@@ -117,6 +119,13 @@ def _two_rank_task(ctx):
 
     got = _loop(model, x, pos, neg, batch_eval, cfg=1.0)
     res["batch"] = {"err": _rel(got, want), "plan": (plan.cfg_groups, plan.batch_groups), "note": plan.note}
+    # one item over two groups (a sampler step that evaluates only the positive prompt): the second group idles
+    from patchray.distributed.sampling.split import evaluate_split
+
+    item = torch.arange(6.0).view(2, 3)
+    one = evaluate_split(lambda items: item.new_zeros((0, 2, 3)) if not items else item[None] + ctx.rank, 1,
+                         groups.layout, allow_empty=True)
+    res["one_item"] = one
     groups.close()
     return res
 
@@ -140,6 +149,14 @@ def _composed_task(ctx, modes):
         res[mode] = {"err": _rel(got, want), "plan": (plan.cfg_groups, plan.sequence), "bytes": dict(log.bytes),
                      "kv": handle.traffic.bytes["kv"]}
     groups.close()
+    # sequence parallelism over all 4 ranks (7 token rows: bands 2, 2, 2, 1), one forward, 4 heads for Ulysses
+    model, inputs = build("wan", heads=4)
+    ref = model(**inputs, return_dict=False)[0]
+    for mode in ("gathered", "ulysses"):
+        handle = parallelize_dit(model, ctx, mode=mode)
+        out = model(**inputs, return_dict=False)[0]
+        res[("seq4", mode)] = {"err": _rel(out, ref), "rows": handle.state.shards.row_sizes}
+        handle.remove()
     return res
 
 
@@ -169,6 +186,8 @@ def test_batch_parallel_splits_an_uneven_batch_and_equals_the_serial_loop():
         r = res["batch"]
         assert r["plan"] == (1, 2) and "CFG is 1" in r["note"], r
         assert r["err"] <= TOL, (rank, r)
+        # the item came from group 0 (rank 0 added 0): every rank holds rank 0's result
+        assert torch.equal(res["one_item"], torch.arange(6.0).view(1, 2, 3)), res["one_item"]
 
 
 @pytest.mark.parametrize("mode", ["gathered", "ulysses"])
@@ -178,3 +197,10 @@ def test_two_cfg_groups_of_two_sequence_ranks_equal_the_serial_loop(mode):
         assert r["plan"] == (2, 2) and r["err"] <= TOL, (rank, mode, r)
         assert r["kv"] > 0, r  # the sequence ranks did exchange attention
         assert set(r["bytes"]) >= {"all_gather"}, r
+
+
+@pytest.mark.parametrize("mode", ["gathered", "ulysses"])
+def test_four_sequence_ranks_with_uneven_bands_equal_the_stock_forward(mode):
+    for rank, res in enumerate(_composed()):
+        r = res[("seq4", mode)]
+        assert r["rows"] == (2, 2, 2, 1) and r["err"] <= TOL, (rank, mode, r)

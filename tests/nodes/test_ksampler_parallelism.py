@@ -131,15 +131,6 @@ def test_node_lists_the_modes_the_planner_knows():
     assert PARALLELISM_NAMES == dit_layout.MODES
 
 
-def test_rows_and_shares():
-    from patchray.nodes.bridge.dit_rank import cfg_shares, split_rows
-
-    assert split_rows(5, 3) == [2, 2, 1] and split_rows(2, 2) == [1, 1] and sum(split_rows(7, 3)) == 7
-    assert cfg_shares([0, 1], 2) == [[0], [1]]
-    assert cfg_shares([0, 1, 2], 2) == [[0, 2], [1]]
-    assert cfg_shares([0], 2) == [[0], []]
-
-
 # ------------------------------------------------------------------------------------------- wrappers on gloo ranks
 
 
@@ -178,11 +169,12 @@ def _batch_call(ctx, rows):
     out = batch_parallel(ctx)(ex, x, args["timestep"], args["context"], args["y"], args["guidance"], None, None,
                               args["transformer_options"], extra=args["extra"])
     seen = ex.calls[0][0][0].shape[0]
+    assert ex.calls[0][0][7] is not None  # transformer_options still reach the model
     return {"max_err": (out - full).abs().max().item(), "rows_seen": seen}
 
 
 _ROWS = [2, 5]
-_CONDS = {2: [[0], [1]], 3: [[0, 2], [1]], 1: [[0], [0]]}  # with one live conditioning (cfg = 1) both evaluate it
+_CONDS = {2: [[0], [1]], 3: [[0, 1], [2]], 1: [[0], [0]]}  # with one live conditioning (cfg = 1) both evaluate it
 
 
 def _both_rank(ctx):
@@ -198,11 +190,9 @@ def two_ranks():
 
 
 def test_batch_wrapper_splits_rows_and_returns_the_whole_call(two_ranks):
-    from patchray.nodes.bridge.dit_rank import split_rows
-
     res = [r["batch"] for r in two_ranks]
     for i, rows in enumerate(_ROWS):
-        assert [r[i]["rows_seen"] for r in res] == split_rows(rows, 2)
+        assert [r[i]["rows_seen"] for r in res] == [(rows + 1) // 2, rows // 2]  # contiguous, the first rank one more
         for r in res:
             assert r[i]["max_err"] == 0.0  # the same per-row arithmetic, gathered: bit-identical
 
@@ -218,15 +208,15 @@ def _cfg_rank(ctx, n_list):
 
 
 def _cfg_call(ctx, n_conds):
-    from patchray.nodes.bridge.dit_rank import Groups, cfg_parallel
-    from patchray.distributed.context import ParallelContext
+    from patchray.distributed.sampling.split import RankGroups
+    from patchray.nodes.bridge.dit_rank import cfg_parallel
 
-    groups = Groups(ctx, ParallelContext.single(ctx.device), ctx, ctx.rank)  # 2 ranks: 2 CFG groups of one
+    place = RankGroups(ctx, 2).layout  # 2 ranks: 2 CFG groups of one
     x = torch.arange(24, dtype=torch.float32).view(1, 2, 3, 4)
     conds = [[{"scale": float(i + 2)}] for i in range(n_conds)] + [None]
     seen = []
     ex = _Executor(_calc_cond_batch)
-    out = cfg_parallel(groups, 2)(ex, seen, conds, x, torch.tensor(0.5), {})
+    out = cfg_parallel(place)(ex, seen, conds, x, torch.tensor(0.5), {})
     want = _calc_cond_batch([], conds, x, torch.tensor(0.5), {})
     return {"evaluated": seen[0], "max_err": max((a - b).abs().max().item() for a, b in zip(out, want)), "len": len(out)}
 
