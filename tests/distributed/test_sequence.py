@@ -235,3 +235,23 @@ def test_displaced_kv_uses_the_previous_steps_remote_kv(n):
         assert steps[0]["kv_bytes"] == kv and steps[0]["kv_async"] == 0 and steps[0]["kv_collectives"] == 1, steps[0]
         for s in steps[1:]:
             assert s["kv_bytes"] == kv and s["kv_async"] == kv and s["kv_collectives"] == 1, s
+
+
+def test_a_local_key_mask_is_verified_once_and_inference_masks_every_call():
+    from patchray.distributed.parallel.sequence import _key_mask
+
+    order = torch.arange(12)
+    # 9 local keys: 6 image + 3 text (after); 12 image keys in all
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., -1] = False  # a padded text token
+    checked = {}
+    full = _key_mask(mask, 9, 15, 0, 3, 12, order, "p", checked)
+    assert full.shape == (2, 1, 1, 15) and full[..., :12].all() and not full[0, ..., -1] and full[1, ..., -1]
+    assert checked  # remembered: the next blocks' calls with this tensor skip the check (no host sync)
+    with torch.inference_mode():  # ComfyUI samples under inference_mode: no version counter, checked every call
+        inf = mask.clone()
+        checked = {}
+        assert torch.equal(_key_mask(inf, 9, 15, 0, 3, 12, order, "p", checked), full) and not checked
+        inf[..., 2] = False  # masks an image key: refused
+        with pytest.raises(NotImplementedError, match="differs between image keys"):
+            _key_mask(inf, 9, 15, 0, 3, 12, order, "p", checked)
