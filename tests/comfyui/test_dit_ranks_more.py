@@ -61,6 +61,7 @@ def test_qwen_hunyuan_ltxv_equal_the_stock_sampler(importable, tmp_path, ranks):
     report = json.loads(out.read_text())
     for name in RUNS[ranks]:
         rec = report["cases"][name]
+        print(f"{ranks} ranks {name}: {rec['layout']} ({rec['groups']} x {rec['seq']}), relative L2 {rec['rel_l2']:.2e}, collectives {rec['comm_calls']}")
         requested = name.split("-")[1]
         mode = {"seq": "sequence", "cfg": "cfg", "cfgseq": "cfg+sequence", "batch": "batch"}[requested]
         assert rec["layout"] == mode, (name, rec)
