@@ -54,6 +54,8 @@ CASES = {
     "ltxv-cfgseq": ("ltxv", "cfg+sequence", "auto", "euler", 1),
     "ltxv-batch": ("ltxv", "batch", "auto", "euler_ancestral", 3),
     "ltxvi2v-seq": ("ltxvi2v", "sequence", "gathered", "euler", 1),
+    "ltxvkf-seq": ("ltxvkf", "sequence", "gathered", "euler", 1),
+    "ltxvkf-seq-ulysses": ("ltxvkf", "sequence", "ulysses", "euler", 1),
     "ltxvi2v-seq-ulysses": ("ltxvi2v", "sequence", "ulysses", "euler", 1),
 }
 
@@ -62,9 +64,9 @@ CASES = {
 CFG = {"hunyuani2v": 1.0}
 
 EXPECT_CLASS = {"qwen": "QwenImageTransformer2DModel", "hunyuan": "HunyuanVideo", "hunyuani2v": "HunyuanVideo", "hunyuani2vc": "HunyuanVideo",
-                "hyimage": "HunyuanVideo", "ltxv": "LTXVModel", "ltxvi2v": "LTXVModel"}
+                "hyimage": "HunyuanVideo", "ltxv": "LTXVModel", "ltxvi2v": "LTXVModel", "ltxvkf": "LTXVModel"}
 EXPECT_CONFIG = {"qwen": "QwenImage", "hunyuan": "HunyuanVideo", "hunyuani2v": "HunyuanVideo", "hunyuani2vc": "HunyuanVideoI2V",
-                 "hyimage": "HunyuanImage21", "ltxv": "LTXV", "ltxvi2v": "LTXV"}
+                 "hyimage": "HunyuanImage21", "ltxv": "LTXV", "ltxvi2v": "LTXV", "ltxvkf": "LTXV"}
 
 
 def _through_file(conf, kind):
@@ -132,18 +134,31 @@ def _model(kind):
             if kind == "hunyuani2vc":  # image-to-video "v1 (concat)": the image latent and a mask as channels
                 extra["concat_latent_image"] = torch.randn(1, 16, 5, 10, 6, generator=g)
             return [[torch.randn(b, 7, 4096, generator=g), extra]]
-    elif kind in ("ltxv", "ltxvi2v"):
+    elif kind in ("ltxv", "ltxvi2v", "ltxvkf"):
         cfg = {"image_model": "ltxv", "num_layers": 2, "attention_head_dim": 8, "cross_attention_dim": 256}
         mp = _through_file(sm.LTXV(cfg), kind)
         shape = (1, 128, 3, 7, 5)  # 3 frames of 7 x 5 tokens (1x1x1 patches)
         if kind == "ltxvi2v":  # image-to-video: the first frame kept -> a timestep per token
             mask = torch.ones((1, 1) + shape[2:])
             mask[:, :, 0] = 0.0
+        keyframes = None
+        if kind == "ltxvkf":  # a keyframe guide (LTXVAddGuide, strength 1): the last latent frame, kept, with the
+            # pixel coordinates of frame 16 that the model writes over the last tokens' before making the RoPE
+            from comfy.ldm.lightricks.symmetric_patchifier import SymmetricPatchifier, latent_to_pixel_coords
+
+            mask = torch.ones((1, 1) + shape[2:])
+            mask[:, :, -1] = 0.0
+            _, coords = SymmetricPatchifier(1).patchify(torch.zeros(1, 128, 1, 7, 5))
+            keyframes = latent_to_pixel_coords(coords, (8, 32, 32), causal_fix=False)
+            keyframes[:, 0] += 16
 
         def cond(g, b=1):  # LTX's T5 encoder gives a padding mask: the cross-attention masks its zeros
             m = torch.ones(b, 7, dtype=torch.long)
             m[:, 6:] = 0
-            return [[torch.randn(b, 7, 4096, generator=g), {"attention_mask": m}]]
+            extra = {"attention_mask": m}
+            if keyframes is not None:
+                extra["keyframe_idxs"] = keyframes.clone()
+            return [[torch.randn(b, 7, 4096, generator=g), extra]]
     else:
         raise ValueError(kind)
     assert type(mp.model.diffusion_model).__name__ == EXPECT_CLASS[kind]

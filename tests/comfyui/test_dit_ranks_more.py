@@ -3,7 +3,7 @@ equals ComfyUI's stock sampling (the rank side, as ``test_dit_ranks.py`` does fo
 
 Runs ``dit_ranks_more.py`` with ComfyUI's Python on 2, 3 and 4 gloo CPU ranks: ComfyUI's own classes, loaded through
 its stock detection where that allows a small model (see that file), every weight seeded non-constant; odd token rows,
-odd frame counts, text padding masks (HunyuanImage 2.1, LTX-Video), per-token timesteps (LTX-Video image-to-video) and
+odd frame counts, text padding masks (HunyuanImage 2.1, LTX-Video), per-token timesteps (LTX-Video image-to-video, keyframe guides) and
 first-frame modulation (HunyuanVideo image-to-video "v2").
 
     COMFYUI_DIR=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/its/python pytest tests/comfyui -k dit_ranks_more
@@ -33,9 +33,9 @@ LAYERS = 2  # attention layers whose K/V are exchanged (Qwen-Image 2 blocks; Hun
 RUNS = {
     2: ["qwen-seq", "qwen-seq-ulysses", "qwen-cfg", "qwen-batch", "hunyuan-seq", "hunyuan-seq-ulysses", "hunyuan-cfg",
         "hunyuan-batch", "hunyuani2v-seq", "hunyuani2vc-seq", "hyimage-seq", "hyimage-seq-ulysses", "ltxv-seq", "ltxv-seq-ulysses",
-        "ltxv-cfg", "ltxv-batch", "ltxvi2v-seq", "ltxvi2v-seq-ulysses"],
+        "ltxv-cfg", "ltxv-batch", "ltxvi2v-seq", "ltxvi2v-seq-ulysses", "ltxvkf-seq", "ltxvkf-seq-ulysses"],
     3: ["qwen-seq", "qwen-seq-ulysses", "hunyuan-seq", "hunyuan-seq-ulysses", "hunyuani2v-seq", "hyimage-seq",
-        "ltxv-seq", "ltxvi2v-seq", "ltxv-batch"],
+        "hunyuani2vc-seq", "ltxv-seq", "ltxvi2v-seq", "ltxvkf-seq", "ltxv-batch"],
     4: ["qwen-cfgseq", "hunyuan-cfgseq", "ltxv-cfgseq", "ltxvi2v-seq-ulysses", "qwen-seq", "hunyuan-seq"],
 }
 
