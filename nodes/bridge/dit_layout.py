@@ -118,7 +118,7 @@ def plan_layout(
         note = f"cfg = 1 has no unconditional prediction to split: parallelism={parallelism} ran as "
         if seq_ok:
             return Layout("sequence", n, seq_ranks=n, note=note + f"sequence over {n} ranks")
-        return Layout("replicated", n, note=note + f"the whole model on every rank (this model has no sequence split)")
+        return Layout("replicated", n, note=note + "the whole model on every rank (this model has no sequence split)")
     if parallelism == "cfg":
         if n != 2:
             raise _err(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 from typing import Any, Callable, List, Optional
 
 import torch
