@@ -43,7 +43,8 @@ class DitRow(NamedTuple):
         classes: ComfyUI diffusion-model class names (``type(model.diffusion_model).__name__``) this row serves.
         patch: ``fn(dm) -> (pt, ph, pw)``: the patch size the model pads the latent to and folds into one token.
         tokens: where the image tokens ``[B, L, D]`` first exist (after patchify and embedding): sharded there.
-        rope: where the rotary table ``[B, 1, L_total, ...]`` is made (sliced on dim 2 to this rank's positions).
+        rope: where the rotary table ``[B, 1, L_total, ...]`` is made (sliced on dim 2 to this rank's positions);
+            ``None`` when no module makes it (LTX-Video computes it in a function): then ``hooks`` cuts it.
         gather: where the last per-token tensor ``[B, L_local, C]`` comes out: gathered back to all tokens in order.
         attends: module class name -> ``"self"`` (image tokens only), ``"joint"`` (image and text tokens in one
             sequence) or ``"cross"`` (keys/values from text or CLIP tokens, whole on every rank: runs locally).
@@ -52,19 +53,23 @@ class DitRow(NamedTuple):
         heads: attribute of the diffusion model holding the number of attention heads.
         call_refusals: keyword of the model call -> why the row cannot shard a call that carries it (not ``None``).
         cond_refusals: CONDITIONING key -> the same reason, checked on the driver before anything is shipped.
+        hooks: ``fn(seq) -> [handles]`` for what the sites cannot say (per-token timesteps, a RoPE passed as a block
+            argument, attentions told apart by module path): installed with the sites on the rank
+            (``seq`` is the rank's :class:`~.dit_rank.DitSequence`); each handle has ``remove()``.
     """
 
     family: str
     classes: Tuple[str, ...]
     patch: Callable[[Any], Tuple[int, int, int]]
     tokens: Site
-    rope: Site
+    rope: Optional[Site]
     gather: Site
     attends: Mapping[str, str]
     text: str
     heads: str = "num_heads"
     call_refusals: Mapping[str, str] = {}
     cond_refusals: Mapping[str, str] = {}
+    hooks: Optional[Callable[[Any], list]] = None
 
 
 def _flux_patch(dm) -> Tuple[int, int, int]:
@@ -199,3 +204,12 @@ def cond_refusal(row: DitRow, name: str, conditioning) -> Optional[str]:
             if extra.get(key) is not None:
                 return f"PatchRay Distributed KSampler ({row.family}, sequence): {why} in {name} is not supported yet; use parallelism=cfg or batch, or the stock KSampler"
     return None
+
+
+# Qwen-Image, HunyuanVideo / HunyuanImage 2.1, LTX-Video: rows of their own module (no import cycle: built on call)
+from .dit_models_more import more_rows as _more_rows  # noqa: E402
+
+ROWS = ROWS + _more_rows()
+for _row in ROWS:
+    for _cls in _row.classes:
+        KNOWN_UNCOVERED.pop(_cls, None)

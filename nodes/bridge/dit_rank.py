@@ -166,10 +166,14 @@ class DitSequence:
         seq = _seq()
         row = self.row
         text = {"prefix": "before", "suffix": "after"}.get(row.text)
-        plan = {row.rope.module: seq.ShardTokens(dim=2, text=text), row.gather.module: seq.GatherTokens(dim=1)}
+        plan = {row.gather.module: seq.GatherTokens(dim=1)}
+        if row.rope is not None:
+            plan[row.rope.module] = seq.ShardTokens(dim=2, text=text)
         if row.tokens.where == "output":
             plan[row.tokens.module] = seq.ShardTokens(dim=1)
         for site in (row.tokens, row.rope, row.gather):
+            if site is None:
+                continue
             try:
                 self.dm.get_submodule(site.module)
             except AttributeError:
@@ -182,6 +186,8 @@ class DitSequence:
             if row.tokens.where == "input":
                 self._handles.append(self.dm.get_submodule(row.tokens.module).register_forward_pre_hook(self._shard_input))
             self._handles.extend(self.scopes.hooks(self.dm, row.attends))
+            if row.hooks is not None:
+                self._handles.extend(row.hooks(self))
         except BaseException:
             self.remove()
             raise
@@ -218,9 +224,10 @@ class DitSequence:
             q, k, v = args[:3]
             rest = list(args[3:])
             heads = rest.pop(0) if rest else kwargs.pop("heads")
+            # optimized_attention_masked(q, k, v, heads, mask, ...) passes the mask positionally (Qwen-Image, LTX)
+            mask = rest.pop(0) if rest else kwargs.pop("mask", None)
             if rest:
                 raise TypeError(f"{path}: unexpected positional attention arguments {len(rest)}")
-            mask = kwargs.pop("mask", None)
             bhld = bool(kwargs.get("skip_reshape", False))
             keep_heads = bool(kwargs.pop("skip_output_reshape", False))
 

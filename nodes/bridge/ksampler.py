@@ -10,6 +10,7 @@ canonical module path so the ranks can import it however ComfyUI loaded the pack
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Callable, Optional
 
 from . import model as bridge_model
@@ -112,7 +113,7 @@ def sample(
                 why = cond_refusal(row, name, cond)
                 if why:
                     raise NotImplementedError(why)
-            heads = int(getattr(dm, row.heads))
+            heads = int(operator.attrgetter(row.heads)(dm))  # a dotted path ("transformer_blocks.0.attn1.heads")
             if attention == "ulysses" and heads % layout.seq_ranks:
                 raise ValueError(
                     f"sequence_attention=ulysses splits the {heads} attention heads over the {layout.seq_ranks} sequence "

@@ -1,0 +1,237 @@
+"""DiT table rows for Qwen-Image, HunyuanVideo (and HunyuanImage 2.1, the same class) and LTX-Video, with the
+rank-side hooks their layouts need beyond the table's sites.
+
+What each family does differently from FLUX.1 / Wan (ComfyUI 0.3.64):
+
+* **Qwen-Image** (``comfy/ldm/qwen_image/model.py``, ``QwenImageTransformer2DModel``): FLUX-like joint attention
+  with the text tokens first; RoPE from ``pe_embedder`` (``[B, 1, L, D/2, 2, 2]``, text positions first). Plain
+  sites: tokens after ``img_in``, RoPE after ``pe_embedder`` (text before), gather after ``proj_out``.
+* **HunyuanVideo** (``comfy/ldm/hunyuan_video/model.py``, ``HunyuanVideo``; HunyuanImage 2.1 and its refiner load
+  as the same class with a 2-D or 1x1x1 patch): FLUX's double and single blocks with the text tokens LAST
+  (``torch.cat((img, txt))``), RoPE of ``cat(img_ids, txt_ids)`` (text after). The text passes a token refiner
+  first (self-attention over the text alone, whole on every rank: runs locally, like cross-attention). The text
+  padding mask is built from the local sequence length (image columns all zero): the library re-expresses it over
+  every rank's keys. Image-to-video "v2 (replace)" modulates the first frame's tokens differently, by token index
+  (``modulation_dims``): :func:`_hunyuan_hooks` moves that boundary to this rank's first-frame tokens.
+* **LTX-Video** (``comfy/ldm/lightricks/model.py``, ``LTXVModel``): 1x1x1 patches (tokens = latent voxels,
+  frame-major); self-attention (``attn1``) and cross-attention (``attn2``) are the same class (``CrossAttention``),
+  told apart by path; the RoPE ``(cos, sin)`` ``[B, L, D]`` is computed by a function and passed to every block as
+  ``pe=``; with a noise mask (image-to-video, keyframes) the timestep is per token (``[B * L]`` into
+  ``adaln_single``, then ``[B, L, 6D]`` modulation added to the tokens). :func:`_ltxv_hooks` scopes the two
+  attentions by path, cuts ``pe`` to this rank's positions at each block, and cuts a per-token timestep where it
+  enters ``adaln_single``. Keyframe (guide) latents are frames of the same grid whose coordinates the model
+  overwrites before the RoPE is made: sharded like any frame, exact.
+
+This module imports no ComfyUI (the hooks use only torch module hooks and class names): CI tests it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+__all__ = ["more_rows", "FAMILY_NOTES"]
+
+
+def _qwen_patch(dm) -> Tuple[int, int, int]:
+    p = int(dm.patch_size)
+    return (1, p, p)
+
+
+def _hunyuan_patch(dm) -> Tuple[int, int, int]:
+    p = [int(v) for v in dm.patch_size]
+    if len(p) == 2:  # HunyuanImage 2.1: image latents [B, C, H, W]
+        return (1, p[0], p[1])
+    return (p[0], p[1], p[2])
+
+
+def _ltxv_patch(dm) -> Tuple[int, int, int]:
+    pt, ph, pw = (int(v) for v in dm.patchifier.patch_size)
+    return (pt, ph, pw)
+
+
+# --------------------------------------------------------------------------------------------------- hooks
+
+
+def _seq():
+    from ...distributed.parallel import sequence
+
+    return sequence
+
+
+def _scope(seq, module, kind: str, path: str) -> list:
+    """Forward pre/post hooks pushing ``(kind, path)`` on the rank's attention-scope stack around ``module``."""
+    stack = seq.scopes.stack
+
+    def pre(mod, args):
+        stack.append((kind, path))
+
+    def post(mod, args, out):
+        stack.pop()
+
+    return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
+class _Cut:
+    """Cuts a full-sequence tensor (or tuple of tensors) to this rank's tokens along ``dim``, once per distinct
+    source object (every block of a call gets the same ``pe``: cut once, reused)."""
+
+    def __init__(self, seq, dim: int):
+        self.seq, self.dim = seq, dim
+        self.src = None
+        self.out = None
+
+    def __call__(self, value):
+        if value is self.src:
+            return self.out
+        state = self.seq.state
+        self.out = _seq().shard_positions(value, state.require_shards(), self.seq.ctx.rank, dim=self.dim)
+        self.src = value
+        return self.out
+
+    def clear(self):
+        self.src = self.out = None
+
+
+class _Handle:
+    def __init__(self, fn):
+        self.remove = fn
+
+
+def _ltxv_hooks(seq) -> List[Any]:
+    """LTX-Video: attention scopes by path (``attn1`` self, ``attn2`` cross), the block's ``pe`` cut to this rank's
+    positions, a per-token timestep cut where it enters ``adaln_single``."""
+    dm = seq.dm
+    handles: List[Any] = []
+    cut_pe = _Cut(seq, dim=1)
+    world = seq.ctx.world_size
+
+    def block_pre(mod, args, kwargs):
+        pe = kwargs.get("pe")
+        if world == 1 or pe is None:
+            return None
+        total = seq.state.require_shards().total
+        first = pe[0] if isinstance(pe, (tuple, list)) else pe
+        if first.shape[1] != total:
+            if first.shape[1] == seq.state.require_shards().counts[seq.ctx.rank]:
+                return None  # already this rank's (a block patch passing the cut table on)
+            raise ValueError(f"LTX-Video: a positional embedding of {first.shape[1]} tokens for {total} image tokens")
+        return args, dict(kwargs, pe=cut_pe(pe))
+
+    def adaln_pre(mod, args, kwargs):
+        if world == 1:
+            return None
+        t = args[0]
+        b = int(kwargs.get("batch_size") or 1)
+        shards = seq.state.require_shards()
+        if t.numel() == b or t.numel() != b * shards.total:
+            return None  # one timestep per sample
+        local = _seq().shard_tokens(t.reshape(b, shards.total), shards, seq.ctx.rank, dim=1).reshape(-1)
+        return (local,) + tuple(args[1:]), kwargs
+
+    for path, module in dm.named_modules():
+        name = type(module).__name__
+        if name == "BasicTransformerBlock" and hasattr(module, "attn1") and hasattr(module, "attn2"):
+            handles += _scope(seq, module.attn1, "self", f"{path}.attn1")
+            handles += _scope(seq, module.attn2, "cross", f"{path}.attn2")
+            handles.append(module.register_forward_pre_hook(block_pre, with_kwargs=True))
+    handles.append(dm.adaln_single.register_forward_pre_hook(adaln_pre, with_kwargs=True))
+    handles.append(_Handle(cut_pe.clear))
+    return handles
+
+
+def _hunyuan_hooks(seq) -> List[Any]:
+    """HunyuanVideo image-to-video "v2 (replace)": the first frame's tokens take a different modulation, chosen by
+    token index (``modulation_dims = [(0, frame_tokens, 0), (frame_tokens, None, 1)]`` over the image tokens the
+    block holds). This rank holds its band of every frame, frame-major, so its first frame's tokens are its rows of
+    frame 0: the boundary moves to ``local rows * cols``."""
+    dm = seq.dm
+    world = seq.ctx.world_size
+    keys = {"DoubleStreamBlock": "modulation_dims_img", "SingleStreamBlock": "modulation_dims", "LastLayer": "modulation_dims"}
+
+    def local_dims(dims):
+        if world == 1 or not dims:
+            return dims
+        shards = seq.state.require_shards()
+        full = shards.rows * shards.cols
+        mine = shards.counts[seq.ctx.rank] // shards.frames
+        out = []
+        for start, end, index in dims:
+            start = mine if start == full else start
+            end = mine if end == full else end
+            out.append((start, end, index))
+        return out
+
+    handles: List[Any] = []
+    for _path, module in dm.named_modules():
+        key = keys.get(type(module).__name__)
+        if key is None:
+            continue
+
+        def pre(mod, args, kwargs, key=key):
+            dims = kwargs.get(key)
+            if not dims:
+                return None
+            return args, dict(kwargs, **{key: local_dims(dims)})
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    return handles
+
+
+# --------------------------------------------------------------------------------------------------- rows
+
+_CONTROL = "ControlNet residuals (full-sequence tensors added inside the blocks)"
+_QWEN_REF = "reference latents (Qwen-Image Edit): their tokens join the image sequence and would need a band of their own"
+_HY_REF = "a reference latent (HunyuanVideo custom / HunyuanImage refiner reference): its tokens are prepended to the video's"
+
+FAMILY_NOTES = {
+    "Qwen-Image": "text first in a joint attention (FLUX-like)",
+    "HunyuanVideo": "text last; token refiner local; local-length text mask; first-frame modulation moved per rank",
+    "LTX-Video": "1x1x1 patches; attn1/attn2 by path; RoPE as a block argument; per-token timestep cut",
+}
+
+
+def more_rows() -> tuple:
+    """The rows of this module (built on call: :mod:`.dit_models` imports this module at its end)."""
+    from .dit_models import NONE, PREFIX, SUFFIX, DitRow, Site
+
+    return (
+        DitRow(
+            family="Qwen-Image",
+            classes=("QwenImageTransformer2DModel",),
+            patch=_qwen_patch,
+            tokens=Site("img_in"),
+            rope=Site("pe_embedder"),
+            gather=Site("proj_out"),
+            attends={"Attention": "joint"},
+            text=PREFIX,
+            heads="transformer_blocks.0.num_attention_heads",
+            call_refusals={"ref_latents": _QWEN_REF, "control": _CONTROL},
+            cond_refusals={"reference_latents": _QWEN_REF},
+        ),
+        DitRow(
+            family="HunyuanVideo (1.0 t2v, i2v; HunyuanImage 2.1)",
+            classes=("HunyuanVideo",),
+            patch=_hunyuan_patch,
+            tokens=Site("img_in"),
+            rope=Site("pe_embedder"),
+            gather=Site("final_layer"),
+            # the token refiner's self-attention is over the text alone, whole on every rank: it runs locally
+            attends={"DoubleStreamBlock": "joint", "SingleStreamBlock": "joint", "TokenRefinerBlock": "cross"},
+            text=SUFFIX,
+            call_refusals={"ref_latent": _HY_REF, "control": _CONTROL},
+            cond_refusals={"ref_latent": _HY_REF},
+            hooks=_hunyuan_hooks,
+        ),
+        DitRow(
+            family="LTX-Video",
+            classes=("LTXVModel",),
+            patch=_ltxv_patch,
+            tokens=Site("patchify_proj"),
+            rope=None,  # computed by precompute_freqs_cis and passed to each block: _ltxv_hooks cuts it there
+            gather=Site("proj_out"),
+            attends={},  # attn1 (self) and attn2 (cross) share a class: _ltxv_hooks scopes them by path
+            text=NONE,
+            heads="transformer_blocks.0.attn1.heads",
+            hooks=_ltxv_hooks,
+        ),
+    )

@@ -1,0 +1,79 @@
+"""Opt-in: sequence-, CFG- and batch-parallel sampling of Qwen-Image, HunyuanVideo / HunyuanImage 2.1 and LTX-Video
+equals ComfyUI's stock sampling (the rank side, as ``test_dit_ranks.py`` does for FLUX.1 and Wan).
+
+Runs ``dit_ranks_more.py`` with ComfyUI's Python on 2, 3 and 4 gloo CPU ranks: ComfyUI's own classes, loaded through
+its stock detection where that allows a small model (see that file), every weight seeded non-constant; odd token rows,
+odd frame counts, text padding masks (HunyuanImage 2.1, LTX-Video), per-token timesteps (LTX-Video image-to-video, keyframe guides) and
+first-frame modulation (HunyuanVideo image-to-video "v2").
+
+    COMFYUI_DIR=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/its/python pytest tests/comfyui -k dit_ranks_more
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
+pytestmark = [
+    pytest.mark.comfyui,
+    pytest.mark.skipif(not COMFYUI_DIR, reason="set COMFYUI_DIR to a ComfyUI checkout to run the real-ComfyUI tests"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
+STEPS = 3  # three steps; euler, euler_ancestral and dpmpp_2m call the model once per step
+# a masked prompt and an unmasked one cannot be batched (HunyuanImage 2.1 case): ComfyUI calls the model twice a step
+CALLS_PER_STEP = {"hyimage": 2}
+LAYERS = 2  # attention layers whose K/V are exchanged (Qwen-Image 2 blocks; HunyuanVideo 1 double + 1 single; LTX 2)
+
+RUNS = {
+    2: ["qwen-seq", "qwen-seq-ulysses", "qwen-cfg", "qwen-batch", "hunyuan-seq", "hunyuan-seq-ulysses", "hunyuan-cfg",
+        "hunyuan-batch", "hunyuani2v-seq", "hunyuani2vc-seq", "hyimage-seq", "hyimage-seq-ulysses", "ltxv-seq", "ltxv-seq-ulysses",
+        "ltxv-cfg", "ltxv-batch", "ltxvi2v-seq", "ltxvi2v-seq-ulysses", "ltxvkf-seq", "ltxvkf-seq-ulysses"],
+    3: ["qwen-seq", "qwen-seq-ulysses", "hunyuan-seq", "hunyuan-seq-ulysses", "hunyuani2v-seq", "hyimage-seq",
+        "hunyuani2vc-seq", "ltxv-seq", "ltxvi2v-seq", "ltxvkf-seq", "ltxv-batch"],
+    4: ["qwen-cfgseq", "hunyuan-cfgseq", "ltxv-cfgseq", "ltxvi2v-seq-ulysses", "qwen-seq", "hunyuan-seq"],
+}
+
+
+@pytest.fixture(scope="module")
+def importable(tmp_path_factory):
+    """A folder holding only a ``patchray`` link to this checkout (what the pack's import shim does in ComfyUI)."""
+    d = tmp_path_factory.mktemp("imp")
+    os.symlink(ROOT, d / "patchray")
+    return d
+
+
+@pytest.mark.parametrize("ranks", sorted(RUNS))
+def test_qwen_hunyuan_ltxv_equal_the_stock_sampler(importable, tmp_path, ranks):
+    out = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=str(importable), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [PYTHON, str(ROOT / "tests" / "comfyui" / "dit_ranks_more.py"), "--comfy", COMFYUI_DIR, "--ranks", str(ranks),
+         "--cases", *RUNS[ranks], "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    report = json.loads(out.read_text())
+    for name in RUNS[ranks]:
+        rec = report["cases"][name]
+        print(f"{ranks} ranks {name}: {rec['layout']} ({rec['groups']} x {rec['seq']}), relative L2 {rec['rel_l2']:.2e}, collectives {rec['comm_calls']}")
+        requested = name.split("-")[1]
+        mode = {"seq": "sequence", "cfg": "cfg", "cfgseq": "cfg+sequence", "batch": "batch"}[requested]
+        assert rec["layout"] == mode, (name, rec)
+        # fp32: sharding only reorders sums (attention over gathered keys in rank-major order, per-row GEMMs on fewer
+        # rows). A wrong band, a RoPE or timestep left uncut, or a first-frame boundary left global gives > 1e-2.
+        assert rec["rel_l2"] <= 1e-5, (ranks, name, rec)
+        assert rec["calls"] == STEPS * CALLS_PER_STEP.get(name.split("-")[0], 1), (name, rec)
+        calls = rec["comm_calls"]
+        assert calls.get("all_gather", 0) >= STEPS, (name, calls)
+        if name.endswith("ulysses"):  # two all-to-alls per exchanged attention layer per step
+            assert calls.get("all_to_all_single", 0) >= STEPS * LAYERS * 2, (name, calls)
+        elif mode in ("sequence", "cfg+sequence"):
+            assert calls["all_gather"] >= STEPS * (LAYERS + 1), (name, calls)  # the layers' K/V + the output gather
+    per_rank = report["calls_per_rank"]
+    assert all(r == per_rank[0] for r in per_rank)

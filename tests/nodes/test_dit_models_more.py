@@ -1,0 +1,195 @@
+"""The DiT table's Qwen-Image, HunyuanVideo and LTX-Video rows without ComfyUI: lookup, token grids, refusals, and
+the rank-side hooks those families need (LTX-Video's RoPE block argument, per-token timestep and attention scopes by
+path; HunyuanVideo's first-frame modulation boundary), each checked against the full-sequence tensor indexed by the
+shard table's positions. Their use inside ComfyUI's sampler, against the stock KSampler on 2, 3 and 4 gloo ranks, is
+tested in tests/comfyui/test_dit_ranks_more.py (opt-in).
+"""
+
+import operator
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from patchray.distributed.parallel.sequence import TokenShards
+from patchray.nodes.bridge import dit_models
+from patchray.nodes.bridge.dit_models_more import _hunyuan_hooks, _ltxv_hooks
+
+
+@pytest.mark.parametrize("cls, family, text", [("QwenImageTransformer2DModel", "Qwen-Image", "prefix"),
+                                               ("HunyuanVideo", "HunyuanVideo", "suffix"), ("LTXVModel", "LTX-Video", "none")])
+def test_rows_of_the_three_families(cls, family, text):
+    row = dit_models.find_row(cls)
+    assert row is not None and row.family.startswith(family) and row.text == text
+    assert sum(cls in r.classes for r in dit_models.ROWS) == 1
+    assert cls not in dit_models.KNOWN_UNCOVERED
+    assert set(row.attends.values()) <= {"self", "joint", "cross"}
+
+
+def test_token_grids_pad_to_the_patch_like_the_models():
+    qwen = dit_models.find_row("QwenImageTransformer2DModel")
+    hy = dit_models.find_row("HunyuanVideo")
+    ltx = dit_models.find_row("LTXVModel")
+    # Qwen-Image latents are [B, 16, 1, H, W], patch 2 (padded)
+    assert dit_models.token_grid(qwen, SimpleNamespace(patch_size=2), (1, 16, 1, 13, 10)) == (1, 7, 5)
+    # HunyuanVideo [1, 2, 2]; HunyuanImage 2.1 a 2-D [1, 1] patch on image latents
+    assert dit_models.token_grid(hy, SimpleNamespace(patch_size=[1, 2, 2]), (1, 16, 5, 10, 6)) == (5, 5, 3)
+    assert dit_models.token_grid(hy, SimpleNamespace(patch_size=[1, 1]), (1, 64, 7, 5)) == (1, 7, 5)
+    # LTX-Video: the patchifier's (1, 1, 1)
+    ltx_dm = SimpleNamespace(patchifier=SimpleNamespace(patch_size=(1, 1, 1)))
+    assert dit_models.token_grid(ltx, ltx_dm, (1, 128, 3, 7, 5)) == (3, 7, 5)
+
+
+def test_heads_are_read_by_dotted_path():
+    qwen = dit_models.find_row("QwenImageTransformer2DModel")
+    ltx = dit_models.find_row("LTXVModel")
+    dm = nn.Module()
+    dm.transformer_blocks = nn.ModuleList([nn.Module()])
+    dm.transformer_blocks[0].num_attention_heads = 24
+    dm.transformer_blocks[0].attn1 = nn.Module()
+    dm.transformer_blocks[0].attn1.heads = 32
+    assert operator.attrgetter(qwen.heads)(dm) == 24
+    assert operator.attrgetter(ltx.heads)(dm) == 32
+
+
+def test_refusals_name_the_input():
+    qwen = dit_models.find_row("QwenImageTransformer2DModel")
+    hy = dit_models.find_row("HunyuanVideo")
+    assert "Qwen-Image Edit" in dit_models.call_refusal(qwen, {"x": 1, "ref_latents": [torch.zeros(1)]})
+    assert dit_models.call_refusal(qwen, {"x": 1, "ref_latents": None, "kwargs": {}}) is None
+    assert "ControlNet" in dit_models.call_refusal(hy, {"x": 1, "control": {"input": []}})
+    cond = [[torch.zeros(1, 4, 8), {"ref_latent": torch.zeros(1)}]]
+    assert "in negative" in dit_models.cond_refusal(hy, "negative", cond)
+    # image-to-video "v2" (guiding_frame_index) is served by the row's hooks, not refused
+    assert dit_models.cond_refusal(hy, "positive", [[torch.zeros(1, 4, 8), {"guiding_frame_index": 0}]]) is None
+
+
+# ------------------------------------------------------------------------------------------- hooks
+
+
+def _seq(dm, shards, rank):
+    """What the hooks read of the rank's DitSequence: context, shard table, model, attention-scope stack."""
+    return SimpleNamespace(dm=dm, ctx=SimpleNamespace(rank=rank, world_size=len(shards.counts)),
+                           state=SimpleNamespace(require_shards=lambda: shards), scopes=SimpleNamespace(stack=[]))
+
+
+class _Recorder(nn.Module):
+    def __init__(self, log, stack=None):
+        super().__init__()
+        self.log, self.stack = log, stack
+
+    def forward(self, *args, **kwargs):
+        self.log.append((args, kwargs, list(self.stack) if self.stack is not None else None))
+        return args[0] if args else None
+
+
+class BasicTransformerBlock(nn.Module):  # the class name LTX-Video's hooks look for
+    def __init__(self, log, stack):
+        super().__init__()
+        self.log = log
+        self.attn1 = _Recorder(log, stack)
+        self.attn2 = _Recorder(log, stack)
+
+    def forward(self, x, context=None, attention_mask=None, timestep=None, pe=None, transformer_options={}):
+        self.log.append(("block", pe))
+        self.attn1(x)
+        self.attn2(x)
+        return x
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_ltxv_hooks_cut_rope_and_per_token_timestep_and_scope_attentions(rank):
+    shards = TokenShards.split(3, 7, 5, 3)  # 3 frames of 7 x 5 tokens over 3 ranks: uneven bands (3, 2, 2 rows)
+    log = []
+    dm = nn.Module()
+    dm.adaln_single = _Recorder(log)
+    seq = _seq(dm, shards, rank)
+    dm.transformer_blocks = nn.ModuleList([BasicTransformerBlock(log, seq.scopes.stack) for _ in range(2)])
+    handles = _ltxv_hooks(seq)
+    mine = shards.index(rank)
+    b, total = 2, shards.total
+    cos, sin = torch.randn(b, total, 16), torch.randn(b, total, 16)
+    pe = (cos, sin)  # LTX passes the same tuple to every block
+    for block in dm.transformer_blocks:
+        block(torch.zeros(b, len(mine), 16), pe=pe)
+    blocks = [e for e in log if e[0] == "block"]
+    assert len(blocks) == 2
+    for _, pe in blocks:
+        assert torch.equal(pe[0], cos[:, mine]) and torch.equal(pe[1], sin[:, mine])
+    assert blocks[0][1] is blocks[1][1]  # cut once per call, reused by every block
+    scopes = [e[2] for e in log if e[0] != "block"]
+    assert scopes == [[("self", "transformer_blocks.0.attn1")], [("cross", "transformer_blocks.0.attn2")],
+                      [("self", "transformer_blocks.1.attn1")], [("cross", "transformer_blocks.1.attn2")]]
+    assert seq.scopes.stack == []
+    # a timestep per token ([B * L] into adaln_single) is cut to this rank's tokens; one per sample is left alone
+    log.clear()
+    t = torch.randn(b, total)
+    dm.adaln_single(t.flatten(), {}, batch_size=b, hidden_dtype=torch.float32)
+    dm.adaln_single(t[:, 0], {}, batch_size=b, hidden_dtype=torch.float32)
+    assert torch.equal(log[0][0][0], t[:, mine].reshape(-1))
+    assert torch.equal(log[1][0][0], t[:, 0])
+    for h in handles:
+        h.remove()
+    log.clear()
+    dm.transformer_blocks[0](torch.zeros(b, total, 16), pe=(cos, sin))
+    assert log[0][1][0] is cos  # removed: the model is as before
+
+
+def test_ltxv_hooks_refuse_a_rope_of_another_length():
+    shards = TokenShards.split(1, 4, 4, 2)
+    dm = nn.Module()
+    dm.adaln_single = _Recorder([])
+    seq = _seq(dm, shards, 0)
+    dm.transformer_blocks = nn.ModuleList([BasicTransformerBlock([], seq.scopes.stack)])
+    _ltxv_hooks(seq)
+    with pytest.raises(ValueError, match="LTX-Video: a positional embedding of 5 tokens for 16"):
+        dm.transformer_blocks[0](torch.zeros(1, 8, 4), pe=(torch.zeros(1, 5, 4), torch.zeros(1, 5, 4)))
+
+
+class DoubleStreamBlock(_Recorder):  # the class names HunyuanVideo's hooks look for
+    pass
+
+
+class LastLayer(_Recorder):
+    pass
+
+
+@pytest.mark.parametrize("rank, first", [(0, 9), (1, 6)])
+def test_hunyuan_first_frame_modulation_moves_to_this_ranks_rows(rank, first):
+    shards = TokenShards.split(5, 5, 3, 2)  # 5 frames of 5 x 3 tokens: rank 0 holds 3 rows, rank 1 two
+    log = []
+    dm = nn.Module()
+    dm.block = DoubleStreamBlock(log)
+    dm.final = LastLayer(log)
+    handles = _hunyuan_hooks(_seq(dm, shards, rank))
+    full = 5 * 3
+    dm.block(torch.zeros(1), modulation_dims_img=[(0, full, 0), (full, None, 1)], modulation_dims_txt=[(0, None, 1)])
+    dm.final(torch.zeros(1), modulation_dims=[(0, full, 0), (full, None, 1)])
+    dm.final(torch.zeros(1), modulation_dims=None)
+    assert log[0][1]["modulation_dims_img"] == [(0, first, 0), (first, None, 1)]
+    assert log[0][1]["modulation_dims_txt"] == [(0, None, 1)]
+    assert log[1][1]["modulation_dims"] == [(0, first, 0), (first, None, 1)]
+    assert log[2][1]["modulation_dims"] is None
+    # rank's first-frame tokens are exactly the global first frame's tokens it holds
+    assert (shards.index(rank)[:first] < full).all() and (shards.index(rank)[first:] >= full).all()
+    for h in handles:
+        h.remove()
+
+
+def test_a_local_text_mask_made_under_inference_mode_is_checked_not_cached():
+    """HunyuanVideo builds its text mask from the local length inside ComfyUI's inference_mode (no version counter):
+    it is re-expressed over every rank's keys, and a mask changed in place to differ between image keys is refused."""
+    from patchray.distributed.parallel.sequence import _key_mask
+
+    order = torch.tensor([0, 1, 4, 5, 2, 3])  # 6 image tokens, rank-major
+    with torch.inference_mode():
+        mask = torch.zeros(1, 1, 2 + 3)  # 2 local image keys + 3 text keys (text after)
+        mask[..., 4] = -1e9
+        checked = {}
+        for _ in range(2):
+            out = _key_mask(mask, 5, 9, 0, 3, 6, order, "single_blocks.0", checked)
+            assert torch.equal(out, torch.cat([torch.zeros(1, 1, 6), mask[..., 2:]], dim=-1))
+        mask[..., 1] = -1e9  # the same tensor changed in place: checked again, refused
+        with pytest.raises(NotImplementedError, match="differs between image keys"):
+            _key_mask(mask, 5, 9, 0, 3, 6, order, "single_blocks.0", checked)
