@@ -70,7 +70,7 @@ RECORDED_BAND_GIB = {
 
 def _rank_task(ctx, family: str, dtype_name: str, memory_fraction: float = 0.0, shape_hwf=None) -> dict:
     from .families import build_vae, latent_shape
-    from .row import row_bands, row_decode
+    from .row import _decode_band, row_bands, row_decode
 
     if memory_fraction:
         # caps what this process's caching allocator may reserve: past it, the allocator returns its cached
@@ -99,7 +99,7 @@ def _rank_task(ctx, family: str, dtype_name: str, memory_fraction: float = 0.0, 
         with torch.no_grad():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(ctx.device)
-            band = vae.decode(z.narrow(-2, 0, rows)).sample
+            band = _decode_band(vae, z.narrow(-2, 0, rows))  # the plain decode, with the family's options
             torch.cuda.synchronize(ctx.device)
         result["band_peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / GIB
         del band
