@@ -184,7 +184,7 @@ def test_patch_parallel_sampling_across_nodes_full_sync_equals_one_rank(nodes):
 
 def test_too_many_gpu_ranks_or_nodes_are_refused_at_once(nodes):
     t0 = time.monotonic()
-    with pytest.raises(ClusterSetupError, match=r"asked for 2 GPU ranks but the Ray cluster has 0 GPU"):
+    with pytest.raises(ClusterSetupError, match=r"device is cuda but the Ray cluster has no GPU: set device to cpu"):
         get_cluster(ClusterConfig(num_ranks=2, device="cuda", address=nodes.address))
     with pytest.raises(ClusterSetupError, match=r"STRICT_SPREAD .* 3 ranks .* 2 alive node"):
         get_cluster(_config(nodes, num_ranks=3, strategy="STRICT_SPREAD"))
