@@ -261,19 +261,21 @@ def gather_to(t: torch.Tensor, ctx: ParallelContext, dim: int, sizes: Sequence[i
     return torch.cat([b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)], dim=dim).to(t.device)
 
 
-def all_to_all_equal(send: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+def all_to_all_equal(send: torch.Tensor, ctx: ParallelContext, stage_on_host: Optional[bool] = None) -> torch.Tensor:
     """Every rank sends ``send[j]`` to rank j and receives rank j's piece in ``out[j]`` (one ``all_to_all_single``).
 
     ``send`` is ``[world_size, ...]`` with equal pieces (callers pad uneven ones to the largest extent, which every
     rank derives from shared shapes, and cut the padding off after): no sizes travel. Under gloo a CUDA tensor is
-    staged through the host. Returns ``send`` itself on one rank.
+    staged through the host (``stage_on_host=False`` hands it to gloo's own CUDA all-to-all instead, which copies
+    inside the call: the benchmark uses it so a rank's compute measured between collectives holds no transport
+    copies). Returns ``send`` itself on one rank.
     """
     if ctx.world_size == 1:
         return send
     if send.shape[0] != ctx.world_size:
         raise ValueError(f"all_to_all_equal needs one piece per rank along dim 0 (got {send.shape[0]}, world_size {ctx.world_size})")
     send = send.contiguous()
-    if ctx.backend == "gloo" and send.device.type == "cuda":
+    if ctx.backend == "gloo" and send.device.type == "cuda" and stage_on_host is not False:
         out = torch.empty_like(send, device="cpu")
         dist.all_to_all_single(out, send.cpu(), group=ctx.group)
         return out.to(send.device)

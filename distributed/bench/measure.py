@@ -256,7 +256,7 @@ class TurnTaking:
         result = _completed(result)
         self.sync()
         self.comm_ms.append((time.perf_counter() - start) * 1e3)
-        self.wire_bytes.append(call_wire_bytes(call, self.ctx.world_size))
+        self.wire_bytes.append(call_wire_bytes(call, _group_size(call, self.ctx.world_size)))
         self.ops.append(call.op)
         self.begin_turn()
         return result
@@ -265,6 +265,15 @@ class TurnTaking:
         return {"compute_ms": [round(x, 4) for x in self.compute_ms], "cpu_ms": [round(x, 4) for x in self.cpu_ms],
                 "comm_ms": [round(x, 4) for x in self.comm_ms], "wire_bytes": list(self.wire_bytes),
                 "ops": list(self.ops), "marks": list(self.marks)}
+
+
+def _group_size(call: CommCall, default: int) -> int:
+    """The size of the group a call ran on (a subgroup inside the turn-taking group: CFG x sequence), else ``default``."""
+    size = getattr(call.kwargs.get("group"), "size", None)
+    try:
+        return int(size()) if callable(size) else default
+    except Exception:  # a group object without a size: the turn-taking group's
+        return default
 
 
 def _completed(result):
