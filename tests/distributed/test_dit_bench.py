@@ -53,7 +53,7 @@ def test_presets_match_the_cost_model_shapes_and_fit_rule():
     assert db.ranks_that_fit(int(38.1 * gib), None, 4) == 4  # CPU: no device limit
     wan = db.PRESETS["wan21_14b_480x832x81"]
     assert [c.label for c in db.plan_cases(wan, "tiny", (1, 2, 3))] == [
-        "N=1", "seq-gathered N=2", "seq-ulysses N=2", "cfg N=2", "seq-gathered N=3"]  # 4 heads: no Ulysses at 3
+        "N=1", "cfg N=2", "seq-gathered N=2", "seq-ulysses N=2", "seq-gathered N=3"]  # 4 heads: no Ulysses at 3
     assert db.Case(4, "cfg").label == "cfg x seq2 N=4"
     with pytest.raises(ValueError, match="unknown preset"):
         db.run_dit_bench(["sdxl"], size="tiny", device="cpu", ranks=2)
@@ -66,7 +66,7 @@ def test_wan_tiny_on_two_cpu_ranks(tmp_path):
     report = db.run_dit_bench(["wan21_14b_480x832x81"], ranks=2, ns=(1, 2), size="tiny", device="cpu", warmup=1,
                               iters=1, out=out, timeout_s=120)
     recs = {r["case"]: r for r in report["records"]}
-    assert list(recs) == ["N=1", "seq-gathered N=2", "seq-ulysses N=2", "cfg N=2"]
+    assert list(recs) == ["N=1", "cfg N=2", "seq-gathered N=2", "seq-ulysses N=2"]
     assert all(r["status"] == "ok" and r["finite"] for r in recs.values())
     ref = recs["N=1"]
     assert ref["calls_per_step"] == 2 and ref["wire_bytes_per_step"] == 0
