@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import json
 import math
@@ -589,11 +590,23 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
     itemsize = torch.tensor([], dtype=dtype).element_size()
     world = ctx.world_size
     ns = [n for n in plan["ns"] if n <= world]
-    contexts = {n: _subcontext(ctx, list(range(n))) for n in ns}
+    watchdog = float(plan.get("watchdog_s") or 0)
+    if watchdog > 0:  # a rank that stops moving prints where it is (every rank, to stderr), then keeps waiting
+        faulthandler.dump_traceback_later(watchdog, repeat=True, file=sys.stderr)
+    # one group per member set: two groups of the same members get the same hashed name under local
+    # synchronisation, so the sequence group of the first N/2 ranks is CFG x sequence's first inner group
+    contexts: Dict[int, Any] = {}
     layouts = {}
-    for n in ns:
+    made: Dict[Tuple[int, ...], Any] = {}
+    for n in sorted(ns, reverse=True):
+        members = tuple(range(n))
+        contexts[n] = made.get(members) or _subcontext(ctx, list(members))
         if n > 1 and n % 2 == 0 and "cfg" in plan["modes"] and contexts[n] is not None:
             layouts[n] = RankGroups(contexts[n], 2).layout
+            inner = layouts[n].inner
+            if inner.world_size > 1:
+                made[tuple(inner.global_ranks)] = inner
+    _log(ctx, start, f"groups ready for N in {ns}")
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     doc = dict(plan["doc"], records=[])
     for name in plan["presets"]:
@@ -604,6 +617,7 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
         fit = max([n for n in ns if n <= ranks_that_fit(weights, total, world)] or [1])
         cases = plan_cases(preset, plan["size"], ns, plan["modes"])
         model = inputs = None
+        _log(ctx, start, f"{name}: building on {fit} ranks")
         try:
             if ctx.rank < fit:
                 if device.type == "cuda":
@@ -682,6 +696,8 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         all_gather_object(None, ctx)  # every rank freed its copy before the next preset is built
+    if watchdog > 0:
+        faulthandler.cancel_dump_traceback_later()
     return doc if ctx.rank == 0 else None
 
 
@@ -691,7 +707,7 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
 def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] = (1, 2, 4), modes: Sequence[str] = MODES,
                   size: str = "full", device: str = "cuda", dtype: Optional[str] = None, warmup: Optional[int] = None,
                   iters: Optional[int] = None, deadline_s: float = 1e9, out: Optional[str] = None,
-                  timeout_s: float = 900.0) -> dict:
+                  timeout_s: float = 900.0, watchdog_s: float = 0.0) -> dict:
     """Run the benchmark on ``ranks`` spawned rank processes (gloo) and return the report (see the module docstring).
 
     Raises:
@@ -739,9 +755,10 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
                   "pcie4_x16_no_p2p": "CFG-parallel >= 1.9 at 2 ranks"},
     }
     plan = dict(presets=list(presets), ns=sorted(set(ns)), modes=list(modes), size=size, dtype=dtype, warmup=warmup,
-                iters=iters, deadline_s=deadline_s, out=out, doc=doc)
+                iters=iters, deadline_s=deadline_s, out=out, doc=doc, watchdog_s=watchdog_s)
     started = time.time()
     results = run_ranks(_bench_rank, ranks, plan, device=kind, backend="gloo", timeout_s=timeout_s)
+    print(f"[dit_bench] ranks done after {time.time() - started:.1f} s", flush=True)
     report = results[0]
     report["wall_s"] = round(time.time() - started, 1)
     try:
@@ -843,6 +860,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--iters", type=int, default=None, help="timed calls per case (default per preset)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip the cases that would start after this many seconds")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="bound on every collective and on the whole run")
+    ap.add_argument("--watchdog-s", type=float, default=0.0,
+                    help="every rank prints its stack to stderr after this many seconds, repeatedly (0: off)")
     ap.add_argument("--out", help="JSON report path (written after every case); the chart goes next to it (.png)")
     ap.add_argument("--chart-from", help="only redraw the chart (and print the table) of an existing JSON report")
     args = ap.parse_args(argv)
@@ -858,7 +877,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = [int(x) for x in args.ns.split(",") if x]
     report = run_dit_bench(presets, ranks=args.ranks, ns=ns, modes=modes, size=args.size, device=args.device,
                            dtype=args.dtype, warmup=args.warmup, iters=args.iters, deadline_s=args.deadline_s,
-                           out=args.out, timeout_s=args.timeout_s)
+                           out=args.out, timeout_s=args.timeout_s, watchdog_s=args.watchdog_s)
     print(format_table(report))
     if args.out:
         try:
