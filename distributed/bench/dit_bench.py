@@ -63,6 +63,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 __all__ = ["DiTPreset", "PRESETS", "MODES", "GOALS", "build_random", "make_inputs", "plan_cases", "dit_shape", "run_dit_bench",
+           "estimate", "token_share", "BASELINE_CALL_MS", "format_estimate",
            "write_chart", "format_table", "main"]
 
 #: the exact modes (``cfg`` with N > 2 is CFG x sequence, gathered inside each group)
@@ -341,14 +342,14 @@ def dit_shape(preset: DiTPreset, size: str):
                     c["patch_size"] ** 2 * c["out_channels"])
 
 
-def _cost_model_wire(preset: DiTPreset, size: str, case: Case, itemsize: int) -> int:
+def _cost_model_wire(preset: DiTPreset, size: str, case: Case, itemsize: int, cfg_inner: str = "gathered") -> int:
     """Bytes a rank sends per call by the runtime's cost model (``sampling.dit.step_cost``, ``split.split_cost``)."""
     from ..sampling.dit import step_cost
     from ..sampling.split import split_cost
 
     shape = dit_shape(preset, size)
     if case.mode == "cfg":
-        inner = step_cost(shape, case.n // 2, "gathered", itemsize=itemsize)["wire_bytes"] if case.n > 2 else 0
+        inner = step_cost(shape, case.n // 2, cfg_inner, itemsize=itemsize)["wire_bytes"] if case.n > 2 else 0
         latent = (shape.frames * shape.rows * shape.cols * shape.out_features,)
         return inner + split_cost(latent, itemsize, 2, 2)["wire_bytes"]
     return step_cost(shape, case.n, case.mode, itemsize=itemsize)["wire_bytes"]
@@ -438,7 +439,8 @@ def _gloo_cuda_all_to_all(ctx):
         seq.all_to_all_equal = original
 
 
-def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: int, keep_output: bool) -> dict:
+def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: int, keep_output: bool,
+                  cfg_inner: str = "gathered") -> dict:
     """Run ``warmup + iters`` calls with the ranks taking turns; the first call is also the logged one."""
     from ..comm import barrier, log_comm
     from ..sampling.dit import parallelize_dit
@@ -455,9 +457,9 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
             return model(**inputs[0])[0]
     elif case.mode == "cfg":
         inner = layout.inner
-        attention = "gathered" if inner.world_size > 1 else "none"
+        attention = cfg_inner if inner.world_size > 1 else "none"
         if inner.world_size > 1:
-            handle = parallelize_dit(model, inner, mode="gathered")
+            handle = parallelize_dit(model, inner, mode=cfg_inner)
 
         def call():
             return torch.stack(cfg_parallel(lambda c: model(**c)[0], inputs, layout))
@@ -469,7 +471,7 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
 
     out: Dict[str, Any] = {"rank": ctx.rank, "attention": attention, "runs": [], "counted": None, "calls": None}
     output = None
-    transport = _gloo_cuda_all_to_all(ctx) if case.mode == "ulysses" else contextlib.nullcontext("default")
+    transport = (_gloo_cuda_all_to_all(ctx) if attention == "ulysses" else contextlib.nullcontext("default"))
     try:
         a2a = transport.__enter__()
         _reset_peak(device)
@@ -537,6 +539,7 @@ def _summarise(preset: DiTPreset, case: Case, per_rank: List[dict], warmup: int,
         "compute_ms_per_call_alone": alone["compute_ms"],
         "compute_ms_per_call_alone_iterations": alone["compute_ms_iterations"],
         "compute_ms_per_call_by_rank": alone["compute_ms_by_rank"],
+        "cpu_ms_per_call_alone": alone["cpu_compute_ms"],
         "compute_ms_per_step_alone": alone["compute_ms"] * calls if alone["compute_ms"] is not None else None,
         "stages_per_call": alone["stages"],
         "collectives_per_step": colls_call * calls,
@@ -554,7 +557,8 @@ def _summarise(preset: DiTPreset, case: Case, per_rank: List[dict], warmup: int,
         "iterations": {"warmup": warmup, "timed": len(timed[0])},
     }
     if case.n > 1:
-        rec["cost_model_wire_bytes_per_step"] = calls * _cost_model_wire(preset, size, case, itemsize)
+        rec["cost_model_wire_bytes_per_step"] = calls * _cost_model_wire(preset, size, case, itemsize,
+                                                                         per_rank[0]["attention"] if case.mode == "cfg" and case.n > 2 else "gathered")
     rec["link_profiles"] = {name: LINK_PROFILES[name]._asdict() for name in SHOWN_PROFILES}
     return rec
 
@@ -652,7 +656,7 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
             if ctx.rank < case.n:
                 try:
                     local, output = _measure_case(contexts[case.n], layouts.get(case.n), model, inputs, case, warmup,
-                                                  iters, keep_output=ctx.rank == 0)
+                                                  iters, keep_output=ctx.rank == 0, cfg_inner=plan["cfg_inner"])
                     if case.mode == "none" and ctx.rank == 0 and (preset.cfg or "cfg" in plan["modes"]):
                         with torch.no_grad():  # the uncond branch of the reference, for the CFG rows' check
                             ref_out[1] = model(**inputs[1])[0].float().cpu()
@@ -701,13 +705,80 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
     return doc if ctx.rank == 0 else None
 
 
+# ------------------------------------------------------------------------------------------------ estimate (no device)
+
+#: one rank's full call (batch 1, bf16) measured on the H200: results/h200/dit (FLUX.1, measured alone by this
+#: benchmark) and the single-GPU baselines of 2026-11-29 (Wan 2.1 14B, Qwen-Image; /shared/reference/baselines-h200.md)
+BASELINE_CALL_MS = {"flux1_1024": 172.3, "wan21_14b_480x832x81": 3230.0, "qwen_image_1328": 347.0}
+
+
+def token_share(preset: DiTPreset, n: int, size: str = "full") -> float:
+    """The busiest rank's share of a call's tokens: its band of image token rows plus the replicated text tokens."""
+    shape = dit_shape(preset, size)
+    band = -(-shape.rows // n)
+    return (shape.frames * band * shape.cols + shape.text) / (shape.frames * shape.rows * shape.cols + shape.text)
+
+
+def estimate(presets: Sequence[str], ns: Sequence[int] = (1, 2, 4), modes: Sequence[str] = MODES, *,
+             cfg_inner: str = "gathered", itemsize: int = 2, call_ms: Optional[Dict[str, float]] = None) -> dict:
+    """Step latency ESTIMATED without a device: ``calls x (share x one rank's call + link time of the call's bytes)``.
+
+    The compute is one rank's measured full call (:data:`BASELINE_CALL_MS`) times the busiest rank's token share
+    (:func:`token_share`; every linear layer and every query of attention scales with it, keys stay full), which
+    assumes per-rank compute proportional to its tokens: it ignores launch overhead and the lower efficiency of
+    smaller matrices, so it is an upper bound of the speed-up. The bytes are the runtime's cost model
+    (``sampling.dit.step_cost``, ``split.split_cost``), which the measured runs match exactly.
+    """
+    from ..sampling.dit import step_cost
+    from ..sampling.split import split_cost
+    from ..topology.links import LINK_PROFILES, model_latency_ms
+
+    call_ms = dict(BASELINE_CALL_MS, **(call_ms or {}))
+    rows = []
+    for name in presets:
+        preset = PRESETS[name]
+        base = call_ms[name]
+        shape = dit_shape(preset, "full")
+        for case in plan_cases(preset, "full", ns, modes):
+            calls = _calls_per_step(preset, case)
+            ref = base * _reference_calls(preset, case)
+            if case.mode == "cfg":
+                m = case.n // 2
+                inner = step_cost(shape, m, cfg_inner, itemsize=itemsize) if m > 1 else {"wire_bytes": 0, "messages": 0}
+                ex = split_cost((shape.frames * shape.rows * shape.cols * shape.out_features,), itemsize, 2, 2)
+                compute, wire, msgs = token_share(preset, m) * base, inner["wire_bytes"] + ex["wire_bytes"], inner["messages"] + ex["messages"]
+            elif case.mode == "none":
+                compute, wire, msgs = base, 0, 0
+            else:
+                cost = step_cost(shape, case.n, case.mode, itemsize=itemsize)
+                compute, wire, msgs = token_share(preset, case.n) * base, cost["wire_bytes"], cost["messages"]
+            step = {p: round(calls * model_latency_ms(compute, wire, msgs, p), 1) for p in LINK_PROFILES}
+            rows.append({"preset": name, "model": preset.title, "case": case.label, "n": case.n, "mode": case.mode,
+                         "calls_per_step": calls, "compute_ms_per_call": round(compute, 1),
+                         "wire_bytes_per_step": calls * wire, "reference_step_ms": ref, "estimated_step_ms": step,
+                         "speedup_estimated": {p: round(ref / v, 3) for p, v in step.items()}, "estimate": True})
+    return {"benchmark": "dit-bench-estimate", "estimate": True, "cfg_inner": cfg_inner, "call_ms": call_ms,
+            "method": estimate.__doc__.split("\n\n")[0] + " " + " ".join(estimate.__doc__.split("\n\n")[1].split()),
+            "rows": rows}
+
+
+def format_estimate(doc: dict) -> str:
+    lines = [f"{'preset':22s} {'case':18s} {'compute/call ms':>15s} {'GB/step':>8s} {'nvlink ms':>10s} {'x':>6s} "
+             f"{'pcie-noP2P ms':>13s} {'x':>6s}  (ESTIMATED: share x one rank's call + link model)"]
+    for r in doc["rows"]:
+        e, s = r["estimated_step_ms"], r["speedup_estimated"]
+        lines.append(f"{r['preset']:22s} {r['case']:18s} {r['compute_ms_per_call']:15.1f} {r['wire_bytes_per_step'] / 1e9:8.2f} "
+                     f"{e['nvlink']:10.1f} {s['nvlink']:6.2f} {e['pcie4_x16_no_p2p']:13.1f} {s['pcie4_x16_no_p2p']:6.2f}")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------------ driver, report
 
 
 def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] = (1, 2, 4), modes: Sequence[str] = MODES,
                   size: str = "full", device: str = "cuda", dtype: Optional[str] = None, warmup: Optional[int] = None,
                   iters: Optional[int] = None, deadline_s: float = 1e9, out: Optional[str] = None,
-                  timeout_s: float = 900.0, watchdog_s: float = 0.0) -> dict:
+                  timeout_s: float = 900.0, watchdog_s: float = 0.0, cfg_inner: str = "gathered") -> dict:
     """Run the benchmark on ``ranks`` spawned rank processes (gloo) and return the report (see the module docstring).
 
     Raises:
@@ -723,6 +794,8 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
         raise ValueError(f"unknown mode {bad[0]!r}; choose from {list(MODES)}")
     if ranks < 1 or any(n < 1 or n > ranks for n in ns):
         raise ValueError(f"every N in --ns must be between 1 and --ranks ({ranks}); got {list(ns)}")
+    if cfg_inner not in ("gathered", "ulysses"):
+        raise ValueError(f"cfg_inner must be 'gathered' or 'ulysses' (got {cfg_inner!r})")
     if size not in ("full", "tiny"):
         raise ValueError(f"size must be 'full' or 'tiny' (got {size!r})")
     kind = "cuda" if device == "cuda" else "cpu"
@@ -738,6 +811,7 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
         "presets": list(presets),
         "ns": list(ns),
         "modes": list(modes),
+        "cfg_inner": cfg_inner,
         "modelled": ["records[].modelled_step_ms", "records[].speedup_modelled"],
         "method": ("N rank processes share one device (gloo). compute: each rank's compute per call measured alone "
                    "(ranks take turns between collectives; CUDA events on GPU), per stage the slowest rank. modelled "
@@ -755,7 +829,7 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
                   "pcie4_x16_no_p2p": "CFG-parallel >= 1.9 at 2 ranks"},
     }
     plan = dict(presets=list(presets), ns=sorted(set(ns)), modes=list(modes), size=size, dtype=dtype, warmup=warmup,
-                iters=iters, deadline_s=deadline_s, out=out, doc=doc, watchdog_s=watchdog_s)
+                iters=iters, deadline_s=deadline_s, out=out, doc=doc, watchdog_s=watchdog_s, cfg_inner=cfg_inner)
     started = time.time()
     results = run_ranks(_bench_rank, ranks, plan, device=kind, backend="gloo", timeout_s=timeout_s)
     print(f"[dit_bench] ranks done after {time.time() - started:.1f} s", flush=True)
@@ -790,7 +864,17 @@ def format_table(report: dict) -> str:
 
 
 def write_chart(report: dict, path: str) -> str:
-    """Per preset: modelled speed-up per case (NVLink, PCIe 4.0 x16 no P2P) with the goals, and bytes per step."""
+    """Per preset: modelled speed-up per case (NVLink, PCIe 4.0 x16 no P2P) with the goals, and bytes per step.
+
+    An :func:`estimate` document is drawn the same way, every title saying ESTIMATED.
+    """
+    if report.get("estimate"):
+        label = "ESTIMATED"
+        report = {"records": [dict(r, status="ok", speedup_modelled=r["speedup_estimated"]) for r in report["rows"]],
+                  "suptitle": "PatchRay DiT modes: step latency ESTIMATED (one rank's measured call x the busiest rank's "
+                              "token share + the cost model's bytes over the link); not a per-rank measurement"}
+    else:
+        label = "MODELLED"
     import matplotlib
 
     matplotlib.use("Agg")
@@ -826,8 +910,8 @@ def write_chart(report: dict, path: str) -> str:
         ax.axhline(1.0, color="grey", lw=0.6)
         ax.set_xticks(xs)
         ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
-        ax.set_ylabel("speed-up per step (MODELLED)")
-        ax.set_title(f"{recs[0].get('model', name)}: MODELLED speed-up over one rank's step", fontsize=9)
+        ax.set_ylabel(f"speed-up per step ({label})")
+        ax.set_title(f"{recs[0].get('model', name)}: {label} speed-up over one rank's step", fontsize=9)
         handles = [plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in SHOWN_PROFILES]
         ax.legend(handles, ["NVLink (H200)", "PCIe 4.0 x16, no P2P"], fontsize=7, loc="upper left")
         gb = [r.get("wire_bytes_per_step", 0) / 1e9 if r.get("status") == "ok" else 0 for r in recs]
@@ -838,8 +922,8 @@ def write_chart(report: dict, path: str) -> str:
         bx.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
         bx.set_ylabel("GB a rank sends per step")
         bx.set_title("bytes per step (comm accounting, busiest rank)", fontsize=9)
-    fig.suptitle("PatchRay DiT modes: compute measured alone on one device, link latency MODELLED "
-                 f"({report.get('dtype')}, {report.get('size')} size, {report.get('ranks_on_one_device')} ranks on one device)",
+    fig.suptitle(report.get("suptitle") or "PatchRay DiT modes: compute measured alone on one device, link latency "
+                 f"MODELLED ({report.get('dtype')}, {report.get('size')} size, {report.get('ranks_on_one_device')} ranks on one device)",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -860,6 +944,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--iters", type=int, default=None, help="timed calls per case (default per preset)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip the cases that would start after this many seconds")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="bound on every collective and on the whole run")
+    ap.add_argument("--cfg-inner", choices=["gathered", "ulysses"], default="gathered",
+                    help="attention mode inside each CFG group when N > 2 (CFG x sequence)")
+    ap.add_argument("--estimate", action="store_true",
+                    help="no ranks, no device: the step latency ESTIMATED from one rank's measured call (BASELINE_CALL_MS) "
+                         "x the busiest rank's token share, plus the cost model's bytes over each link profile")
     ap.add_argument("--watchdog-s", type=float, default=0.0,
                     help="every rank prints its stack to stderr after this many seconds, repeatedly (0: off)")
     ap.add_argument("--out", help="JSON report path (written after every case); the chart goes next to it (.png)")
@@ -869,15 +958,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.chart_from) as f:
             report = json.load(f)
         png = write_chart(report, os.path.splitext(args.out or args.chart_from)[0] + ".png")
-        print(format_table(report))
+        print(format_estimate(report) if report.get("estimate") else format_table(report))
         print(f"wrote {png}")
         return 0
     presets = [p for item in (args.preset or list(PRESETS)) for p in item.split(",") if p]
     modes = [m for item in (args.mode or list(MODES)) for m in item.split(",") if m]
     ns = [int(x) for x in args.ns.split(",") if x]
+    if args.estimate:
+        doc = estimate(presets, ns, modes, cfg_inner=args.cfg_inner)
+        print(format_estimate(doc))
+        if args.out:
+            _write_doc(args.out, doc)
+            print(f"wrote {args.out} and {write_chart(doc, os.path.splitext(args.out)[0] + '.png')}")
+        return 0
     report = run_dit_bench(presets, ranks=args.ranks, ns=ns, modes=modes, size=args.size, device=args.device,
                            dtype=args.dtype, warmup=args.warmup, iters=args.iters, deadline_s=args.deadline_s,
-                           out=args.out, timeout_s=args.timeout_s, watchdog_s=args.watchdog_s)
+                           out=args.out, timeout_s=args.timeout_s, watchdog_s=args.watchdog_s, cfg_inner=args.cfg_inner)
     print(format_table(report))
     if args.out:
         try:

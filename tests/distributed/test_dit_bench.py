@@ -91,3 +91,25 @@ def test_wan_tiny_on_two_cpu_ranks(tmp_path):
     png = db.write_chart(report, str(tmp_path / "dit.png"))
     assert os.path.getsize(png) > 10_000
     assert "seq-ulysses N=2" in db.format_table(report)
+
+
+def test_estimate_is_labelled_and_follows_the_token_share_and_the_cost_model():
+    from patchray.distributed.sampling.dit import FULL_SIZE_SHAPES, step_cost
+    from patchray.distributed.topology.links import model_latency_ms
+
+    doc = db.estimate(["wan21_14b_480x832x81", "flux1_1024"], ns=(1, 2, 4))
+    assert doc["estimate"] and all(r["estimate"] for r in doc["rows"])
+    rows = {(r["preset"], r["case"]): r for r in doc["rows"]}
+    wan = FULL_SIZE_SHAPES["wan21_14b_480x832x81"]
+    g2 = rows[("wan21_14b_480x832x81", "seq-gathered N=2")]
+    cost = step_cost(wan, 2, "gathered")
+    assert g2["compute_ms_per_call"] == pytest.approx(3230.0 / 2, abs=0.1)  # 15 of 30 token rows, no text tokens
+    assert g2["wire_bytes_per_step"] == 2 * cost["wire_bytes"]  # CFG: cond and uncond, one after the other
+    nv = 2 * model_latency_ms(1615.0, cost["wire_bytes"], cost["messages"], "nvlink")
+    assert g2["estimated_step_ms"]["nvlink"] == pytest.approx(nv, abs=0.1)
+    assert g2["speedup_estimated"]["nvlink"] == pytest.approx(6460.0 / nv, abs=1e-3)
+    # Wan at 4 ranks: bands of 8, 8, 7, 7 token rows; FLUX's 512 replicated text tokens cap its share
+    assert db.token_share(db.PRESETS["wan21_14b_480x832x81"], 4) == pytest.approx(8 / 30)
+    assert db.token_share(db.PRESETS["flux1_1024"], 2) == pytest.approx((2048 + 512) / (4096 + 512))
+    cfg = rows[("flux1_1024", "cfg N=2")]
+    assert cfg["reference_step_ms"] == 2 * 172.3 and cfg["calls_per_step"] == 1
