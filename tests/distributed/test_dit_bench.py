@@ -113,3 +113,18 @@ def test_estimate_is_labelled_and_follows_the_token_share_and_the_cost_model():
     assert db.token_share(db.PRESETS["flux1_1024"], 2) == pytest.approx((2048 + 512) / (4096 + 512))
     cfg = rows[("flux1_1024", "cfg N=2")]
     assert cfg["reference_step_ms"] == 2 * 172.3 and cfg["calls_per_step"] == 1
+
+
+def test_turn_taking_bills_a_collective_by_the_size_of_its_own_group():
+    from patchray.distributed.accounting import CommCall
+    from patchray.distributed.bench.linkmodel import call_wire_bytes
+    from patchray.distributed.bench.measure import _group_size
+
+    class Pair:  # a 2-rank subgroup inside a 4-rank turn-taking group (CFG x sequence)
+        def size(self):
+            return 2
+
+    call = CommCall("all_gather", ([torch.zeros(4), torch.zeros(4)], torch.zeros(4)), {"group": Pair()}, False)
+    assert _group_size(call, 4) == 2 and _group_size(CommCall("all_gather", (), {}, False), 4) == 4
+    # 2 outputs + 1 input of 16 bytes counted; one input leaves the rank on a pair, three of five would on four ranks
+    assert call_wire_bytes(call, _group_size(call, 4)) == 16 and call_wire_bytes(call, 4) == 29
