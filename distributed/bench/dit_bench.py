@@ -58,7 +58,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -440,8 +440,11 @@ def _gloo_cuda_all_to_all(ctx):
 
 
 def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: int, keep_output: bool,
-                  cfg_inner: str = "gathered") -> dict:
-    """Run ``warmup + iters`` calls with the ranks taking turns; the first call is also the logged one."""
+                  cfg_inner: str = "gathered") -> Tuple[dict, Optional[torch.Tensor]]:
+    """Run ``warmup + iters`` calls with the ranks taking turns; the first call is also the logged one.
+
+    Returns this rank's measurements and, with ``keep_output``, the first call's output (fp32, on the host).
+    """
     from ..comm import barrier, log_comm
     from ..sampling.dit import parallelize_dit
     from ..sampling.split import cfg_parallel
