@@ -886,8 +886,11 @@ def write_chart(report: dict, path: str) -> str:
     by_preset: Dict[str, List[dict]] = {}
     for r in report.get("records", []):
         by_preset.setdefault(r["preset"], []).append(r)
+    # a preset none of whose cases ran is named in the title, not drawn as a row of empty bars
+    unmeasured = [name for name, recs in by_preset.items() if not any(r.get("status") == "ok" for r in recs)]
+    by_preset = {name: recs for name, recs in by_preset.items() if name not in unmeasured}
     if not by_preset:
-        raise ValueError("no records to chart")
+        raise ValueError("no measured records to chart")
     rows = len(by_preset)
     fig, axes = plt.subplots(rows, 2, figsize=(15, 3.2 * rows + 1.0), squeeze=False)
     colors = {"nvlink": "#2b6cb0", "pcie4_x16_no_p2p": "#dd6b20"}
@@ -925,9 +928,12 @@ def write_chart(report: dict, path: str) -> str:
         bx.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
         bx.set_ylabel("GB a rank sends per step")
         bx.set_title("bytes per step (comm accounting, busiest rank)", fontsize=9)
-    fig.suptitle(report.get("suptitle") or "PatchRay DiT modes: compute measured alone on one device, link latency "
-                 f"MODELLED ({report.get('dtype')}, {report.get('size')} size, {report.get('ranks_on_one_device')} ranks on one device)",
-                 fontsize=10)
+    title = report.get("suptitle") or ("PatchRay DiT modes: compute measured alone on one device, link latency "
+                                       f"MODELLED ({report.get('dtype')}, {report.get('size')} size, "
+                                       f"{report.get('ranks_on_one_device')} ranks on one device)")
+    if unmeasured:
+        title += f"\nnot run: {', '.join(unmeasured)} (see the JSON's status)"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
