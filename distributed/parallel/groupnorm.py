@@ -70,18 +70,34 @@ def group_stats(x: torch.Tensor, num_groups: int) -> torch.Tensor:
 
     fp64 for the few numbers that travel: counts of video bands exceed fp32's 2**24 exact integers.
 
-    The moments come from the native GroupNorm kernel (``native_group_norm`` with ``eps = 0`` returns the biased
-    mean and ``1 / sqrt(var)`` per (sample, group), accumulated in fp32 for every input dtype once the affine
-    parameters are fp32): one fused pass, measured 9x faster than ``torch.var_mean`` on a CPU core (3.1 vs 27.2
-    ms on a [1, 128, 128, 256] fp32 band) with the same fp32 accuracy (variance within 2e-7 relative of an fp64
-    reference). Its normalised output is discarded; it is transient, as large as the output the caller makes next.
+    One fused pass over the activation, accumulated in fp32 whatever its dtype, with no fp32 copy of it:
+
+    * CPU: the native GroupNorm kernel (``native_group_norm`` with ``eps = 0`` returns the biased mean and
+      ``1 / sqrt(var)`` per (sample, group); fp32 affine parameters make it return fp32 moments for a
+      low-precision input). Measured 9x faster than ``torch.var_mean`` on a CPU core (3.1 vs 27.2 ms on a
+      [1, 128, 128, 256] fp32 band), variance within 2e-7 relative of an fp64 reference. Its normalised output is
+      discarded; it is transient, as large as the output the caller makes next.
+    * CUDA: the native GroupNorm kernel refuses fp32 affine parameters with a low-precision input ("expected
+      scalar type BFloat16 but found Float", seen on an H200) and would return bf16 moments without them, so
+      the per-channel Welford moments of SyncBatchNorm's kernel (``torch.batch_norm_stats``: fp32 mean and
+      ``1 / sqrt(var)`` per channel, no output written) are merged into groups here with Chan's formula. It
+      reads the activation once with ``B * C`` blocks (the GroupNorm kernel uses ``B * G``), where the earlier
+      path upcast sixteen group chunks to fp32 (a copy and a reduction each: 32 launches and three times the
+      bytes).
     """
     b = x.shape[0]
     c = x.shape[1]
-    # the kernel takes contiguous inputs only; on CUDA it refuses fp32 affine parameters with a low-precision input
-    # ("expected scalar type BFloat16 but found Float", seen on an H200), so there low precision takes the chunks
-    mixed_ok = x.device.type == "cpu" or x.dtype in (torch.float32, torch.float64)
-    if x.numel() and c % num_groups == 0 and x.is_contiguous() and mixed_ok:
+    fused = x.numel() and c % num_groups == 0 and x.is_contiguous()
+    if fused and x.device.type == "cuda":
+        per_channel = x.numel() // (b * c)
+        mean_c, invstd_c = torch.batch_norm_stats(x.view(1, b * c, per_channel), 0.0)
+        cpg = c // num_groups
+        mean_c = mean_c.double().view(b, num_groups, cpg)
+        var_c = invstd_c.double().view(b, num_groups, cpg).pow(-2)  # invstd = inf (a constant channel): var 0
+        mean = mean_c.mean(-1)
+        m2 = (var_c.sum(-1) + (mean_c - mean.unsqueeze(-1)).pow(2).sum(-1)) * per_channel
+        return torch.stack([torch.full_like(mean, float(per_channel * cpg)), mean, m2])
+    if fused and x.device.type == "cpu":
         count = x.numel() // (b * num_groups)
         weight = bias = None
         if x.dtype not in (torch.float32, torch.float64):
@@ -136,15 +152,22 @@ def exact_group_norm_coefficients(x: torch.Tensor, norm: nn.GroupNorm, ctx: Para
     else:
         stats = stats.unsqueeze(0)
     mean, var = merge_group_stats(stats)
-    mean, rstd = mean.float(), torch.rsqrt(var + norm.eps).float()
-    # per (sample, channel): y = x * scale + shift, with the affine parameters folded in
-    per_group = c // g
-    scale = rstd.repeat_interleave(per_group, dim=1)
-    shift = -mean.repeat_interleave(per_group, dim=1) * scale
+    # per (sample, channel): y = x * scale + shift, with the affine parameters folded in; formed in fp64 on the
+    # [B, G, C/G] grid (a handful of small kernels: each one is a launch on a GPU) and rounded once to fp32
+    rstd = torch.rsqrt(var + norm.eps).unsqueeze(-1)
+    mean = mean.unsqueeze(-1)
     if norm.affine:
-        shift = shift * norm.weight.float() + norm.bias.float()
-        scale = scale * norm.weight.float()
-    return scale, shift
+        scale = rstd * norm.weight.view(1, g, c // g)
+        shift = norm.bias.view(1, g, c // g) - mean * scale
+    else:
+        scale = rstd.expand(b, g, c // g)
+        shift = -mean * scale
+    return scale.reshape(b, c).float(), shift.reshape(b, c).float()
+
+
+#: whether CUDA's batch-norm kernel took a low-precision input with fp32 coefficients (set by the first call; a
+#: build that refused would fall back to the chunked path for the rest of the process, on every rank alike)
+_CUDA_MIXED_BATCH_NORM = {"ok": True}
 
 
 def normalize_with(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -152,8 +175,10 @@ def normalize_with(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, nu
 
     A low-precision input goes through batch norm in inference mode with mean 0, variance 1 and eps 0, which is
     exactly ``x * weight + bias`` computed in fp32 by one fused kernel with no fp32 copy of the activation (the
-    earlier path upcast it in sixteen group chunks: 4 kernels and an fp32 chunk each). Identical results to the
-    chunked path on CPU bf16; eps 0 keeps cuDNN out (it requires eps >= 1e-5), so the native kernel runs.
+    earlier path upcast it in sixteen group chunks: 4 kernels and an fp32 chunk each, 64 launches per call on
+    CUDA, which made band-sized GroupNorms launch-bound). Identical results to the chunked path on CPU bf16; eps 0
+    keeps cuDNN out (it requires eps >= 1e-5), so the native kernel runs, on CUDA too (its elementwise kernel
+    takes a bf16/fp16 input with fp32 parameters).
     """
     b, c = x.shape[0], x.shape[1]
     per_group = c // num_groups
@@ -161,13 +186,18 @@ def normalize_with(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, nu
     if len(chunks) == 1:
         view = (b, c) + (1,) * (x.dim() - 2)
         return torch.addcmul(shift.view(view), x, scale.view(view)).to(x.dtype)
-    if x.is_contiguous() and x.device.type == "cpu":  # CPU-checked; CUDA keeps the chunked path (mixed dtypes)
+    if x.is_contiguous() and (x.device.type == "cpu" or _CUDA_MIXED_BATCH_NORM["ok"]):
         bc = b * c
         zeros = torch.zeros(bc, dtype=torch.float32, device=x.device)
         ones = torch.ones(bc, dtype=torch.float32, device=x.device)
-        out = torch.batch_norm(x.reshape(1, bc, -1), scale.reshape(bc).float(), shift.reshape(bc).float(), zeros, ones,
-                               False, 0.0, 0.0, torch.backends.cudnn.enabled)
-        return out.view(x.shape)
+        try:
+            out = torch.batch_norm(x.view(1, bc, -1), scale.reshape(bc).float(), shift.reshape(bc).float(), zeros,
+                                   ones, False, 0.0, 0.0, torch.backends.cudnn.enabled)
+            return out.view(x.shape)
+        except RuntimeError:
+            if x.device.type == "cpu":
+                raise
+            _CUDA_MIXED_BATCH_NORM["ok"] = False  # this build refuses mixed dtypes: the chunked path below
     x3 = x.reshape(b, c, -1)
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     for start, stop in chunks:
