@@ -154,6 +154,46 @@ def _summarise_profile(prof):
 # ------------------------------------------------------------------------------------------- one rank
 
 
+def _selfcheck(dev, q_len=16384, kv_len=65536):
+    """Which GroupNorm and attention paths run on this device, their error against fp64, and SDPA timings."""
+    import torch
+    import torch.nn.functional as F
+
+    gn = importlib.import_module("patchray.distributed.parallel.groupnorm")
+    att = importlib.import_module("patchray.distributed.parallel.attention")
+    ctxmod = importlib.import_module("patchray.distributed.context")
+    res = {}
+    g = torch.Generator(device="cpu").manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(2, 128, 96, 160, generator=g) * 3 + 1).to(dev, dtype)
+        norm = torch.nn.GroupNorm(32, 128, eps=1e-6).to(dev, dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(128, generator=g) + 0.5)
+            norm.bias.copy_(torch.randn(128, generator=g))
+            ref = F.group_norm(x.double(), 32, norm.weight.double(), norm.bias.double(), norm.eps)
+            stock = norm(x)
+            ours = gn.exact_group_norm(x, norm, ctxmod.ParallelContext.single(dev))
+        res[str(dtype)] = {"stock_max_abs_err": float((stock.double() - ref).abs().max()),
+                           "ours_max_abs_err": float((ours.double() - ref).abs().max()),
+                           "ours_vs_stock_max_abs": float((ours.double() - stock.double()).abs().max())}
+    res["cuda_mixed_batch_norm"] = gn._CUDA_MIXED_BATCH_NORM["ok"]
+    q = torch.randn(1, 1, q_len, 512, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(1, 1, kv_len, 512, device=dev, dtype=torch.bfloat16)
+    res["sdpa_fused_kl_mid_N4"] = att._fused_attention(q, kv, kv)
+    timer = importlib.import_module("patchray.distributed.bench.measure")._Timer(dev)
+    with torch.no_grad():
+        for label, fn in (("one_call", lambda: F.scaled_dot_product_attention(q, kv, kv)),
+                          ("four_chunks", lambda: torch.cat([F.scaled_dot_product_attention(c, kv, kv)
+                                                             for c in q.split(q_len // 4, dim=-2)], dim=-2))):
+            fn()
+            res[f"sdpa_ms_{label}"] = round(statistics.median(timer.time_ms(fn)[0] for _ in range(3)), 3)
+    del q, kv
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+
 def _rank(ctx, args):
     import torch
 
@@ -178,12 +218,16 @@ def _rank(ctx, args):
         if ctx.rank == 0:
             print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
+    if ctx.rank == 0 and dev.type == "cuda":
+        out["selfcheck"] = _selfcheck(dev)
+        log(f"selfcheck {json.dumps(out['selfcheck'])}")
+    comm.barrier(ctx)
     if args.check:
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
         for fam, h, w, f in map(_parse_case, args.check):
-            vae = families.build_vae(fam, size="full", seed=0, dtype=torch.float32, device=dev)
-            z = torch.randn(families.latent_shape(fam, h, w, f), generator=torch.Generator().manual_seed(1)).to(dev)
+            vae = families.build_vae(fam, size=args.size, seed=0, dtype=torch.float32, device=dev)
+            z = torch.randn(families.latent_shape(fam, h, w, f, size=args.size), generator=torch.Generator().manual_seed(1)).to(dev)
             ref = vae.decode(z, return_dict=False)[0] if ctx.rank == 0 else None
             for n in sorted(sub):
                 c = sub[n]
@@ -210,8 +254,8 @@ def _rank(ctx, args):
     for case in args.cases:
         fam, h, w, f = _parse_case(case)
         label = f"{fam}:{h}x{w}x{f}"
-        vae = families.build_vae(fam, size="full", seed=0, dtype=dtype, device=dev)
-        z = torch.randn(families.latent_shape(fam, h, w, f), generator=torch.Generator().manual_seed(1))
+        vae = families.build_vae(fam, size=args.size, seed=0, dtype=dtype, device=dev)
+        z = torch.randn(families.latent_shape(fam, h, w, f, size=args.size), generator=torch.Generator().manual_seed(1))
         z = z.to(device=dev, dtype=dtype)
         rec = {"case": label, "family": fam, "shape": [h, w, f], "dtype": args.dtype, "plain": None, "row": []}
         with torch.no_grad():
@@ -308,6 +352,7 @@ def main(argv=None):
     p.add_argument("--profile", nargs="*", default=[], help="CASE:N:TREE, e.g. kl:2048x2048x1:4:new")
     p.add_argument("--check", nargs="*", default=[], help="fp32 exactness cases for the new tree, e.g. kl:256x256")
     p.add_argument("--dtype", default="bf16")
+    p.add_argument("--size", default="full", help="full (the released architectures) or tiny (a CPU smoke test)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=2)
