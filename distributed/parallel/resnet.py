@@ -4,7 +4,7 @@ Design decisions:
 
 * **Exchange the block input once, two rows deep.** diffusers ``ResnetBlock2D`` (norm1, SiLU, conv1, norm2, SiLU,
   conv2, shortcut) has two 3x3 convolutions; adapted layer by layer it makes two halo exchanges (one row each) and
-  two GroupNorm all-gathers. Normalisation and SiLU are pointwise once the (global) statistics are known, so the
+  two GroupNorm all-reduces. Normalisation and SiLU are pointwise once the (global) statistics are known, so the
   block can instead receive **two raw input rows** from each neighbour in one exchange, normalise them with the
   same coefficients as its own band, compute conv1 on one extra row per inner boundary (the halo conv2 needs), and
   normalise that row with norm2's coefficients: three collectives per block instead of four, at the cost of one
@@ -150,7 +150,7 @@ def resnet_rows(block, x: torch.Tensor, state: RowState) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class HaloResnetBlock(Style):
-    """diffusers ``ResnetBlock2D`` on a row band: one two-row halo exchange and two GroupNorm all-gathers.
+    """diffusers ``ResnetBlock2D`` on a row band: one two-row halo exchange and two GroupNorm all-reduces.
 
     Configurations outside the supported set run the block's own forward (its layers' adapters do the work);
     see the module docstring.
