@@ -130,6 +130,7 @@ def _rank_task(ctx):
     from patchray.distributed.vae.row import row_decode, row_encode
 
     out = {"threads": torch.get_num_threads()}
+    out["one_rank"] = _reference_on_one_rank(ctx)
     speeds = rank_speeds_task(ctx, repeats=3)
     weights = speed_weights(speeds)
     out["speeds"] = speeds
@@ -150,6 +151,19 @@ def _rank_task(ctx):
     return {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
 
 
+def _reference_on_one_rank(ctx):
+    """The benchmark's reference measurement: rank 0 runs the work, the other ranks only wait."""
+    import types
+
+    from patchray.distributed.bench.measure import measure_on_one_rank
+
+    calls = []
+    opts = types.SimpleNamespace(warmup=1, iters=2, timing="concurrent", profile=False, profile_trace=False,
+                                 profile_memory=False, timeout_s=60.0)
+    m, _ = measure_on_one_rank(ctx, opts, lambda: calls.append(ctx.rank), "ref")
+    return len(calls), len(m["times_ms"]), bool(m.get("waited"))
+
+
 @functools.lru_cache(maxsize=None)
 def _spawned():
     return run_ranks(_rank_task, 2, threads=(2, 1), timeout_s=240)
@@ -160,6 +174,12 @@ def test_every_rank_agrees_on_the_figures_and_the_table():
     assert (a["threads"], b["threads"]) == (2, 1)
     assert a["speeds"] == b["speeds"] and all(s > 0 for s in a["speeds"])
     assert a["tables"][0] == a["tables"][1] == b["tables"][0] == b["tables"][1]
+
+
+def test_the_benchmark_reference_runs_on_rank_0_while_the_others_wait():
+    a, b = _spawned()
+    assert a["one_rank"] == (1 + 1 + 2, 2, False)  # warm-up, logged, 2 timed
+    assert b["one_rank"] == (0, 0, True)
 
 
 def test_weighted_row_decode_and_encode_equal_the_unsharded_ones():
