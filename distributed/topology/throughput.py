@@ -7,7 +7,8 @@ Design decisions:
   fixed piece of work on this rank (a 3x3 convolution, the bulk of a VAE decoder or a UNet, then a matrix
   product, the bulk of a DiT's blocks), after a barrier so that every rank measures while its peers run too, as
   they do in a real decode (ranks that share cores or a PCIe root then see the share they will really get).
-  The figure is work per second (GFLOP/s of the workload), the median of a few repetitions after a warm-up.
+  The figure is work per second (GFLOP/s of the workload), the best of a few timed runs after a warm-up (load
+  from other processes only slows a run down, so the best run is the closest to the rank's own capability).
 * **Agreed once, collectively.** :func:`agree_rank_speeds` gathers every rank's figure with one
   ``all_gather_object``, so every rank holds the same tuple and derives the same band table from it
   (``parallel/bands.py`` quantises the weights to integers first). Nothing is exchanged at the layers.
@@ -21,7 +22,6 @@ Design decisions:
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from typing import Callable, Hashable, Optional, Sequence, Tuple
@@ -45,9 +45,10 @@ log = logging.getLogger(__name__)
 BALANCE_MODES = ("equal", "speed")
 
 # the workload: channels and side of the convolution, side of the square matrix product, per device kind. Sized
-# for ~10-40 ms per repetition on one CPU core and for a few ms on a GPU (enough to leave launch overheads behind).
-_WORKLOAD = {"cpu": (32, 48, 256), "cuda": (256, 128, 4096)}
-_REPEATS = 5
+# for ~30-100 ms per call on one CPU core (the channel counts of a VAE's last blocks) and a few ms on a GPU.
+_WORKLOAD = {"cpu": (64, 64, 256), "cuda": (256, 128, 4096)}
+_REPEATS = 3
+_MIN_S = 0.25
 
 
 def check_balance(balance: str) -> str:
@@ -65,15 +66,19 @@ def _sync(device) -> Callable[[], None]:
     return lambda: None
 
 
-def measure_rank_speed(device, repeats: int = _REPEATS) -> float:
-    """This rank's throughput on the fixed workload, in GFLOP/s (median of ``repeats`` after one warm-up).
+def measure_rank_speed(device, repeats: int = _REPEATS, min_s: float = _MIN_S) -> float:
+    """This rank's throughput on the fixed workload, in GFLOP/s: the best of ``repeats`` timed runs.
+
+    Each run repeats the workload until at least ``min_s`` seconds have passed, so thread start-up and timer
+    resolution do not count; the best run (not the median) is the rank's capability, because load from other
+    processes only ever slows a run down (a shared machine would otherwise make the figures noise).
 
     Args:
         device: the rank's ``torch.device``.
-        repeats: timed repetitions.
+        repeats: timed runs after one warm-up.
+        min_s: the least duration of one run.
     """
     import torch
-
     import torch.nn.functional as F
 
     channels, side, n = _WORKLOAD["cuda" if device.type == "cuda" else "cpu"]
@@ -87,20 +92,23 @@ def measure_rank_speed(device, repeats: int = _REPEATS) -> float:
     sync = _sync(device)
 
     def work():
-        y = F.conv2d(x, w, padding=1)
-        z = a @ b
-        return y, z
+        return F.conv2d(x, w, padding=1), a @ b
 
+    best = 0.0
     with torch.no_grad():
         work()
         sync()
-        times = []
         for _ in range(max(1, repeats)):
-            t0 = time.perf_counter()
-            work()
-            sync()
-            times.append(time.perf_counter() - t0)
-    return flops / max(statistics.median(times), 1e-9) / 1e9
+            count, t0 = 0, time.perf_counter()
+            while True:
+                work()
+                count += 1
+                sync()
+                elapsed = time.perf_counter() - t0
+                if elapsed >= min_s:
+                    break
+            best = max(best, count * flops / elapsed / 1e9)
+    return best
 
 
 def agree_rank_speeds(ctx, speed: float) -> Tuple[float, ...]:
