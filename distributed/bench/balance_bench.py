@@ -135,11 +135,19 @@ def run_balance(args) -> dict:
 
     from ..spawn import run_ranks
 
+    # OpenMP threads that wait for a descheduled partner should sleep, not spin: on a shared machine a spinning
+    # thread burns its own rank's share of the cores (set before the ranks start; recorded in the JSON)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    load_before = os.getloadavg()
     # the rank function by its importable name (run as ``-m``, this module is ``__main__`` in the driver only)
     rank_fn = importlib.import_module(__spec__.name).balance_rank if __name__ == "__main__" else balance_rank
     results = run_ranks(rank_fn, len(args.threads), args.family, args.size, args.height, args.width, args.rounds,
                         args.timeout_s, threads=tuple(args.threads), timeout_s=args.timeout_s)
-    return _summary(results[0], args)
+    summary = _summary(results[0], args)
+    summary["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    summary["load_average_1min"] = {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2),
+                                    "cores": os.cpu_count()}
+    return summary
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
