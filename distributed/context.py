@@ -83,7 +83,7 @@ class ParallelContext:
             parent_weights: the parent group's band weights (``None``: equal bands here too).
             parent_ranks: the parent's WORLD ranks in its group-rank order (``parent.global_ranks``).
         """
-        if parent_weights is None:
+        if parent_weights is None or self.world_size == 1:
             return self.with_band_weights(None)
         index = {g: i for i, g in enumerate(parent_ranks)}
         members = self.global_ranks or tuple(range(self.world_size))
