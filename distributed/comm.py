@@ -50,6 +50,7 @@ __all__ = [
     "CommHook",
     "intercept",
     "log_comm",
+    "bounded_barrier",
     "all_gather_into",
     "context_for_group",
     "all_reduce",
@@ -494,6 +495,23 @@ def barrier(ctx: ParallelContext) -> None:
         dist.barrier(group=ctx.group, device_ids=[ctx.device.index or 0])
     else:
         dist.barrier(group=ctx.group)
+
+
+def bounded_barrier(ctx: ParallelContext, timeout_s: float) -> None:
+    """A barrier that waits at most ``timeout_s`` seconds (then raises); a no-op on one rank.
+
+    gloo: ``monitored_barrier``, whose error names the ranks that did not arrive. Other backends have no per-call
+    bound: their barrier is bounded by the group's own timeout. Not counted by the interception layer (it is
+    synchronisation around the measured work, e.g. ranks waiting while one rank runs a reference alone).
+    """
+    if ctx.world_size == 1:
+        return
+    if ctx.backend == "gloo":
+        import datetime
+
+        dist.monitored_barrier(group=ctx.group, timeout=datetime.timedelta(seconds=float(timeout_s)))
+    else:
+        barrier(ctx)
 
 
 def new_group(ranks: Sequence[int]):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ._comfy import interrupt_check, io, progress_callback, sampler_lists
 from .bridge import ksampler as bridge_ksampler
-from .bridge.ksampler import ATTENTION_NAMES, PARALLELISM_NAMES, PRESET_NAMES
+from .bridge.ksampler import ATTENTION_NAMES, BALANCE_NAMES, PARALLELISM_NAMES, PRESET_NAMES
 from .types import CATEGORY, CLUSTER
 
 __all__ = ["PatchRayKSampler"]
@@ -84,6 +84,18 @@ class PatchRayKSampler(io.ComfyNode):
                         "less traffic from 3 ranks). auto: per layer, from the modelled link cost."
                     ),
                 ),
+                io.Combo.Input(
+                    "balance",
+                    options=BALANCE_NAMES,
+                    default="equal",
+                    optional=True,
+                    tooltip=(
+                        "How big each rank's band of latent rows is when the work is split by sequence. equal: the same "
+                        "for every rank. speed: proportional to each rank's measured speed (a short benchmark run once "
+                        "per cluster), so a faster GPU takes more rows and a mixed pair (e.g. 4090 + 3090) finishes "
+                        "together. The result is the same either way; cfg and batch splits are unaffected."
+                    ),
+                ),
             ],
             outputs=[io.Latent.Output(display_name="LATENT", tooltip="The denoised latent, like the stock KSampler's.")],
         )
@@ -92,13 +104,13 @@ class PatchRayKSampler(io.ComfyNode):
     def execute(
         cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster,
         preset="full_sync", warmup_steps=-1, refresh_every=-1, k_ratio=0.25, block_size=8, parallelism="auto",
-        sequence_attention="auto",
+        sequence_attention="auto", balance="equal",
     ) -> io.NodeOutput:
         config = bridge_ksampler.patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size)
         progress = progress_callback(steps)
         latent = bridge_ksampler.sample(
             model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster, config,
-            parallelism=parallelism, attention=sequence_attention, cancel_check=interrupt_check(), progress=progress,
+            parallelism=parallelism, attention=sequence_attention, balance=balance, cancel_check=interrupt_check(), progress=progress,
         )
         if progress is not None:
             progress(steps, steps)

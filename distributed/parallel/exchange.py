@@ -66,7 +66,7 @@ class StepState(RowState):
 
     def set_bands(self, height: int, width: int, cm) -> None:
         """Set the band table for a latent size and the stale memory (``cm``) the adapters use with it."""
-        self.rows = band_heights(height, self.ctx.world_size, self.align)
+        self.rows = band_heights(height, self.ctx.world_size, self.align, weights=self.ctx.band_weights)
         self.bounds = bounds_of(self.rows)
         self.latent_bounds = self.bounds
         self.height, self.width = height, width

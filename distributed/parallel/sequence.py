@@ -127,14 +127,16 @@ class TokenShards:
             raise ValueError(f"row_sizes {self.row_sizes} must be positive and sum to rows={self.rows}")
 
     @classmethod
-    def split(cls, frames: int, rows: int, cols: int, world_size: int, row_sizes: Optional[Sequence[int]] = None) -> "TokenShards":
-        """The shard table for ``world_size`` ranks: equal bands (:func:`~.bands.row_bands`) or ``row_sizes``.
+    def split(cls, frames: int, rows: int, cols: int, world_size: int, row_sizes: Optional[Sequence[int]] = None,
+              weights: Optional[Sequence[float]] = None) -> "TokenShards":
+        """The shard table for ``world_size`` ranks: equal bands (:func:`~.bands.row_bands`), bands proportional to
+        ``weights`` (the group's band weights), or ``row_sizes``.
 
         Raises:
             ValueError: fewer token rows than ranks (names the largest rank count that fits).
         """
         if row_sizes is None:
-            row_sizes = tuple(b - a for a, b in row_bands(rows, world_size))
+            row_sizes = tuple(b - a for a, b in row_bands(rows, world_size, weights=weights))
         elif len(row_sizes) != world_size:
             raise ValueError(f"row_sizes needs one entry per rank (got {len(row_sizes)} for world_size {world_size})")
         return cls(frames, rows, cols, tuple(int(r) for r in row_sizes))
@@ -274,7 +276,7 @@ class SequenceState(StepState):
 
     def set_grid(self, frames: int, rows: int, cols: int, row_sizes: Optional[Sequence[int]] = None) -> bool:
         """:meth:`set_shards` for a token grid with equal bands (or ``row_sizes``)."""
-        return self.set_shards(TokenShards.split(frames, rows, cols, self.ctx.world_size, row_sizes))
+        return self.set_shards(TokenShards.split(frames, rows, cols, self.ctx.world_size, row_sizes, weights=self.ctx.band_weights))
 
     def require_shards(self) -> TokenShards:
         if self.shards is None:

@@ -79,7 +79,7 @@ class UNetPatchHandle:
     def _set_latent(self, height: int, width: int, cm: Optional[CommManager] = None) -> None:
         """The band table for a latent size; a new (empty) stale memory unless ``cm`` (a stream's) is given."""
         if cm is None:
-            rows = band_heights(height, self.state.ctx.world_size, self.state.align)
+            rows = band_heights(height, self.state.ctx.world_size, self.state.align, weights=self.state.ctx.band_weights)
             cm = CommManager(self.state.ctx, rows, self.state.traffic, self.config.comm_checkpoint)
         self.state.set_bands(height, width, cm)
 
@@ -243,7 +243,7 @@ def _subgroup(ctx: ParallelContext, members: List[int]) -> ParallelContext:
         global_ranks=tuple(global_members),
         device=ctx.device,
         backend=ctx.backend,
-    )
+    ).member_weights(ctx.band_weights, ctx.global_ranks or tuple(range(ctx.world_size)))
 
 
 class SplitGroups:

@@ -18,7 +18,7 @@ from . import validate
 from .errors import rank_errors_for_user
 from .shim import CANONICAL
 
-__all__ = ["PRESET_NAMES", "PARALLELISM_NAMES", "ATTENTION_NAMES", "patch_config", "sample"]
+__all__ = ["PRESET_NAMES", "PARALLELISM_NAMES", "ATTENTION_NAMES", "BALANCE_NAMES", "patch_config", "sample"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ _RANK = f"{CANONICAL}.nodes.bridge.ksampler_rank"
 PRESET_NAMES = ["full_sync", "displaced", "otil", "balanced"]
 PARALLELISM_NAMES = ["auto", "sequence", "cfg", "cfg+sequence", "batch"]  # dit_layout.MODES, without importing it here
 ATTENTION_NAMES = ["auto", "gathered", "ulysses"]
+BALANCE_NAMES = ["equal", "speed"]  # topology.throughput.BALANCE_MODES, without importing it here
 # samplers whose step control reads the whole latent: with OTIL's approximate remote regions the ranks would take
 # different numbers of steps, and their collectives would not line up
 _ADAPTIVE = {"dpm_adaptive"}
@@ -52,7 +53,7 @@ def patch_config(preset: str, warmup_steps: int = -1, refresh_every: int = -1, k
 
 def sample(
     model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster_config, config,
-    *, parallelism: str = "auto", attention: str = "auto",
+    *, parallelism: str = "auto", attention: str = "auto", balance: str = "equal",
     cancel_check: Optional[Callable[[], None]] = None, progress: Optional[Callable[[int, int], None]] = None,
 ) -> dict:
     """Run the KSampler on the ranks of ``cluster_config``; return the LATENT dict.
@@ -62,6 +63,8 @@ def sample(
         parallelism: the node's widget (:data:`PARALLELISM_NAMES`; see :mod:`.dit_layout`).
         attention: sequence-parallel attention of DiTs: ``gathered`` K/V, ``ulysses`` (heads must divide by the
             sequence ranks) or ``auto`` (per call, from the modelled link cost).
+        balance: the sequence split's bands (UNet row bands, DiT token shards): ``equal``, or ``speed``
+            (proportional to each rank's measured throughput, measured once per cluster; the result is the same).
         cancel_check: ComfyUI's interrupt check, polled while the ranks work.
         progress: ``fn(done, total)`` for ComfyUI's progress bar.
 
@@ -72,6 +75,7 @@ def sample(
     from ...distributed.cluster import ClusterConfig, get_cluster
     from ...distributed.sampling.config import LayerMode, OutputMode
     from ...distributed.sampling.remote import distributed_sample, ship_model
+    from ...distributed.topology.throughput import cluster_band_weights
     from .dit_layout import plan_layout
     from .dit_models import cond_refusal, find_row
 
@@ -79,6 +83,8 @@ def sample(
         raise ValueError(f"parallelism must be one of {PARALLELISM_NAMES} (got {parallelism!r})")
     if attention not in ATTENTION_NAMES:
         raise ValueError(f"sequence_attention must be one of {ATTENTION_NAMES} (got {attention!r})")
+    if balance not in BALANCE_NAMES:
+        raise ValueError(f"balance must be one of {BALANCE_NAMES} (got {balance!r})")
     if sampler_name in _ADAPTIVE and config.output is OutputMode.OTIL:
         raise ValueError(f"sampler {sampler_name!r} adapts its step count to the whole latent, which OTIL leaves approximate on each rank; pick another sampler or preset")
     if not isinstance(cluster_config, ClusterConfig):
@@ -132,11 +138,13 @@ def sample(
     root = bridge_model.comfy_root()
     with rank_errors_for_user():
         rank_cluster = get_cluster(cluster_config)
+        # bands by speed only where the run splits a sequence: CFG/batch layouts give every rank whole work
+        weights = cluster_band_weights(rank_cluster, balance) if layout.seq_ranks > 1 else None
         ship_model(rank_cluster, key, make_payload, f"{_RANK}:build", prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel_check)
         result = distributed_sample(
             rank_cluster, key, f"{_RANK}:sample", inputs, config,
             prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel_check, progress=progress,
-            timeout_s=cluster_config.call_timeout_s,
+            timeout_s=cluster_config.call_timeout_s, band_weights=weights,
         )
     if result["calls"] == 0 and float(denoise) > 0:
         raise RuntimeError(

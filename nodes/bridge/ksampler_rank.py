@@ -168,7 +168,8 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
             seq_ctx = ParallelContext.single(ctx.device)
         else:
             place = dit_rank.make_groups(ctx, layout.cfg_groups, layout.seq_ranks)  # the library's GroupLayout
-            seq_ctx = place.inner
+            # the groups are kept across runs; this run's band weights (balance) are its members' share of ctx's
+            seq_ctx = place.inner.member_weights(ctx.band_weights, ctx.global_ranks or tuple(range(ctx.world_size)))
             if layout.cfg_groups > 1:
                 model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, dit_rank.CFG_KEY, dit_rank.cfg_parallel(place))
         agree = seq_ctx
@@ -221,7 +222,8 @@ def _group_session(ctx, session):
 
     cache = rank_cache()
     held = cache.get(_GROUP_SESSION)
-    if held is not None and (held.key, held.config, held.ctx.global_ranks) == (session.key, session.config, ctx.global_ranks):
+    if held is not None and (held.key, held.config, held.ctx.global_ranks, held.ctx.band_weights) == (
+            session.key, session.config, ctx.global_ranks, ctx.band_weights):
         return held
     if held is not None:
         held.close()
