@@ -45,8 +45,9 @@ __all__ = ["KINDS", "GROUP", "Traffic", "CommManager", "async_all_gather_into", 
 GROUP = 256
 
 
-def packed_bytes(numel: int, bits: int, group: int = GROUP) -> int:
+def packed_bytes(numel: int, bits: int, group: Optional[int] = None) -> int:
     """Bytes one rank sends for a compressed slot of ``numel`` elements (padded to whole groups): codes + scales."""
+    group = GROUP if group is None else group
     rows = math.ceil(numel / group)
     return rows * (code_bytes(group, bits) + 4)
 
@@ -338,5 +339,6 @@ class CommManager:
         return self._index.get(key)
 
     @property
-    def keys(self) -> Tuple[str, ...]:
-        return tuple(s.key for s in self._slots)
+    def slots(self) -> Tuple[Tuple[str, str, int, int], ...]:
+        """Every slot as ``(key, kind, bits, elements stored)``, in registration order (reports and tests)."""
+        return tuple((s.key, s.kind, s.bits, s.stored_numel) for s in self._slots)

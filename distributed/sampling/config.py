@@ -27,15 +27,17 @@ Presets (what each trades is in docs/sampling.md, "Presets"):
   synchronous refresh of halos and K/V every 10 steps.
 * ``balanced``: keeps the full output gather (cheap: one band per step) and spends the budget on quality:
   synchronised GroupNorm and a refresh every 5 steps.
-* ``compressed``: ``displaced`` whose per-step halo and K/V refresh travels as 2-bit residuals with error feedback
-  (CompactFusion-style, ``exchange_bits``): about 1/7 of displaced's bytes, for links without GPU peer-to-peer.
-* ``compressed_1bit``: the same with 1-bit (sign) residuals: about 1/14 of displaced's bytes (Ethernet).
+* ``compressed``: ``displaced`` whose per-step halo and K/V refresh travels as 4-bit residuals with error feedback
+  (CompactFusion-style, ``exchange_bits``): about 1/4 of displaced's bf16 bytes at displaced's error (within a
+  few percent), for links without GPU peer-to-peer.
+* ``compressed_2bit`` / ``compressed_1bit``: the same with 2-bit (Lloyd-Max) or 1-bit (sign) residuals: about
+  1/7.5 and 1/14 of displaced's bytes, for slower links (Ethernet), at a somewhat larger error.
 * ``otil_compressed``: ``otil``'s latent blocks as 4-bit residuals (``compress_bits``) on top of ``compressed``
-  halos and K/V (the fewest bytes that still refresh every layer every step).
+  halos and K/V.
 
 :func:`auto_preset` picks one from a link profile (the probe's link class): NVLink-class -> ``full_sync`` (exact;
 the exchange is nearly free), PCIe with peer-to-peer -> ``displaced``, PCIe without peer-to-peer or slower ->
-``compressed``, Ethernet-class (< 2 GB/s) -> ``compressed_1bit``.
+``compressed``, Ethernet-class (< 2 GB/s) -> ``compressed_2bit``.
 
 Every preset keeps ``cfg_repair`` on (with ``split_batch``, a rank would otherwise combine a fresh CFG half with
 the other half as of the last synchronous step); turn it off only to reproduce that error.
@@ -197,7 +199,7 @@ class PatchConfig:
         if self.cfg_repair_half and not self.cfg_repair:
             raise ValueError("cfg_repair_half widens cfg_repair; set cfg_repair=True or cfg_repair_half=False")
         if self.compress_bits not in (0, 1, 2, 4, 8):
-            raise ValueError(f"compress_bits must be 0 (off), 8, 4, 2 or 1 (got {self.compress_bits})")
+            raise ValueError(f"compress_bits must be 0 (off), 1, 8, 4 or 2 (got {self.compress_bits})")
         if self.exchange_bits not in EXCHANGE_BITS:
             raise ValueError(f"exchange_bits must be 0 (off), 4, 2 or 1 (got {self.exchange_bits})")
         if self.exchange_bits and self.layer_mode is not LayerMode.DISPLACED:
@@ -255,18 +257,19 @@ PRESETS: Dict[str, PatchConfig] = {
     "otil_unsynced": PatchConfig(layer_mode="no_sync", groupnorm="separate", output="otil", warmup_steps=4, refresh_every=0),
     "otil": PatchConfig(layer_mode="no_sync", groupnorm="sync", output="otil", warmup_steps=4, refresh_every=10),
     "balanced": PatchConfig(layer_mode="no_sync", groupnorm="sync", output="gather", warmup_steps=4, refresh_every=5),
-    "compressed": PatchConfig(layer_mode="displaced", groupnorm="corrected_async", output="gather", warmup_steps=4, exchange_bits=2),
+    "compressed": PatchConfig(layer_mode="displaced", groupnorm="corrected_async", output="gather", warmup_steps=4, exchange_bits=4),
+    "compressed_2bit": PatchConfig(layer_mode="displaced", groupnorm="corrected_async", output="gather", warmup_steps=4, exchange_bits=2),
     "compressed_1bit": PatchConfig(layer_mode="displaced", groupnorm="corrected_async", output="gather", warmup_steps=4, exchange_bits=1),
     "otil_compressed": PatchConfig(layer_mode="displaced", groupnorm="corrected_async", output="otil", warmup_steps=4,
-                                   exchange_bits=2, compress_bits=4),
+                                   exchange_bits=4, compress_bits=4),
 }
 
 #: the presets :func:`auto_preset` chooses from, fastest link first
-AUTO_CHOICES = ("full_sync", "displaced", "compressed", "compressed_1bit")
+AUTO_CHOICES = ("full_sync", "displaced", "compressed", "compressed_2bit")
 #: at or above this effective bandwidth (GB/s, one copy, no host staging) the exact exchange is nearly free
 AUTO_EXACT_GBPS = 100.0
-#: below this effective bandwidth (GB/s) 1-bit residuals (Ethernet between machines)
-AUTO_ONE_BIT_GBPS = 2.0
+#: below this effective bandwidth (GB/s) 2-bit residuals (Ethernet between machines)
+AUTO_TWO_BIT_GBPS = 2.0
 
 
 def auto_preset(profile) -> str:
@@ -274,12 +277,12 @@ def auto_preset(profile) -> str:
 
     NVLink-class (>= 100 GB/s, peer-to-peer) -> ``full_sync``: exact, and the exchange is nearly free.
     PCIe with peer-to-peer -> ``displaced``. Staged through host memory (PCIe without P2P) or slower -> ``compressed``
-    (2-bit residuals). Below 2 GB/s (10 GbE between machines) -> ``compressed_1bit``. ``None`` (no GPU link known,
+    (4-bit residuals). Below 2 GB/s (10 GbE between machines) -> ``compressed_2bit``. ``None`` (no GPU link known,
     e.g. CPU ranks) -> ``displaced``.
 
     Example:
         >>> auto_preset("nvlink"), auto_preset("pcie4_x16_no_p2p"), auto_preset("10gbe")
-        ('full_sync', 'compressed', 'compressed_1bit')
+        ('full_sync', 'compressed', 'compressed_2bit')
     """
     if profile is None:
         return "displaced"
@@ -287,8 +290,8 @@ def auto_preset(profile) -> str:
 
     p = get_profile(profile)
     gbps = effective_gbps(p)
-    if gbps < AUTO_ONE_BIT_GBPS:
-        return "compressed_1bit"
+    if gbps < AUTO_TWO_BIT_GBPS:
+        return "compressed_2bit"
     if p.via_host:
         return "compressed"
     if gbps >= AUTO_EXACT_GBPS:
