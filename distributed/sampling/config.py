@@ -35,7 +35,7 @@ Presets (what each trades is in docs/sampling.md, "Presets"):
 * ``otil_compressed``: ``otil``'s latent blocks as 4-bit residuals (``compress_bits``) on top of ``compressed``
   halos and K/V.
 
-:func:`auto_preset` picks one from a link profile (the probe's link class): NVLink-class -> ``full_sync`` (exact;
+:func:`auto_preset` picks one from a link profile (the probe's link class; none known -> ``full_sync``): NVLink-class -> ``full_sync`` (exact;
 the exchange is nearly free), PCIe with peer-to-peer -> ``displaced``, PCIe without peer-to-peer or slower ->
 ``compressed``, Ethernet-class (< 2 GB/s) -> ``compressed_2bit``.
 
@@ -278,14 +278,14 @@ def auto_preset(profile) -> str:
     NVLink-class (>= 100 GB/s, peer-to-peer) -> ``full_sync``: exact, and the exchange is nearly free.
     PCIe with peer-to-peer -> ``displaced``. Staged through host memory (PCIe without P2P) or slower -> ``compressed``
     (4-bit residuals). Below 2 GB/s (10 GbE between machines) -> ``compressed_2bit``. ``None`` (no GPU link known,
-    e.g. CPU ranks) -> ``displaced``.
+    e.g. CPU ranks) -> ``full_sync`` (nothing to save: keep the exact result).
 
     Example:
         >>> auto_preset("nvlink"), auto_preset("pcie4_x16_no_p2p"), auto_preset("10gbe")
         ('full_sync', 'compressed', 'compressed_2bit')
     """
     if profile is None:
-        return "displaced"
+        return "full_sync"
     from ..topology.links import effective_gbps, get_profile
 
     p = get_profile(profile)

@@ -71,6 +71,8 @@ __all__ = [
     "parallelize_dit",
     "DiTHandle",
     "dit_exchange",
+    "TokenOtil",
+    "finalize_rows",
     "cp_plan_points",
     "DiTShape",
     "FULL_SIZE_SHAPES",
@@ -312,9 +314,8 @@ class DiTHandle:
         self.config = config
         self.adapters = [a for a in applied if a.undo is not None]
         self._removed = False
-        self._otil: Dict[Any, OtilExchange] = {}
         if config is not None and config.output is OutputMode.OTIL and state.ctx.world_size > 1:
-            state.output_exchange = self._otil_complete
+            state.output_exchange = TokenOtil(state, config)
 
     @property
     def traffic(self) -> Traffic:
@@ -330,33 +331,6 @@ class DiTHandle:
     def end_step(self) -> None:
         self.state.end_step()
 
-    # ---------------------------------------------------------------- OTIL output exchange
-
-    def _otil_complete(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """The full output tokens from this rank's: exact on synchronous steps, OTIL's top-k blocks otherwise."""
-        st, cfg = self.state, self.config
-        shards, ctx = st.require_shards(), st.ctx
-        if dim != 1 or t.dim() != 3:
-            raise NotImplementedError(f"OTIL output exchange needs [batch, tokens, features] tokens (got {tuple(t.shape)}, dim {dim})")
-        b, _, f = t.shape
-        fr, rows, cols = shards.frames, shards.rows, shards.cols
-        key = (st.stream, shards, b, f, t.dtype)
-        ex = self._otil.get(key)
-        if ex is None:
-            bs = max(1, cfg.block_size // 2)  # block_size is in latent pixels; a token is 2x2 of them in every family
-            ks = [cfg.k_for(_num_blocks(h, cols, bs)) for h in shards.row_sizes]
-            ex = self._otil[key] = OtilExchange(ctx, shards.row_sizes, b, fr * f, cols, t.dtype, t.device, bs, ks,
-                                                cfg.compress_bits, st.traffic)
-        if st.sync:
-            full = gather_tokens(t, shards, ctx, dim=1)
-            st.traffic.add("output", t.numel() * t.element_size() * (ctx.world_size - 1), collectives=1)
-            ex.sync(full.view(b, fr, rows, cols, f).permute(0, 1, 4, 2, 3).reshape(b, fr * f, rows, cols))
-            return full
-        mine = shards.row_sizes[ctx.rank]
-        band = t.view(b, fr, mine, cols, f).permute(0, 1, 4, 2, 3).reshape(b, fr * f, mine, cols)
-        grid = ex.step(band)
-        return grid.view(b, fr, f, rows, cols).permute(0, 1, 3, 4, 2).reshape(b, fr * rows * cols, f)
-
     # ---------------------------------------------------------------- the exact final latent
 
     def finalize_tokens(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -371,18 +345,7 @@ class DiTHandle:
     def finalize_rows(self, latent: torch.Tensor, row_dim: int = -2) -> torch.Tensor:
         """The exact final latent grid (``[..., H, W]``; Wan, HunyuanVideo, LTX-Video): each rank's own rows (its
         token rows times the patch height), gathered. Identity on one rank."""
-        st = self.state
-        if st.ctx.world_size == 1:
-            return latent
-        shards = st.require_shards()
-        extent = latent.shape[row_dim]
-        if extent % shards.rows:
-            raise ValueError(f"latent of {extent} rows is not a whole number of the {shards.rows} token rows")
-        ph = extent // shards.rows
-        rows = [r * ph for r in shards.row_sizes]
-        lo = sum(rows[: st.ctx.rank])
-        mine = latent.narrow(row_dim, lo, rows[st.ctx.rank]).contiguous()
-        return all_gather_padded(mine, st.ctx, dim=row_dim % latent.dim(), sizes=rows)
+        return finalize_rows(self.state, latent, row_dim)
 
     def remove(self) -> None:
         """Restore the model (idempotent)."""
@@ -392,6 +355,58 @@ class DiTHandle:
         self.state.output_exchange = None
         undo_all(self.adapters)
         self._removed = True
+
+
+class TokenOtil:
+    """OTIL's top-k block exchange of a DiT's output tokens: ``SequenceState.output_exchange`` for a preset with
+    ``output="otil"``. Exact all-gather (and a memory reset) on synchronous steps; otherwise each rank sends the
+    ``k`` blocks of its band of the token grid that changed most (``block_size / 2`` tokens a side: a token is 2x2
+    latent pixels in every covered family), one OTIL memory per stream and grid."""
+
+    def __init__(self, state: SequenceState, config: PatchConfig):
+        self.state, self.config = state, config
+        self._ex: Dict[Any, OtilExchange] = {}
+
+    def __call__(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        st, cfg = self.state, self.config
+        shards, ctx = st.require_shards(), st.ctx
+        if dim != 1 or t.dim() != 3:
+            raise NotImplementedError(f"OTIL output exchange needs [batch, tokens, features] tokens (got {tuple(t.shape)}, dim {dim})")
+        b, _, f = t.shape
+        fr, rows, cols = shards.frames, shards.rows, shards.cols
+        key = (st.stream, shards, b, f, t.dtype)
+        ex = self._ex.get(key)
+        if ex is None:
+            bs = max(1, cfg.block_size // 2)
+            ks = [cfg.k_for(_num_blocks(h, cols, bs)) for h in shards.row_sizes]
+            ex = self._ex[key] = OtilExchange(ctx, shards.row_sizes, b, fr * f, cols, t.dtype, t.device, bs, ks,
+                                              cfg.compress_bits, st.traffic)
+        if st.sync:
+            full = gather_tokens(t, shards, ctx, dim=1)
+            st.traffic.add("output", t.numel() * t.element_size() * (ctx.world_size - 1), collectives=1)
+            ex.sync(full.view(b, fr, rows, cols, f).permute(0, 1, 4, 2, 3).reshape(b, fr * f, rows, cols))
+            return full
+        mine = shards.row_sizes[ctx.rank]
+        band = t.view(b, fr, mine, cols, f).permute(0, 1, 4, 2, 3).reshape(b, fr * f, mine, cols)
+        grid = ex.step(band)
+        return grid.view(b, fr, f, rows, cols).permute(0, 1, 3, 4, 2).reshape(b, fr * rows * cols, f)
+
+
+def finalize_rows(state: SequenceState, latent: torch.Tensor, row_dim: int = -2) -> torch.Tensor:
+    """The exact final latent grid (``[..., H, W]``): each rank's own rows (its token rows times the patch height,
+    from ``state``'s shard table), gathered in one all-gather. Identity on one rank."""
+    st = state
+    if st.ctx.world_size == 1:
+        return latent
+    shards = st.require_shards()
+    extent = latent.shape[row_dim]
+    if extent % shards.rows:
+        raise ValueError(f"latent of {extent} rows is not a whole number of the {shards.rows} token rows")
+    ph = extent // shards.rows
+    rows = [r * ph for r in shards.row_sizes]
+    lo = sum(rows[: st.ctx.rank])
+    mine = latent.narrow(row_dim, lo, rows[st.ctx.rank]).contiguous()
+    return all_gather_padded(mine, st.ctx, dim=row_dim % latent.dim(), sizes=rows)
 
 
 def _root_hook(model: nn.Module, family: DiTFamily, state: SequenceState) -> Applied:

@@ -556,12 +556,16 @@ def test_distributed_ksampler_on_dits_matches_the_stock_ksampler(server, model_f
 
 
 def test_distributed_ksampler_refuses_what_a_dit_cannot_do_before_shipping(server):
-    """Stale presets are the UNet's; cfg on three ranks; Ulysses over heads that do not divide: refused with the
-    widget named, and the next prompt works."""
+    """Stale presets need sequence ranks (and gathered K/V); cfg on three ranks; Ulysses over heads that do not
+    divide: refused with the widget named, and the next prompt works."""
     url, base = server
-    api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 2)
+    api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "cfg", 2, 1, 2)
     api["8"]["inputs"]["preset"] = "otil"
-    with pytest.raises(AssertionError, match="pick preset full_sync"):
+    with pytest.raises(AssertionError, match="needs sequence ranks"):
+        _run(url, api)
+    api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 2, attention="ulysses")
+    api["8"]["inputs"]["preset"] = "compressed"
+    with pytest.raises(AssertionError, match="pick sequence_attention gathered or auto"):
         _run(url, api)
     api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "cfg", 3, 1, 2)
     with pytest.raises(AssertionError, match="parallelism=cfg puts the conditional"):

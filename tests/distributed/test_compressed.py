@@ -201,7 +201,7 @@ def test_auto_preset_follows_the_link_class():
     assert auto_preset("pcie4_x16_p2p") == "displaced"
     assert auto_preset("pcie4_x16_no_p2p") == "compressed"
     assert auto_preset("10gbe") == "compressed_2bit"
-    assert auto_preset(None) == "displaced"
+    assert auto_preset(None) == "full_sync"
 
 
 def test_exchange_bits_need_the_displaced_layer_mode():
