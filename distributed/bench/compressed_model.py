@@ -128,17 +128,23 @@ def main(argv=None) -> int:
     ap.add_argument("--sdxl-n4", default="results/h200/sdxl-1024-n4-shared-20steps.json")
     ap.add_argument("--sdxl-ref-ms", type=float, default=None, help="one-rank reference step (default: the N=2 file's median)")
     ap.add_argument("--dit-ref", action="append", default=[], help="KEY=MS one-rank reference step of a full-size DiT (measured)")
-    ap.add_argument("--out", default="results/compressed-model.json")
+    ap.add_argument("--dit-alone", action="append", default=[], help="KEY:N=MS per-rank compute per step measured alone (dit_bench)")
+    ap.add_argument("--out", default="results/compressed/compressed-model.json")
     a = ap.parse_args(argv)
     ref2 = json.load(open(a.sdxl_n2))["reference"]["per_step_ms"]
     sdxl_ref = a.sdxl_ref_ms or sorted(ref2)[len(ref2) // 2]
     doc = {"MODELLED": True, "note": __doc__, "profiles": list(PROFILES), "sdxl_ref_step_ms": sdxl_ref,
            "sdxl": {"2": sdxl_rows(2, a.sdxl_n2, sdxl_ref), "4": sdxl_rows(4, a.sdxl_n4, sdxl_ref)}, "dit": {}}
     refs = dict(kv.split("=") for kv in a.dit_ref)
+    alone = {tuple(k.split(":")): float(v) for k, v in (kv.split("=") for kv in a.dit_alone)}
     for key, steps in (("flux1_1024", 28), ("wan21_14b_480x832x81", 50), ("qwen_image_1328", 50)):
         ref = float(refs[key]) if key in refs else None
         cps = 1 if key == "flux1_1024" else 2  # FLUX.1-dev: guidance distilled, one call per step; the others CFG
         doc["dit"][key] = {str(n): dit_rows(key, n, ref, None, steps, 4, calls_per_step=cps) for n in (2, 4)}
+        for n in (2, 4):
+            if (key, str(n)) in alone:
+                doc["dit"][key][f"{n}_alone"] = dit_rows(key, n, ref, alone[(key, str(n))], steps, 4, calls_per_step=cps)
+                doc["dit"][key][f"{n}_alone_compute_ms"] = alone[(key, str(n))]
         doc["dit"][key]["steps"] = steps
         doc["dit"][key]["calls_per_step"] = cps
         doc["dit"][key]["ref_step_ms"] = ref
@@ -151,9 +157,9 @@ def main(argv=None) -> int:
             sp = " ".join(f"{p}={r['modelled'][p][4]:.2f}x(w4)/{r['modelled'][p][2]:.2f}x(w2)" for p in PROFILES)
             print(f"SDXL N={n} {name:16s} {r['bytes_per_step'] / 1e6:8.1f} MB/step  MODELLED {sp}")
     for key, per in doc["dit"].items():
-        for n in ("2", "4"):
-            for name, r in per[n].items():
-                sp = "" if "modelled" not in r else " ".join(f"{p}={r['modelled'][p][4]:.2f}x" for p in PROFILES)
+        for n in ("2", "4", "2_alone", "4_alone"):
+            for name, r in per.get(n, {}).items():
+                sp = "" if "modelled" not in r else " ".join(f"{p}={r['modelled'][p][4]:.2f}x(w4)/{r['modelled'][p][2]:.2f}x(w2)" for p in PROFILES)
                 print(f"{key} N={n} {name:16s} {r['bytes_per_step'] / 1e6:9.1f} MB/step {sp}")
     return 0
 
