@@ -140,6 +140,41 @@ def run_dit_error(family: str, ranks: int, *, layers: int = 2, size: str = "full
     return doc
 
 
+def chart(paths: List[str], out: str) -> None:
+    """Final-latent error vs full_sync and mean bytes per step, per preset, from ``dit_error`` JSONs and
+    ``sample-bench`` JSONs (their ``rel_l2`` is against the one-rank reference, which full_sync equals)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = []
+    for path in paths:
+        d = json.load(open(path))
+        if d.get("benchmark") == "dit-error":
+            res = {k: (v["rel_l2_vs_full_sync"], v["mean_bytes_per_step"]) for k, v in d["results"].items() if k != "full_sync"}
+            label = f"{d['family']} {d['size']} N={d['ranks']}"
+        else:
+            res = {c["case"]: (c["rel_l2"], sum(c["bytes_per_step_total"]) / len(c["bytes_per_step_total"])) for c in d["cases"]
+                   if c["case"] != "full_sync"}
+            label = f"SDXL {'tiny' if 'tiny' in str(d.get('model', '')).lower() or d['latent'][-1] < 64 else ''} N={d['ranks']}"
+        series.append((label, res))
+    names = [n for n in ("displaced", "compressed", "compressed_2bit", "compressed_1bit", "otil", "otil_compressed", "balanced")
+             if any(n in r for _, r in series)]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    w = 0.8 / len(names)
+    for i, n in enumerate(names):
+        axes[0].bar([j + i * w for j in range(len(series))], [r.get(n, (0, 0))[0] for _, r in series], w, label=n)
+        axes[1].bar([j + i * w for j in range(len(series))], [r.get(n, (0, 0))[1] / 1e6 for _, r in series], w, label=n)
+    for ax, title in zip(axes, ("final-latent rel. L2 vs full_sync (measured, CPU ranks)", "MB per step per rank (mean over the run)")):
+        ax.set_xticks([j + 0.4 for j in range(len(series))], [s for s, _ in series], fontsize=8)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--family", choices=["flux", "wan"], default="flux")
@@ -153,7 +188,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--chart-from", nargs="+", default=None, help="JSONs to chart into --out (a .png); nothing is run")
     a = ap.parse_args(argv)
+    if a.chart_from:
+        chart(a.chart_from, a.out)
+        return 0
     doc = run_dit_error(a.family, a.ranks, layers=a.layers, size=a.size, steps=a.steps, warmup=a.warmup, shift=a.shift,
                         presets=a.preset or PRESET_NAMES, device=a.device, dtype=a.dtype, out=a.out)
     for name, r in doc["results"].items():
