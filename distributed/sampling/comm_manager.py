@@ -292,7 +292,15 @@ class CommManager:
         return payload
 
     def _decode(self) -> None:
-        """Add every peer's received residuals to that peer's row (the same arithmetic the sender ran)."""
+        """Add every peer's received residuals to that peer's row (the same arithmetic the sender ran).
+
+        A host that samples under ``torch.inference_mode`` (ComfyUI) made the memory an inference tensor; the last
+        wait may come after it left that mode, so the update runs in the memory's own mode."""
+        inference = any(m.is_inference() for m in self._mem.values())
+        with torch.inference_mode(inference):
+            self._decode_all()
+
+    def _decode_all(self) -> None:
         me = self.ctx.rank
         for pool, c in self._to_decode:
             lo, hi, _ = self._chunks[pool][c]
