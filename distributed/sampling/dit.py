@@ -400,12 +400,12 @@ def finalize_rows(state: SequenceState, latent: torch.Tensor, row_dim: int = -2)
         return latent
     shards = st.require_shards()
     extent = latent.shape[row_dim]
-    if extent % shards.rows:
-        raise ValueError(f"latent of {extent} rows is not a whole number of the {shards.rows} token rows")
-    ph = extent // shards.rows
-    rows = [r * ph for r in shards.row_sizes]
-    lo = sum(rows[: st.ctx.rank])
-    mine = latent.narrow(row_dim, lo, rows[st.ctx.rank]).contiguous()
+    ph = -(-extent // shards.rows)  # the patch height; a host that pads the latent to whole patches (ComfyUI) has
+    if (shards.rows - 1) * ph >= extent:  # a last token row that is partly padding, cut off here
+        raise ValueError(f"latent of {extent} rows does not match the {shards.rows} token rows")
+    bounds = [min(extent, b * ph) for b in shards.row_bounds]
+    rows = [b - a for a, b in zip(bounds, bounds[1:])]
+    mine = latent.narrow(row_dim, bounds[st.ctx.rank], rows[st.ctx.rank]).contiguous()
     return all_gather_padded(mine, st.ctx, dim=row_dim % latent.dim(), sizes=rows)
 
 
