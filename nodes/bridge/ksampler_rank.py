@@ -158,6 +158,7 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
     counter = dit_rank.Counter(session)
     undo = []
     group_session = None
+    seq = None
     if layout.batch:
         model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.BATCH_KEY, dit_rank.batch_parallel(ctx, counter))
         agree = ctx
@@ -178,7 +179,8 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
             row = find_row(type(dm).__name__)
             if row is None:  # backstop, not the guard: the driver refuses models without a row
                 raise NotImplementedError(f"no DiT table row for {type(dm).__name__}")
-            seq = dit_rank.sequence_parallel(seq_ctx, row, dm, attention=inputs.get("attention", "auto"), counter=counter)
+            seq = dit_rank.sequence_parallel(seq_ctx, row, dm, attention=inputs.get("attention", "auto"), counter=counter,
+                                             config=session.config)
             undo.append(seq.remove)
             model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, seq.wrapper)
         elif layout.seq_ranks > 1:
@@ -192,6 +194,8 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
         model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching(dit_rank.Agree(agree), mm.get_free_memory))
     try:
         latent = _run(model, session, inputs)
+        if seq is not None:
+            latent = seq.finalize(latent)
         if group_session is not None:
             latent = group_session.finalize(latent)
             session.calls += group_session.calls
