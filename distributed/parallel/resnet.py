@@ -104,6 +104,11 @@ def resnet_rows(block, x: torch.Tensor, state: RowState) -> torch.Tensor:
     conv1, conv2 = block.conv1, block.conv2
 
     scale, shift = exact_group_norm_coefficients(x, block.norm1, ctx)
+    # the band's large kernels first, the thin strips after: the GPU works on the band while the CPU issues the
+    # strips' small operations (each stage starts on an idle GPU after a collective)
+    h = _norm_silu(x, scale, shift, g1)
+    out = F.conv2d(h, conv1.weight, conv1.bias, 1, conv1.padding)
+    del h
     # raw input rows -2..1 (above) and R-2..R+1 (below): conv1 gives rows -1, 0 and R-1, R
     strips = []
     if above:
@@ -112,9 +117,6 @@ def resnet_rows(block, x: torch.Tensor, state: RowState) -> torch.Tensor:
         strips.append(torch.cat([x.narrow(2, rows - 2, 2), halo.after], dim=2))
     edge = _conv_valid_rows(_norm_silu(_batched(strips), scale, shift, g1), conv1) if strips else None
     del strips
-    h = _norm_silu(x, scale, shift, g1)
-    out = F.conv2d(h, conv1.weight, conv1.bias, 1, conv1.padding)
-    del h
     parts = {side: edge.narrow(0, i * batch, batch) for i, side in enumerate(sides)}
     if above:  # edge rows -1 (conv2's halo) and 0
         out.narrow(2, 0, 1).copy_(parts["above"].narrow(2, 1, 1))
@@ -129,13 +131,13 @@ def resnet_rows(block, x: torch.Tensor, state: RowState) -> torch.Tensor:
     del edge, parts
 
     scale, shift = exact_group_norm_coefficients(out, block.norm2, ctx)
-    fixed = _conv_valid_rows(block.dropout(_norm_silu(_batched(strips), scale, shift, g2)), conv2) if strips else None
-    del strips
     h = _norm_silu(out, scale, shift, g2)
     del out
     h = block.dropout(h)
     out = F.conv2d(h, conv2.weight, conv2.bias, 1, conv2.padding)
     del h
+    fixed = _conv_valid_rows(block.dropout(_norm_silu(_batched(strips), scale, shift, g2)), conv2) if strips else None
+    del strips
     for i, side in enumerate(sides):
         row = 0 if side == "above" else rows - 1
         out.narrow(2, row, 1).copy_(fixed.narrow(0, i * batch, batch))
