@@ -31,8 +31,15 @@ import torch
 __all__ = ["balance_rank", "run_balance", "main"]
 
 
-def balance_rank(ctx, family: str, size: str, height: int, width: int, rounds: int, timeout_s: float) -> dict:
-    """One rank's part: speeds, both band tables, interleaved timed decodes, the reference check on rank 0."""
+def balance_rank(ctx, family: str, size: str, height: int, width: int, rounds: int, timeout_s: float,
+                 nice: Sequence[int] = ()) -> dict:
+    """One rank's part: speeds, both band tables, interleaved timed decodes, the reference check on rank 0.
+
+    ``nice``: per-rank niceness increments (this rank process's own scheduling priority; lowering it needs no
+    privilege). On a machine busy with other work the scheduler's shares follow priority, not thread count.
+    """
+    if nice and nice[ctx.rank]:
+        os.nice(int(nice[ctx.rank]))
     from ..comm import all_gather_object, barrier, bounded_barrier
     from ..parallel.bands import row_bands
     from ..topology.throughput import rank_speeds_task, speed_weights
@@ -66,7 +73,7 @@ def balance_rank(ctx, family: str, size: str, height: int, width: int, rounds: i
             check["equal_vs_speed"] = float((outputs["equal"] - outputs["speed"]).abs().max())
             check["reference_ms_rank0_alone"] = round(ref_ms, 1)
         bounded_barrier(ctx, timeout_s)
-    every = all_gather_object({"times": times, "threads": torch.get_num_threads()}, ctx)
+    every = all_gather_object({"times": times, "threads": torch.get_num_threads(), "nice": os.nice(0)}, ctx)
     return {"speeds": speeds, "weights": weights, "bands": bands, "by_rank": every, "check": check,
             "latent_shape": list(z.shape)}
 
@@ -86,6 +93,7 @@ def _summary(rank0: dict, args) -> dict:
         "family": args.family, "size": args.size, "height": args.height, "width": args.width,
         "latent_shape": rank0["latent_shape"], "world_size": len(by_rank), "device": "cpu", "backend": "gloo",
         "threads_by_rank": [r["threads"] for r in by_rank],
+        "niceness_by_rank": [r["nice"] for r in by_rank],
         "speeds_gflops_by_rank": [round(s, 2) for s in rank0["speeds"]],
         "weights": list(rank0["weights"]),
         "bands": {k: [list(b) for b in v] for k, v in rank0["bands"].items()},
@@ -117,7 +125,8 @@ def _chart(summary: dict, path: str) -> None:
     for x, v in enumerate(med):
         ax1.text(x, v * 1.01, f"{v:.0f} ms", ha="center", fontsize=9)
     ax1.set_ylabel("decode wall time (ms, median)")
-    ax1.set_title(f"{summary['family']} {summary['height']}x{summary['width']}, threads {summary['threads_by_rank']}: "
+    ax1.set_title(f"{summary['family']} {summary['height']}x{summary['width']}, threads {summary['threads_by_rank']}, "
+                  f"nice {summary['niceness_by_rank']}: "
                   f"{summary['speedup_speed_over_equal']:.2f}x", fontsize=9)
     width = 0.38
     ranks = range(summary["world_size"])
@@ -125,7 +134,8 @@ def _chart(summary: dict, path: str) -> None:
         ax2.bar([r + (k - 0.5) * width for r in ranks], summary[n]["by_rank_median_ms"], width, label=f"{n} bands "
                 f"{[b[1] - b[0] for b in summary['bands'][n]]} rows", color=color)
     ax2.set_xticks(list(ranks))
-    ax2.set_xticklabels([f"rank {r} ({t} thr)" for r, t in zip(ranks, summary["threads_by_rank"])])
+    ax2.set_xticklabels([f"rank {r} ({t} thr, nice {n})" for r, t, n in
+                         zip(ranks, summary["threads_by_rank"], summary["niceness_by_rank"])], fontsize=8)
     ax2.set_ylabel("rank's time (ms, median)")
     ax2.set_title("per rank: the slowest rank sets the pace", fontsize=9)
     ax2.legend(fontsize=8)
@@ -146,7 +156,7 @@ def run_balance(args) -> dict:
     # the rank function by its importable name (run as ``-m``, this module is ``__main__`` in the driver only)
     rank_fn = importlib.import_module(__spec__.name).balance_rank if __name__ == "__main__" else balance_rank
     results = run_ranks(rank_fn, len(args.threads), args.family, args.size, args.height, args.width, args.rounds,
-                        args.timeout_s, threads=tuple(args.threads), timeout_s=args.timeout_s)
+                        args.timeout_s, tuple(args.nice or ()), threads=tuple(args.threads), timeout_s=args.timeout_s)
     summary = _summary(results[0], args)
     summary["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
     summary["load_average_1min"] = {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2),
@@ -158,6 +168,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m patchray.distributed.bench.balance_bench", description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, nargs="+", default=[2, 1], help="compute threads of each CPU rank (one per rank)")
+    p.add_argument("--nice", type=int, nargs="+", default=None,
+                   help="niceness increment of each rank process (one per rank): unequal speed on a machine busy with "
+                        "other work, where thread counts stop mattering")
     p.add_argument("--family", default="kl")
     p.add_argument("--size", default="full", choices=["full", "tiny"])
     p.add_argument("--height", type=int, default=192)
@@ -169,6 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.argv = argv
     if len(args.threads) < 2 or min(args.threads) < 1:
         p.error("--threads needs one count >= 1 for each of at least 2 ranks")
+    if args.nice is not None and (len(args.nice) != len(args.threads) or min(args.nice) < 0):
+        p.error("--nice needs one increment >= 0 per rank (as many as --threads)")
     summary = run_balance(args)
     print(json.dumps({k: summary[k] for k in ("threads_by_rank", "speeds_gflops_by_rank", "weights", "bands",
                                               "speedup_speed_over_equal", "max_abs_vs_unsharded")}, indent=1))
