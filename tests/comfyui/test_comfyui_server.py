@@ -243,9 +243,20 @@ def test_distributed_decode_matches_the_stock_decode(server, vae_name, frames, s
         assert stock_z.shape == ours_z.shape
         rel = ((ours_z - stock_z).norm() / stock_z.norm()).item()
         print(f"  encode: relative L2 to the stock VAE Encode {rel:.2e}")
-        # fp32 on both sides, sums reordered only (halo convs, gathered norms): measured ~1e-6; a wrong halo or a
-        # missing statistics step is > 1e-2
-        assert rel < 1e-4, rel
+        if rel >= 1e-4:
+            # the stock fp32 encode is not always within 1e-4 of the exact result itself: with random weights and a
+            # smooth image its one-process fp32 GroupNorm statistics drift (SDXL-class VAE at 200x136: 3.6e-5 to
+            # 1.4e-4 from ComfyUI's own fp64 encode, depending on the thread count; PatchRay's row mode merges group
+            # statistics in fp64: 3.0e-6). Then the judge is ComfyUI's own class and VAE.encode in fp64.
+            ref = _fp64_reference_encode(base, vae_name, width, height, frames)
+            rel_exact = ((ours_z.double() - ref).norm() / ref.norm()).item()
+            stock_exact = ((stock_z.double() - ref).norm() / ref.norm()).item()
+            print(f"  encode vs ComfyUI's fp64 encode: PatchRay {rel_exact:.2e}, the stock fp32 encode {stock_exact:.2e}")
+            assert rel_exact < 1e-4, (rel, rel_exact, stock_exact)
+        else:
+            # fp32 on both sides, sums reordered only (halo convs, gathered norms): measured ~1e-6; a wrong halo or a
+            # missing statistics step is > 1e-2
+            assert rel < 1e-4, rel
 
 
 # Hunyuan VAEs (full size, random weights, detected by the stock loader): decode and encode at N = 2 and 3 on odd
@@ -338,6 +349,17 @@ def test_cancel_stops_the_ranks_and_the_next_prompt_works(server):
     events = [m[0] for m in hist[pid]["status"]["messages"]]
     assert "execution_interrupted" in events, events
     _run(url, _decode_prompt(64))  # the next prompt rebuilds the ranks and completes
+
+
+def _fp64_reference_encode(base, vae_name, width, height, frames):
+    """ComfyUI's own VAE Encode of the test image in fp64 (reference_encode.py, ComfyUI's Python)."""
+    from safetensors.torch import load_file
+
+    out = base / "output" / f"fp64_{vae_name}_{width}x{height}x{frames}.safetensors"
+    subprocess.run([PYTHON, str(Path(__file__).with_name("reference_encode.py")), COMFYUI_DIR, str(base / "models" / "vae" / vae_name),
+                    str(base / "input" / "example.png"), str(width), str(height), str(frames), str(out)],
+                   check=True, timeout=900, cwd=str(base), env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return load_file(str(out))["latent"]
 
 
 def _latent(base, entry, nid):
