@@ -6,8 +6,10 @@ websocket client). For each PatchRay node it adds the node to an empty graph at 
 (title bar, sockets, widgets, panel) to ``docs/screenshots/<node id>.png``; the Tile Planner and the Topology Probe
 (which need no cluster) are also queued once and saved with their result as ``<node id>_run.png``. Then it loads
 every shipped workflow
-(``workflows/*.json``), reads the node sizes the frontend gave them and reports any overlap (exit status 1 if any),
-and saves ``docs/screenshots/workflow_<name>.png`` at the zoom the workflow opens with.
+(``workflows/*.json``), reads the node sizes the frontend gave them and reports any overlap, converts it to the API
+prompt with the frontend's own ``graphToPrompt`` (what the Queue button sends) and compares that with the shipped
+``workflows/<name>.api.json`` (exit status 1 on any overlap or difference), and saves
+``docs/screenshots/workflow_<name>.png`` at the zoom the workflow opens with.
 
 Run with ComfyUI's Python (it has aiohttp and the frontend package):
 
@@ -160,16 +162,33 @@ RUNS = [("PatchRayTilePlanner", 1, {"width": 1280, "height": 768, "ranks": 3}),
         ("PatchRayTopologyProbe", 0, {"measure": False})]
 
 _LOAD_WORKFLOW = """
-(async (wf) => {
+(async ([wf, name]) => {
   const app = window.app;
-  await app.loadGraphData(wf, true, true, null);
+  await app.loadGraphData(wf, true, true, name);  // the tab shows the file's name, as when a user opens it
   await new Promise(r => setTimeout(r, 1200));
   document.querySelectorAll('.p-dialog-mask, .p-toast').forEach(e => e.remove());
   const nodes = app.graph._nodes.map(n => ({id: n.id, type: n.type, pos: [n.pos[0], n.pos[1]], size: [n.size[0], n.size[1]],
     collapsed: !!(n.flags && n.flags.collapsed)}));
-  return nodes;
+  const prompt = await app.graphToPrompt();  // what the Queue button sends: the frontend's own UI -> API conversion
+  return {nodes, output: prompt.output};
 })(%s)
 """
+
+
+def _api_differences(frontend: dict, shipped: dict) -> list:
+    """Where the frontend's conversion of a UI workflow differs from the shipped API file (``_meta`` titles aside)."""
+    found = []
+    for nid in sorted(set(frontend) | set(shipped), key=str):
+        a, b = frontend.get(nid), shipped.get(nid)
+        if a is None or b is None:
+            found.append(f"node {nid}: only in the {'shipped API file' if a is None else 'frontend conversion'}")
+        elif a["class_type"] != b["class_type"]:
+            found.append(f"node {nid}: {a['class_type']} vs {b['class_type']}")
+        elif a["inputs"] != b["inputs"]:
+            keys = sorted(k for k in set(a["inputs"]) | set(b["inputs"]) if a["inputs"].get(k) != b["inputs"].get(k))
+            found.append(f"node {nid} {a['class_type']}: " + ", ".join(
+                f"{k}: frontend {a['inputs'].get(k)!r} vs file {b['inputs'].get(k)!r}" for k in keys))
+    return found
 
 
 def _overlaps(nodes, margin=0):
@@ -215,16 +234,22 @@ async def _drive(cdp_port: int, url: str) -> int:
                 if wf_path.name.endswith(".api.json"):
                     continue
                 wf = json.loads(wf_path.read_text())
-                nodes = await page.js(_LOAD_WORKFLOW % json.dumps(wf))
+                loaded = await page.js(_LOAD_WORKFLOW % json.dumps([wf, wf_path.name]))
+                nodes = loaded["nodes"]
+                api_path = wf_path.with_name(wf_path.name[: -len(".json")] + ".api.json")
+                api_diff = _api_differences(loaded["output"], json.loads(api_path.read_text())) if api_path.exists() else ["no API file"]
                 saved = {n["id"]: n["size"] for n in wf["nodes"]}
                 grown = [(n["id"], n["type"], saved.get(n["id"]), [round(v) for v in n["size"]]) for n in nodes
                          if saved.get(n["id"]) and (n["size"][0] > saved[n["id"]][0] + 1 or n["size"][1] > saved[n["id"]][1] + 1)]
                 over = _overlaps(nodes)
                 name = wf_path.name[: -len(".json")]
-                print(f"workflows/{wf_path.name}: {len(nodes)} nodes, overlaps {over or 'none'}, grown by the frontend {grown or 'none'}")
-                problems += len(over)
+                print(f"workflows/{wf_path.name}: {len(nodes)} nodes, overlaps {over or 'none'}, grown by the frontend {grown or 'none'}, "
+                      f"frontend's API conversion vs {api_path.name}: {api_diff or 'identical'}")
+                problems += len(over) + len(api_diff)
                 # the whole window at 60 %: what the user sees when the workflow opens, small enough to commit
                 await page.shot(OUT / f"workflow_{name}.png", {"x": 0, "y": 0, "width": 1600, "height": 1100}, scale=0.6)
+                if os.environ.get("PATCHRAY_FULL_SHOTS"):  # the same view at full scale, for reading it closely (not committed)
+                    await page.shot(Path(os.environ["PATCHRAY_FULL_SHOTS"]) / f"workflow_{name}.png", {"x": 0, "y": 0, "width": 1600, "height": 1100})
     return problems
 
 

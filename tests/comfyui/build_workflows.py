@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workflow_tools import ROOT, TITLE_HEIGHT, min_node_size, node_info  # noqa: E402
+from workflow_tools import ROOT, TITLE_HEIGHT, min_node_size, node_info, widget_text_width  # noqa: E402
 
 OUT = ROOT / "workflows"
 
@@ -120,7 +120,7 @@ def _nodes_ltxv():
 _VIDEO_NOTE_TAIL = (
     "\n\n*Load Image -> Repeat* and **Distributed VAE Encode** stand in for a sampler: connect your sampler's LATENT to "
     "the decode's `samples`. Mode *auto* decodes in exact row mode (each rank a band of rows, halos and statistics "
-    "exchanged); if a rank runs out of memory the node retries in row-tiled mode and says so on the node. A VAE this "
+    "exchanged) unless the GPUs' links favour whole tiles (*tile-runs*); if a rank runs out of memory the node retries in row-tiled mode and says so on the node. A VAE this "
     "PatchRay version cannot shard is decoded by ComfyUI's own decode, with a note on the node listing what PatchRay covers."
 )
 
@@ -171,7 +171,10 @@ NOTES.update({
     ),
     "hunyuan_video_decode": (
         "## PatchRay: HunyuanVideo VAE, distributed decode\n\n"
-        "HunyuanVideo's 3-D VAE (16 latent channels, 8x spatial, 4x temporal) at 848x480, 73 frames." + _VIDEO_NOTE_TAIL + "\n\n"
+        "HunyuanVideo's 3-D VAE (16 latent channels, 8x spatial, 4x temporal) at 848x480, 73 frames. It decodes the whole "
+        "clip at once (as ComfyUI's own decode does), so it needs far more memory than the other video VAEs: above 30 GiB "
+        "per rank at this size on 2 ranks (estimated from H200 measurements); on smaller GPUs the row-tiled retry takes "
+        "over." + _VIDEO_NOTE_TAIL + "\n\n"
         "**Download** [hunyuan_video_vae_bf16.safetensors](https://huggingface.co/Comfy-Org/HunyuanVideo_repackaged/resolve/"
         "main/split_files/vae/hunyuan_video_vae_bf16.safetensors) and put it in "
         "`ComfyUI/models/vae/hunyuan_video_vae_bf16.safetensors`."
@@ -181,8 +184,9 @@ NOTES.update({
         "LTX-Video's VAE (128 latent channels, 32x spatial, 8x temporal) at 768x512, 97 frames. Its VAE ships inside the "
         "model checkpoint: **Load Checkpoint**'s VAE output feeds the PatchRay nodes." + _VIDEO_NOTE_TAIL + "\n\n"
         "**Download** [ltx-video-2b-v0.9.safetensors](https://huggingface.co/Lightricks/LTX-Video/resolve/main/"
-        "ltx-video-2b-v0.9.safetensors) (or a later LTX-Video checkpoint, then pick it in Load Checkpoint) and put it in "
-        "`ComfyUI/models/checkpoints/`."
+        "ltx-video-2b-v0.9.safetensors) (or a later LTX-Video checkpoint, then pick it in Load Checkpoint: 0.9.5 and later "
+        "shard too; 0.9.1's VAE, which adds fresh noise inside its decoder, is decoded by ComfyUI's own decode) and put it "
+        "in `ComfyUI/models/checkpoints/`."
     ),
 })
 
@@ -361,7 +365,9 @@ def build(name: str, nodes: dict, info: dict):
                     sockets.append({"name": inp["name"], "type": inp["type"], "link": link})
         api[str(nid)] = {"class_type": t, "inputs": api_inputs, "_meta": {"title": t}}
         ui_nodes.append({
-            "id": nid, "type": t, "pos": [0, 0], "size": list(min_node_size(info, t)), "flags": {}, "order": order,
+            "id": nid, "type": t, "pos": [0, 0],
+            "size": [max(min_node_size(info, t)[0], widget_text_width(info, t, api_inputs)), min_node_size(info, t)[1]],
+            "flags": {}, "order": order,
             "mode": 0, "inputs": sockets,
             "outputs": [{"name": o, "type": o, "links": [], "slot_index": s} for s, o in enumerate(spec["outputs"])],
             "properties": {"Node name for S&R": t}, "widgets_values": widgets,

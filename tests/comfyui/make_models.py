@@ -106,8 +106,9 @@ def _init_nonconstant(module, seed):
     return module
 
 
-def _hunyuan_vaes(vae_dir, save):
-    """HunyuanImage-2.1's VAE and HunyuanVideo's VAE with the configs ``comfy.sd.VAE.__init__`` builds them with."""
+def _hunyuan_vaes(vae_dir, save, only=None):
+    """HunyuanImage-2.1's VAE and HunyuanVideo's VAE with the configs ``comfy.sd.VAE.__init__`` builds them with
+    (``only``: these file names)."""
     import comfy.ldm.hunyuan_video.vae
     import comfy.ldm.modules.diffusionmodules.model
     import comfy.sd
@@ -129,7 +130,7 @@ def _hunyuan_vaes(vae_dir, save):
     }
     for name, (build, decoder_cls, channels, latent_dim, seed) in builds.items():
         path = os.path.join(vae_dir, name)
-        if os.path.exists(path):
+        if os.path.exists(path) or (only is not None and name not in only):
             continue
         save(_init_nonconstant(build(), seed).state_dict(), path)
         loaded = comfy.sd.VAE(sd=comfy.utils.load_torch_file(path))  # what the stock VAE Loader builds

@@ -29,6 +29,9 @@ CASES = {
     "wan22": ("wan2.2_vae.safetensors", (1, 48, 31, 44, 80), "704x1280x121"),
     # HunyuanVideo: 1280x720, 129 frames -> 33 latent frames of 90x160 (8x)
     "hunyuan_video": ("hunyuan_video_vae_bf16.safetensors", (1, 16, 33, 90, 160), "720x1280x129"),
+    # HunyuanVideo at its 540p size: 960x544, 129 frames -> 33 latent frames of 68x120 (the largest size PatchRay's
+    # row mode could be measured at with N = 2 and 4 ranks sharing one H200)
+    "hunyuan_video_540p": ("hunyuan_video_vae_bf16.safetensors", (1, 16, 33, 68, 120), "544x960x129"),
     # LTX-Video 0.9.5+: 1216x704, 121 frames -> 16 latent frames of 22x38 (32x)
     "ltx_video": ("ltxv_095_vae.safetensors", (1, 128, 16, 22, 38), "704x1216x121"),
 }
@@ -119,14 +122,20 @@ def main(argv=None):
             save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in sd.items()}, path)
 
     results = []
+
+    def flush(row=None):  # after every stage, so a run cut short by a time limit keeps what it measured
+        with open(args.out, "w") as f:
+            cases = results + ([row] if row is not None else [])
+            json.dump({"device": torch.cuda.get_device_name(0) if gpu else "cpu", "torch": torch.__version__, "cases": cases}, f, indent=2)
+
     for name in args.only or list(CASES):
         fname, shape, size = CASES[name]
         if args.latent_scale > 1:
             shape = shape[:2] + tuple(max(2, d // args.latent_scale) for d in shape[2:])
         row = {"vae": name, "file": fname, "size_hwf": size, "latent_shape": list(shape)}
         try:
-            if name == "hunyuan_video":
-                make_models._hunyuan_vaes(vae_dir, save)
+            if name.startswith("hunyuan_video"):
+                make_models._hunyuan_vaes(vae_dir, save, only=[fname])
             else:
                 make_models.write_video_vaes(vae_dir, save, only=[fname])
             vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(os.path.join(vae_dir, fname)))
@@ -143,6 +152,7 @@ def main(argv=None):
             row["fell_back_to_tiled"] = any("tiled" in w for w in warnings)
             row["warnings"] = warnings[:5]
             row["image_shape"] = list(images.shape)
+            flush(row)
             if not args.no_tiled:
                 reset()
                 t0 = time.perf_counter()
@@ -177,8 +187,7 @@ def main(argv=None):
             row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
         print(json.dumps(row), flush=True)
         results.append(row)
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0) if gpu else "cpu", "torch": torch.__version__, "cases": results}, f, indent=2)
+        flush()
         reset()
     return 0
 

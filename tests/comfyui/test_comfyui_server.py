@@ -175,9 +175,16 @@ def test_workflow_completes(server, name):
 @pytest.mark.parametrize(
     "vae_name, frames, size, ranks",
     [
-        ("sdxl_vae.safetensors", 1, (96, 64), 2),
-        ("ae.safetensors", 1, (96, 64), 2),
+        # every family at N = 2 and 3 on odd latent sizes: 200x136 is 25x17 latent rows/columns at 8x (uneven bands)
+        ("sdxl_vae.safetensors", 1, (200, 136), 2),
+        ("sdxl_vae.safetensors", 1, (200, 136), 3),
+        ("ae.safetensors", 1, (200, 136), 2),
+        ("ae.safetensors", 1, (200, 136), 3),
         ("wan_2.1_vae.safetensors", 5, (96, 64), 2),
+        ("wan_2.1_vae.safetensors", 9, (200, 136), 2),
+        ("wan_2.1_vae.safetensors", 9, (200, 136), 3),
+        # one frame through the Wan 2.1 class: how ComfyUI 0.3.64 loads and runs Qwen-Image's VAE
+        ("wan_2.1_vae.safetensors", 1, (200, 136), 3),
         # Wan 2.2 (16x): 208x144 is 13x9 latent rows/columns (the nearest 16x size to 200x136), uneven bands
         ("wan2.2_vae.safetensors", 9, (208, 144), 2),
         ("wan2.2_vae.safetensors", 9, (208, 144), 3),
@@ -190,7 +197,7 @@ def test_workflow_completes(server, name):
 )
 def test_distributed_decode_matches_the_stock_decode(server, vae_name, frames, size, ranks):
     """fp32 row decode vs the stock VAE Decode on the same latent, both saved as 8-bit PNGs by SaveImage; for the
-    video VAEs also the row encode vs the stock VAE Encode (both saved by SaveLatent)."""
+    video VAEs and the 200x136 cases also the row encode vs the stock VAE Encode (both saved by SaveLatent)."""
     import numpy as np
     from PIL import Image
 
@@ -209,8 +216,8 @@ def test_distributed_decode_matches_the_stock_decode(server, vae_name, frames, s
         "8": {"class_type": "SaveImage", "inputs": {"images": ["5", 0], "filename_prefix": "stock"}},
         "9": {"class_type": "SaveImage", "inputs": {"images": ["7", 0], "filename_prefix": "patchray"}},
     }
-    video = frames > 5
-    if video:  # the encode too: the stock VAE Encode's latent and PatchRay's, saved side by side
+    encode = frames > 5 or size == (200, 136)
+    if encode:  # the encode too: the stock VAE Encode's latent and PatchRay's, saved side by side
         tag = f"{vae_name.split('.')[0]}_{frames}f_{ranks}r"
         api["11"] = {"class_type": "PatchRayVAEEncode", "inputs": {"pixels": ["10", 0], "vae": ["3", 0], "cluster": ["6", 0], "precision": "fp32"}}
         api["12"] = {"class_type": "SaveLatent", "inputs": {"samples": ["4", 0], "filename_prefix": f"stock_enc_{tag}"}}
@@ -231,14 +238,25 @@ def test_distributed_decode_matches_the_stock_decode(server, vae_name, frames, s
         worst = max(worst, int(np.abs(a - b).max()))
     print(f"{vae_name} {width}x{height}x{frames} on {ranks} ranks: max pixel difference {worst} level(s)")
     assert worst <= 1
-    if video:
+    if encode:
         stock_z, ours_z = _latent(base, entry, "12"), _latent(base, entry, "13")
         assert stock_z.shape == ours_z.shape
         rel = ((ours_z - stock_z).norm() / stock_z.norm()).item()
         print(f"  encode: relative L2 to the stock VAE Encode {rel:.2e}")
-        # fp32 on both sides, sums reordered only (halo convs, gathered norms): measured ~1e-6; a wrong halo or a
-        # missing statistics step is > 1e-2
-        assert rel < 1e-4, rel
+        if rel >= 1e-4:
+            # the stock fp32 encode is not always within 1e-4 of the exact result itself: with random weights and a
+            # smooth image its one-process fp32 GroupNorm statistics drift (SDXL-class VAE at 200x136: 3.6e-5 to
+            # 1.4e-4 from ComfyUI's own fp64 encode, depending on the thread count; PatchRay's row mode merges group
+            # statistics in fp64: 3.0e-6). Then the judge is ComfyUI's own class and VAE.encode in fp64.
+            ref = _fp64_reference_encode(base, vae_name, width, height, frames)
+            rel_exact = ((ours_z.double() - ref).norm() / ref.norm()).item()
+            stock_exact = ((stock_z.double() - ref).norm() / ref.norm()).item()
+            print(f"  encode vs ComfyUI's fp64 encode: PatchRay {rel_exact:.2e}, the stock fp32 encode {stock_exact:.2e}")
+            assert rel_exact < 1e-4, (rel, rel_exact, stock_exact)
+        else:
+            # fp32 on both sides, sums reordered only (halo convs, gathered norms): measured ~1e-6; a wrong halo or a
+            # missing statistics step is > 1e-2
+            assert rel < 1e-4, rel
 
 
 # Hunyuan VAEs (full size, random weights, detected by the stock loader): decode and encode at N = 2 and 3 on odd
@@ -331,6 +349,17 @@ def test_cancel_stops_the_ranks_and_the_next_prompt_works(server):
     events = [m[0] for m in hist[pid]["status"]["messages"]]
     assert "execution_interrupted" in events, events
     _run(url, _decode_prompt(64))  # the next prompt rebuilds the ranks and completes
+
+
+def _fp64_reference_encode(base, vae_name, width, height, frames):
+    """ComfyUI's own VAE Encode of the test image in fp64 (reference_encode.py, ComfyUI's Python)."""
+    from safetensors.torch import load_file
+
+    out = base / "output" / f"fp64_{vae_name}_{width}x{height}x{frames}.safetensors"
+    subprocess.run([PYTHON, str(Path(__file__).with_name("reference_encode.py")), COMFYUI_DIR, str(base / "models" / "vae" / vae_name),
+                    str(base / "input" / "example.png"), str(width), str(height), str(frames), str(out)],
+                   check=True, timeout=900, cwd=str(base), env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return load_file(str(out))["latent"]
 
 
 def _latent(base, entry, nid):

@@ -74,10 +74,14 @@ def _ltx(version):
 
 
 # (name, builder, latent [C, T, h, w], video frames, spatial ratio)
+# 9 and 33 frames, odd latent rows and columns (uneven bands at N = 2 and 3)
 CASES = {
     "wan22": (_wan22, (8, 3, 7, 5), 9, 16),
+    "wan22_33f": (_wan22, (8, 9, 7, 5), 33, 16),
     "ltx_090": (lambda: _ltx(0), (128, 2, 5, 3), 9, 32),
+    "ltx_090_33f": (lambda: _ltx(0), (128, 5, 5, 3), 33, 32),
     "ltx_095": (lambda: _ltx(2), (128, 2, 5, 3), 9, 32),
+    "ltx_095_33f": (lambda: _ltx(2), (128, 5, 5, 3), 33, 32),
 }
 
 

@@ -121,6 +121,31 @@ def min_node_size(info: dict, node_type: str) -> tuple:
     return MIN_WIDTH.get(node_type, DEFAULT_WIDTH), 14 + rows * SLOT_HEIGHT + widgets * WIDGET_HEIGHT + extra
 
 
+#: a widget row shows its label at the left and its value at the right; when both do not fit, the frontend cuts the
+#: label (to "unet_n..." or nothing). Frontend 1.27's widget font takes about 6 px per character at zoom 1 (measured on
+#: the shipped screenshots: a 39-character file name spans 226 px); arrows and margins take about 80 px.
+CHAR_WIDTH, WIDGET_CHROME = 6.5, 80
+
+
+def widget_text_width(info: dict, node_type: str, values: dict) -> int:
+    """Width a node needs so every combo and one-line text widget shows its whole label and value.
+
+    ``values``: input name -> value (the API form's inputs). Text with whitespace is a prompt box (multi-line, no
+    label), not a one-line widget."""
+    spec = info.get(node_type)
+    if spec is None:
+        return 0
+    need = 0
+    for i in spec["inputs"]:
+        v = values.get(i["name"])
+        if not i["widget"] or not isinstance(v, str) or i["type"] not in ("COMBO", "STRING"):
+            continue
+        if i["type"] == "STRING" and any(c.isspace() for c in v):
+            continue
+        need = max(need, int(CHAR_WIDTH * (len(i["name"]) + len(v)) + WIDGET_CHROME + 0.5))
+    return need
+
+
 def node_box(node: dict) -> tuple:
     """``(x0, y0, x1, y1)`` of a UI-format node on the canvas, title bar and badges included."""
     (x, y), (w, h) = node["pos"], node["size"]

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "comfyui"))
-from workflow_tools import VIRTUAL, min_node_size, node_info, overlaps, ui_to_api  # noqa: E402
+from workflow_tools import VIRTUAL, min_node_size, node_info, overlaps, ui_to_api, widget_text_width  # noqa: E402
 
 NAMES = ["sdxl_otil_txt2img", "flux_distributed_decode", "wan_video_row_decode", "topology_probe", "vae_benchmark"]
 #: every UI-format workflow shipped, whoever added it
@@ -99,9 +99,13 @@ def test_nothing_overlaps_when_the_workflow_opens(name, info):
     and panels: the frontend only grows a node that is smaller than it needs, which would push it over a neighbour."""
     ui = json.loads((ROOT / "workflows" / f"{name}.json").read_text())
     assert overlaps(ui, margin=10) == [], f"{name}: overlapping nodes (ids)"
+    api = ui_to_api(ui, info)
     for n in ui["nodes"]:
         need_w, need_h = min_node_size(info, n["type"])
         assert n["size"][0] >= need_w and n["size"][1] >= need_h, f"{name}: node {n['id']} ({n['type']}) is {n['size']}, needs {need_w}x{need_h}"
+        # wide enough that no widget's label is cut to fit its value (a file name, a prefix)
+        text_w = widget_text_width(info, n["type"], api.get(str(n["id"]), {}).get("inputs", {}))
+        assert n["size"][0] >= text_w, f"{name}: node {n['id']} ({n['type']}) is {n['size'][0]} wide, its widgets' labels and values need {text_w}"
 
 
 def test_the_overlap_check_sees_a_title_bar_under_a_node():
