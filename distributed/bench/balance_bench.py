@@ -31,15 +31,43 @@ import torch
 __all__ = ["balance_rank", "run_balance", "main"]
 
 
+def _pin_and_compete(rank: int, competitors: int) -> List["subprocess.Popen"]:
+    """Pin this rank to core ``rank`` and start ``competitors`` busy processes pinned to the same core.
+
+    A rank sharing its core with one spinning process gets about half of it: the stand-in for a card of half the
+    speed that holds on a quiet machine of few cores, where extra threads do not (they compete for the same cores
+    as the other rank). The caller terminates the processes.
+    """
+    import subprocess
+
+    if not hasattr(os, "sched_setaffinity"):
+        raise RuntimeError("--share-core needs Linux CPU affinity (os.sched_setaffinity)")
+    os.sched_setaffinity(0, {rank})
+    spin = f"import os\nos.sched_setaffinity(0, {{{rank}}})\nwhile True:\n    pass\n"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(competitors)]
+
+
 def balance_rank(ctx, family: str, size: str, height: int, width: int, rounds: int, timeout_s: float,
-                 nice: Sequence[int] = ()) -> dict:
+                 nice: Sequence[int] = (), share_core: Sequence[int] = ()) -> dict:
     """One rank's part: speeds, both band tables, interleaved timed decodes, the reference check on rank 0.
 
     ``nice``: per-rank niceness increments (this rank process's own scheduling priority; lowering it needs no
     privilege). On a machine busy with other work the scheduler's shares follow priority, not thread count.
+    ``share_core``: per rank, busy processes sharing its core (ranks pinned one per core; see
+    :func:`_pin_and_compete`); empty: no pinning.
     """
     if nice and nice[ctx.rank]:
         os.nice(int(nice[ctx.rank]))
+    spinners = _pin_and_compete(ctx.rank, int(share_core[ctx.rank])) if share_core else []
+    try:
+        return _balance_rank(ctx, family, size, height, width, rounds, timeout_s, share_core)
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _balance_rank(ctx, family, size, height, width, rounds, timeout_s, share_core) -> dict:
     from ..comm import all_gather_object, barrier, bounded_barrier
     from ..parallel.bands import row_bands
     from ..topology.throughput import rank_speeds_task, speed_weights
@@ -73,7 +101,8 @@ def balance_rank(ctx, family: str, size: str, height: int, width: int, rounds: i
             check["equal_vs_speed"] = float((outputs["equal"] - outputs["speed"]).abs().max())
             check["reference_ms_rank0_alone"] = round(ref_ms, 1)
         bounded_barrier(ctx, timeout_s)
-    every = all_gather_object({"times": times, "threads": torch.get_num_threads(), "nice": os.nice(0)}, ctx)
+    every = all_gather_object({"times": times, "threads": torch.get_num_threads(), "nice": os.nice(0),
+                               "share_core": int(share_core[ctx.rank]) if share_core else 0}, ctx)
     return {"speeds": speeds, "weights": weights, "bands": bands, "by_rank": every, "check": check,
             "latent_shape": list(z.shape)}
 
@@ -94,6 +123,7 @@ def _summary(rank0: dict, args) -> dict:
         "latent_shape": rank0["latent_shape"], "world_size": len(by_rank), "device": "cpu", "backend": "gloo",
         "threads_by_rank": [r["threads"] for r in by_rank],
         "niceness_by_rank": [r["nice"] for r in by_rank],
+        "core_competitors_by_rank": [r.get("share_core", 0) for r in by_rank],
         "speeds_gflops_by_rank": [round(s, 2) for s in rank0["speeds"]],
         "weights": list(rank0["weights"]),
         "bands": {k: [list(b) for b in v] for k, v in rank0["bands"].items()},
@@ -106,7 +136,8 @@ def _summary(rank0: dict, args) -> dict:
         "reference_ms_rank0_alone": rank0["check"]["reference_ms_rank0_alone"],
         "modelled": False,
         "note": "wall clock of the slowest rank per round (barrier to the end of row_decode), median over rounds; "
-                "equal and speed rounds interleaved; CPU ranks on one machine, unequal thread counts",
+                "equal and speed rounds interleaved; CPU ranks on one machine of unequal speed (thread counts, "
+                "niceness, or busy processes sharing a rank's core)",
         "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
         "command": "python -m patchray.distributed.bench.balance_bench " + " ".join(args.argv),
     }
@@ -126,7 +157,7 @@ def _chart(summary: dict, path: str) -> None:
         ax1.text(x, v * 1.01, f"{v:.0f} ms", ha="center", fontsize=9)
     ax1.set_ylabel("decode wall time (ms, median)")
     ax1.set_title(f"{summary['family']} {summary['height']}x{summary['width']}, threads {summary['threads_by_rank']}, "
-                  f"nice {summary['niceness_by_rank']}: "
+                  f"nice {summary['niceness_by_rank']}, core competitors {summary['core_competitors_by_rank']}: "
                   f"{summary['speedup_speed_over_equal']:.2f}x", fontsize=9)
     width = 0.38
     ranks = range(summary["world_size"])
@@ -156,7 +187,8 @@ def run_balance(args) -> dict:
     # the rank function by its importable name (run as ``-m``, this module is ``__main__`` in the driver only)
     rank_fn = importlib.import_module(__spec__.name).balance_rank if __name__ == "__main__" else balance_rank
     results = run_ranks(rank_fn, len(args.threads), args.family, args.size, args.height, args.width, args.rounds,
-                        args.timeout_s, tuple(args.nice or ()), threads=tuple(args.threads), timeout_s=args.timeout_s)
+                        args.timeout_s, tuple(args.nice or ()), tuple(args.share_core or ()), threads=tuple(args.threads),
+                        timeout_s=args.timeout_s)
     summary = _summary(results[0], args)
     summary["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
     summary["load_average_1min"] = {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2),
@@ -171,6 +203,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--nice", type=int, nargs="+", default=None,
                    help="niceness increment of each rank process (one per rank): unequal speed on a machine busy with "
                         "other work, where thread counts stop mattering")
+    p.add_argument("--share-core", type=int, nargs="+", default=None,
+                   help="busy processes sharing each rank's core (one count per rank; ranks pinned one per core): "
+                        "e.g. 0 1 makes rank 1 about half as fast, on a quiet machine with a core per rank")
     p.add_argument("--family", default="kl")
     p.add_argument("--size", default="full", choices=["full", "tiny"])
     p.add_argument("--height", type=int, default=192)
@@ -184,6 +219,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--threads needs one count >= 1 for each of at least 2 ranks")
     if args.nice is not None and (len(args.nice) != len(args.threads) or min(args.nice) < 0):
         p.error("--nice needs one increment >= 0 per rank (as many as --threads)")
+    if args.share_core is not None:
+        if len(args.share_core) != len(args.threads) or min(args.share_core) < 0:
+            p.error("--share-core needs one count >= 0 per rank (as many as --threads)")
+        if len(args.threads) > (os.cpu_count() or 1):
+            p.error(f"--share-core pins one rank per core: {len(args.threads)} ranks need as many cores (this machine has {os.cpu_count()})")
     summary = run_balance(args)
     print(json.dumps({k: summary[k] for k in ("threads_by_rank", "speeds_gflops_by_rank", "weights", "bands",
                                               "speedup_speed_over_equal", "max_abs_vs_unsharded")}, indent=1))
