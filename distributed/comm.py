@@ -621,7 +621,7 @@ def set_forward_prefetch(order: Sequence[torch.nn.Module], depth: int = 1) -> No
         # Each unit is its own FSDP2 root (the model around them stays unwrapped, so hosts still see its class).
         # A root is set up at its first forward; the one a prefetch targets runs later, so set every unit up now.
         m._get_fsdp_state()._lazy_init()
-    for i, m in enumerate(order):
+    for i, m in enumerate(order if depth else ()):
         nxt = list(order[i + 1 : i + 1 + depth])
         if nxt:
             m.set_modules_to_forward_prefetch(nxt)

@@ -32,7 +32,7 @@ Design decisions:
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -145,6 +145,7 @@ def shard_model(
     *,
     prefetch: int = 1,
     offload: bool = False,
+    init: Optional[Callable[[nn.Module], None]] = None,
 ) -> ShardHandle:
     """Shard ``model``'s blocks over ``ctx``'s ranks (FSDP2, one unit per block, forward prefetch).
 
@@ -155,6 +156,9 @@ def shard_model(
         blocks: globs of the units; default: the row of :data:`SHARD_FAMILIES` for the model's class.
         prefetch: how many next blocks' gathers start when a block's forward begins (0: none; 1 is FSDP2's usual).
         offload: keep the shards in host memory (FSDP2 CPU offload), gathered to the device per block.
+        init: for a model built on the meta device: ``init(model)`` runs after the blocks are sharded and before
+            the first forward, so each rank allocates only its shards (e.g. ``model.to_empty(device=...)`` and
+            loading or drawing each local tensor; see :func:`~patchray.distributed.comm.local_shard`).
 
     Returns:
         :class:`ShardHandle`.
@@ -180,12 +184,15 @@ def shard_model(
     tally = comm.ShardTally()
     handle = ShardHandle(model, ctx, units, tally, offload)
     if ctx.world_size == 1:
+        if init is not None:
+            init(model)
         return handle  # nothing to share: the model stays as it is
     for _, unit in units:
         if not any(True for _ in unit.parameters()):
             continue
         comm.fully_shard(unit, ctx, tally, offload=offload)
+    if init is not None:
+        init(model)
     sharded = [u for _, u in units if comm.is_sharded(u)]
-    if prefetch:
-        comm.set_forward_prefetch(sharded, prefetch)
+    comm.set_forward_prefetch(sharded, prefetch)
     return handle
