@@ -14,11 +14,12 @@ import operator
 from typing import Callable, Optional
 
 from . import model as bridge_model
+from . import shard_models as bridge_shard
 from . import validate
 from .errors import rank_errors_for_user
 from .shim import CANONICAL
 
-__all__ = ["PRESET_NAMES", "PARALLELISM_NAMES", "ATTENTION_NAMES", "patch_config", "sample"]
+__all__ = ["PRESET_NAMES", "PARALLELISM_NAMES", "ATTENTION_NAMES", "SHARDING_NAMES", "patch_config", "sample"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ _RANK = f"{CANONICAL}.nodes.bridge.ksampler_rank"
 PRESET_NAMES = ["full_sync", "displaced", "otil", "balanced"]
 PARALLELISM_NAMES = ["auto", "sequence", "cfg", "cfg+sequence", "batch"]  # dit_layout.MODES, without importing it here
 ATTENTION_NAMES = ["auto", "gathered", "ulysses"]
+SHARDING_NAMES = bridge_shard.SHARDING_NAMES
 # samplers whose step control reads the whole latent: with OTIL's approximate remote regions the ranks would take
 # different numbers of steps, and their collectives would not line up
 _ADAPTIVE = {"dpm_adaptive"}
@@ -52,7 +54,7 @@ def patch_config(preset: str, warmup_steps: int = -1, refresh_every: int = -1, k
 
 def sample(
     model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster_config, config,
-    *, parallelism: str = "auto", attention: str = "auto",
+    *, parallelism: str = "auto", attention: str = "auto", sharding: str = "none",
     cancel_check: Optional[Callable[[], None]] = None, progress: Optional[Callable[[int, int], None]] = None,
 ) -> dict:
     """Run the KSampler on the ranks of ``cluster_config``; return the LATENT dict.
@@ -62,6 +64,9 @@ def sample(
         parallelism: the node's widget (:data:`PARALLELISM_NAMES`; see :mod:`.dit_layout`).
         attention: sequence-parallel attention of DiTs: ``gathered`` K/V, ``ulysses`` (heads must divide by the
             sequence ranks) or ``auto`` (per call, from the modelled link cost).
+        sharding: the diffusion model's weights on the ranks: ``none`` (each rank holds all of them), ``blocks``
+            (1/N of each block per rank, FSDP2, gathered per block as it runs; :mod:`.shard_models`) or ``auto``
+            (``blocks`` when the weights would not leave room for activations on the smallest card).
         cancel_check: ComfyUI's interrupt check, polled while the ranks work.
         progress: ``fn(done, total)`` for ComfyUI's progress bar.
 
@@ -79,6 +84,8 @@ def sample(
         raise ValueError(f"parallelism must be one of {PARALLELISM_NAMES} (got {parallelism!r})")
     if attention not in ATTENTION_NAMES:
         raise ValueError(f"sequence_attention must be one of {ATTENTION_NAMES} (got {attention!r})")
+    if sharding not in SHARDING_NAMES:
+        raise ValueError(f"sharding must be one of {SHARDING_NAMES} (got {sharding!r})")
     if sampler_name in _ADAPTIVE and config.output is OutputMode.OTIL:
         raise ValueError(f"sampler {sampler_name!r} adapts its step count to the whole latent, which OTIL leaves approximate on each rank; pick another sampler or preset")
     if not isinstance(cluster_config, ClusterConfig):
@@ -122,6 +129,8 @@ def sample(
     bridge_model.check_conditioning("positive", positive, layout.mode)
     bridge_model.check_conditioning("negative", negative, layout.mode)
     key, make_payload = bridge_model.portable_model(model, layout.mode)
+    if sharding == "blocks":
+        bridge_shard.blocks_for(model.model.diffusion_model)  # an uncovered class is refused before the ranks start
 
     inputs = {
         "noise": noise, "latent_image": latent, "noise_mask": latent_image.get("noise_mask"), "seed": int(seed),
@@ -132,6 +141,18 @@ def sample(
     root = bridge_model.comfy_root()
     with rank_errors_for_user():
         rank_cluster = get_cluster(cluster_config)
+        free_min = total_min = None
+        if sharding == "auto" and n > 1:
+            mem = rank_cluster.run(f"{_RANK}:device_memory", timeout_s=60.0, cancel_check=cancel_check)
+            free_min, total_min = min(m[0] for m in mem), min(m[1] for m in mem)
+        resolved, why = bridge_shard.resolve_sharding(sharding, model.model.diffusion_model, n, free_min, total_min)
+        if sharding == "auto":
+            log.info("PatchRay KSampler: %s", why)
+        key = key + (("sharding", resolved),)  # a sharded model and a whole one are different things on the ranks
+
+        def make_payload(make=make_payload, resolved=resolved):
+            return dict(make(), sharding=resolved)
+
         ship_model(rank_cluster, key, make_payload, f"{_RANK}:build", prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel_check)
         result = distributed_sample(
             rank_cluster, key, f"{_RANK}:sample", inputs, config,
