@@ -57,7 +57,7 @@ def build(ctx, payload: dict):
 
     mm.unload_all_models()  # the previous model (if any) is being replaced: give its memory back first
     mm.soft_empty_cache()
-    from .model import from_arrays
+    from ...distributed.sampling.weights import from_arrays
     from .shard_models import apply_sharding, blocks_for, local_model_bytes
 
     base = payload["skeleton"]

@@ -28,7 +28,7 @@ from typing import Callable, Hashable, Tuple
 
 import torch
 
-__all__ = ["comfy_root", "portable_model", "to_arrays", "from_arrays", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal"]
+__all__ = ["comfy_root", "portable_model", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal"]
 
 _UNSUPPORTED_COND_KEYS = {
     "control": "ControlNet conditioning (its residuals are full-image tensors added inside the UNet)",
@@ -216,45 +216,6 @@ def _skeleton(mp, state: dict):
     return skeleton
 
 
-#: dtypes numpy lacks: they travel as same-width integers and are viewed back on the rank
-_NUMPY_WIRE = {torch.bfloat16: torch.int16, **{t: torch.uint8 for t in _FP8}}
-
-
-def to_arrays(weights: dict) -> Tuple[dict, dict]:
-    """The weights as numpy arrays (zero-copy views of the CPU tensors) and the dtypes to view them back in.
-
-    Why numpy: Ray stores a numpy array in its shared-memory object store once, and ``ray.get`` on the same node
-    returns a read-only view of that store (no copy per rank), while a torch tensor is pickled and every rank that
-    gets it unpickles a private copy. Sharded ranks copy only their 1/N of each block out of the shared view.
-    """
-    arrays, views = {}, {}
-    for k, t in weights.items():
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        wire = _NUMPY_WIRE.get(t.dtype)
-        if wire is not None:
-            views[k] = str(t.dtype).replace("torch.", "")
-            t = t.view(wire)
-        arrays[k] = t.contiguous().numpy()
-    return arrays, views
-
-
-def from_arrays(arrays: dict, views: dict, *, copy: bool) -> dict:
-    """Tensors over :func:`to_arrays`' arrays (views of Ray's store: read-only), or private copies with ``copy``."""
-    import warnings
-
-    out = {}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for k, a in arrays.items():
-            t = torch.from_numpy(a) if isinstance(a, __import__("numpy").ndarray) else a
-            if k in views:
-                t = t.view(getattr(torch, views[k]))
-            out[k] = t.clone() if copy else t
-    return out
-
-
 def portable_model(mp, mode: str = "sequence") -> Tuple[Hashable, Callable[[], dict]]:
     """``(key, make_payload)`` for the MODEL ``mp``.
 
@@ -280,8 +241,10 @@ def portable_model(mp, mode: str = "sequence") -> Tuple[Hashable, Callable[[], d
                 del live[k]
             if isinstance(original, torch.nn.Module):
                 live.update({prefix + k: v for k, v in original.state_dict(keep_vars=True).items()})
+        from ...distributed.sampling.weights import to_arrays
+
         weights = {k: _patched_weight(mp, k, t) for k, t in live.items()}
-        arrays, views = to_arrays(weights)
+        arrays, views = to_arrays(weights)  # one copy in Ray's shared store, viewed by the ranks (see that module)
         return {"skeleton": _skeleton(mp, live), "state_dict": arrays, "views": views}
 
     return key, make_payload

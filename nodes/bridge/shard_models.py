@@ -29,7 +29,9 @@ COMFY_BLOCKS: Dict[str, Tuple[str, ...]] = {
     "QwenImageTransformer2DModel": ("transformer_blocks.*",),
     "HunyuanVideo": ("double_blocks.*", "single_blocks.*"),
     "LTXVModel": ("transformer_blocks.*",),
-    "UNetModel": ("input_blocks.*", "middle_block", "output_blocks.*"),
+    # the layers inside each TimestepEmbedSequential: ComfyUI's UNet iterates a block's layers and calls each one
+    # (``forward_timestep_embed``), never the block's own forward, so a unit's gather hook must sit on the layers
+    "UNetModel": ("input_blocks.*.*", "middle_block.*", "output_blocks.*.*"),
 }
 
 

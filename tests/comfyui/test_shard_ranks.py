@@ -53,7 +53,7 @@ def test_sharded_blocks_equal_whole_weights(importable, tmp_path):
             assert rec["calls_none"] == rec["calls_blocks"] == 3, (name, rec)
             assert rec["units"] >= 2 and rec["dim0_ok"], (name, rec)
             # each rank holds half of the blocks' bytes (FSDP2 pads dim 0 to even: a little more at most)
-            assert rec["block_bytes"] / 2 <= rec["local_block_bytes"] * 1.0 <= rec["block_bytes"] / 2 * 1.1 or rank == 1, rec
+            assert 0.4 * rec["block_bytes"] <= rec["local_block_bytes"] <= 0.55 * rec["block_bytes"], rec
             # three model calls gathered every block each time (cfg: cond and uncond on different ranks, one call each)
             assert rec["gathered_bytes"] >= 3 * rec["block_bytes"], (name, rec)
             if name.endswith("fp8"):

@@ -1,0 +1,197 @@
+"""Host memory while the driver ships a model to CPU ranks through Ray: torch tensors vs numpy views, whole vs sharded.
+
+The driver builds a diffusers Wan transformer (random bf16 weights), then ships it with ``sampling.remote.ship_model``
+exactly as the Distributed KSampler does, in one of two transports (``torch``: the state dict's tensors pickled,
+PatchRay's former payload; ``numpy``: ``sampling.weights.to_arrays``, viewed by the ranks) and with sharding ``none``
+or ``blocks`` (``parallel.shard``), and runs two forwards on the ranks (later prompts). A thread samples, every 20 ms,
+the summed PSS (proportional set size: a shared page counts once over its mappers, so Ray's shared-memory store
+counts once) of the driver and every process under it (Ray's raylet and store, the rank actors). Figures are peaks
+above the baseline taken before the model is built, in units of the model's bytes (the driver's own copy of the
+model, ComfyUI's loaded weights in the node, is one of them).
+
+Usage::
+
+    python -m patchray.distributed.bench.host_copy --out results/cpu-sharding/host_copy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+__all__ = ["main", "measure"]
+
+CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=128, in_channels=16, out_channels=16,
+              text_dim=256, freq_dim=64, ffn_dim=4096, num_layers=16, cross_attn_norm=True, qk_norm="rms_norm_across_heads")
+
+
+def _pss_tree(root_pid: int) -> int:
+    import psutil
+
+    total = 0
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return 0
+    for p in procs:
+        try:
+            total += p.memory_full_info().pss
+        except psutil.Error:
+            pass
+    return total
+
+
+class _Sampler:
+    def __init__(self, period_s: float = 0.02):
+        self.period_s = period_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        pid = os.getpid()
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _pss_tree(pid))
+            time.sleep(self.period_s)
+
+    def __enter__(self):
+        self.peak = _pss_tree(os.getpid())
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _pss_tree(os.getpid()))
+
+
+def _build(ctx, payload):
+    """Rank side: the skeleton on the meta device, the weights from the payload, the blocks sharded or not."""
+    import diffusers
+
+    from ..parallel.shard import find_units, shard_model
+    from ..sampling.weights import from_arrays
+
+    with torch.device("meta"):
+        model = diffusers.WanTransformer3DModel(**payload["config"]).to(torch.bfloat16)
+    buffers = {k: v for k, v in diffusers.WanTransformer3DModel(**dict(payload["config"], num_layers=1, num_attention_heads=1, ffn_dim=8)).named_buffers()}
+    blocks = payload["sharding"] == "blocks" and ctx.world_size > 1
+    state = payload["state_dict"]
+    if payload["transport"] == "numpy":
+        units = [p + "." for p, _ in find_units(model, ("blocks.*",))] if blocks else []
+        in_unit = lambda k: any(k.startswith(u) for u in units)
+        tensors = from_arrays({k: a for k, a in state.items() if in_unit(k)}, payload["views"], copy=False)
+        tensors.update(from_arrays({k: a for k, a in state.items() if not in_unit(k)}, payload["views"], copy=True))
+    else:
+        tensors = dict(state)
+    tensors.update({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in buffers.items()})
+    model.load_state_dict(tensors, strict=False, assign=True)
+    for k, v in buffers.items():  # non-persistent buffers are not in load_state_dict's reach
+        mod, _, name = k.rpartition(".")
+        model.get_submodule(mod).register_buffer(name, v, persistent=False)
+    del tensors, state
+    handle = shard_model(model, ctx, ("blocks.*",)) if blocks else None
+    return (model.eval(), handle)
+
+
+def _forward(ctx, key):
+    from ..cluster import rank_cache
+    from ..sampling.remote import _MODEL
+
+    held = rank_cache().get(_MODEL)
+    model, _ = held[1]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        x = torch.randn(1, 16, 1, 8, 8, generator=g).to(torch.bfloat16)
+        y = model(hidden_states=x, encoder_hidden_states=torch.randn(1, 4, 256, generator=g).to(torch.bfloat16),
+                  timestep=torch.tensor([500.0]), return_dict=False)[0]
+    return float(y.float().norm())
+
+
+def _local_bytes(ctx):
+    from .. import comm
+    from ..cluster import rank_cache
+    from ..sampling.remote import _MODEL
+
+    model, _ = rank_cache()[_MODEL][1]
+    return sum(comm.local_shard(p).numel() * comm.local_shard(p).element_size() for p in model.parameters())
+
+
+def measure(cases: Sequence[tuple], ranks: int = 2) -> List[dict]:
+    import diffusers
+
+    from ..cluster import ClusterConfig, get_cluster, shutdown_cluster
+    from ..sampling.remote import ship_model
+    from ..sampling.weights import to_arrays
+
+    cluster = get_cluster(ClusterConfig(num_ranks=ranks, device="cpu"))
+    out = []
+    try:
+        for i, (transport, sharding) in enumerate(cases):
+            cluster.free_cached()
+            gc.collect()
+            time.sleep(1.0)
+            baseline = _pss_tree(os.getpid())
+            g = torch.Generator().manual_seed(0)
+            model = diffusers.WanTransformer3DModel(**CONFIG).to(torch.bfloat16)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            persistent = {k: v for k, v in model.state_dict().items() if "rope." not in k}
+
+            def make_payload():
+                if transport == "numpy":
+                    arrays, views = to_arrays(persistent)
+                    return {"config": CONFIG, "state_dict": arrays, "views": views, "sharding": sharding, "transport": transport}
+                return {"config": CONFIG, "state_dict": persistent, "views": {}, "sharding": sharding, "transport": transport}
+
+            with _Sampler() as first:
+                ship_model(cluster, ("host-copy", i), make_payload, _build)
+                norms = cluster.run(_forward, ("host-copy", i))
+            with _Sampler() as later:
+                for _ in range(2):
+                    cluster.run(_forward, ("host-copy", i))
+            local = cluster.run(_local_bytes)
+            out.append({
+                "transport": transport, "sharding": sharding, "ranks": ranks, "model_bytes": model_bytes,
+                "baseline_pss_bytes": baseline, "first_prompt_peak_above_baseline_bytes": first.peak - baseline,
+                "later_prompts_peak_above_baseline_bytes": later.peak - baseline,
+                "first_prompt_ratio": (first.peak - baseline) / model_bytes,
+                "later_prompts_ratio": (later.peak - baseline) / model_bytes,
+                "rank_local_weight_bytes": local, "outputs_agree": len({round(n, 3) for n in norms}) == 1,
+            })
+            print(json.dumps(out[-1]), flush=True)
+            del model, persistent
+            gc.collect()
+    finally:
+        shutdown_cluster(stop_ray=True)
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m patchray.distributed.bench.host_copy", description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--cases", default="torch:none,numpy:none,numpy:blocks")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    cases = [tuple(c.split(":")) for c in a.cases.split(",")]
+    records = measure(cases, a.ranks)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"command": "python -m patchray.distributed.bench.host_copy " + " ".join(sys.argv[1:] if argv is None else argv),
+                   "config": CONFIG, "torch": torch.__version__, "records": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
