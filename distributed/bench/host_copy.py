@@ -3,7 +3,7 @@
 The driver builds a diffusers Wan transformer (random bf16 weights), then ships it with ``sampling.remote.ship_model``
 exactly as the Distributed KSampler does, in one of two transports (``torch``: the state dict's tensors pickled,
 PatchRay's former payload; ``numpy``: ``sampling.weights.to_arrays``, viewed by the ranks) and with sharding ``none``
-or ``blocks`` (``parallel.shard``), and runs two forwards on the ranks (later prompts). A thread samples, every 20 ms,
+or ``blocks`` (``parallel.shard``), and runs two forwards on the ranks (later prompts). A thread samples, every 50 ms,
 the summed PSS (proportional set size: a shared page counts once over its mappers, so Ray's shared-memory store
 counts once) of the driver and every process under it (Ray's raylet and store, the rank actors). Figures are peaks
 above the baseline taken before the model is built, in units of the model's bytes (the driver's own copy of the
@@ -51,7 +51,7 @@ def _pss_tree(root_pid: int) -> int:
 
 
 class _Sampler:
-    def __init__(self, period_s: float = 0.02):
+    def __init__(self, period_s: float = 0.05):
         self.period_s = period_s
         self.peak = 0
         self._stop = threading.Event()
@@ -183,12 +183,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--cases", default="torch:none,numpy:none,numpy:blocks")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--append", action="store_true", help="add to the records already in --out (one case per process:"
+                    " a process that ran a case keeps its freed memory, which the next case would reuse unseen)")
     a = ap.parse_args(argv)
     cases = [tuple(c.split(":")) for c in a.cases.split(",")]
     records = measure(cases, a.ranks)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    if a.append and os.path.exists(a.out):
+        with open(a.out) as f:
+            records = json.load(f)["records"] + records
     with open(a.out, "w") as f:
-        json.dump({"command": "python -m patchray.distributed.bench.host_copy " + " ".join(sys.argv[1:] if argv is None else argv),
+        json.dump({"command": "python -m patchray.distributed.bench.host_copy --cases CASE --append --out ... (one process per case)",
                    "config": CONFIG, "torch": torch.__version__, "records": records}, f, indent=1)
     return 0
 
