@@ -2,7 +2,8 @@
 
 The driver builds a diffusers Wan transformer (random bf16 weights), then ships it with ``sampling.remote.ship_model``
 exactly as the Distributed KSampler does, in one of two transports (``torch``: the state dict's tensors pickled,
-PatchRay's former payload; ``numpy``: ``sampling.weights.to_arrays``, viewed by the ranks) and with sharding ``none``
+PatchRay's former payload; ``numpy``: ``sampling.weights.to_arrays``, viewed by the ranks; ``parts``:
+``sampling.ship.ship_model_in_parts``, the skeleton first, then the weights a part at a time) and with sharding ``none``
 or ``blocks`` (``parallel.shard``), and runs two forwards on the ranks (later prompts). A thread samples, every 50 ms,
 the summed PSS (proportional set size: a shared page counts once over its mappers, so Ray's shared-memory store
 counts once) of the driver and every process under it (Ray's raylet and store, the rank actors). Figures are peaks
@@ -103,6 +104,32 @@ def _build(ctx, payload):
     return (model.eval(), handle)
 
 
+def _begin_parts(ctx, payload):
+    """Rank side of the parts transport: the skeleton on the meta device, blocks sharded there, tensors allocated."""
+    import diffusers
+
+    from ..parallel.shard import shard_model
+    from ..sampling.ship import materialize_meta
+
+    with torch.device("meta"):
+        model = diffusers.WanTransformer3DModel(**payload["config"]).to(torch.bfloat16)
+    small = diffusers.WanTransformer3DModel(**dict(payload["config"], num_layers=1, num_attention_heads=1, ffn_dim=8))
+    buffers = {k: v.to(torch.bfloat16) for k, v in small.named_buffers()}
+
+    def init(m):
+        materialize_meta(m, ctx.device)
+        for k, v in buffers.items():
+            mod, _, name = k.rpartition(".")
+            m.get_submodule(mod)._buffers[name] = v
+
+    if payload["sharding"] == "blocks" and ctx.world_size > 1:
+        handle = shard_model(model, ctx, ("blocks.*",), init=init)
+    else:
+        init(model)
+        handle = None
+    return (model.eval(), handle), model
+
+
 def _forward(ctx, key):
     from ..cluster import rank_cache
     from ..sampling.remote import _MODEL
@@ -126,11 +153,12 @@ def _local_bytes(ctx):
     return sum(comm.local_shard(p).numel() * comm.local_shard(p).element_size() for p in model.parameters())
 
 
-def measure(cases: Sequence[tuple], ranks: int = 2) -> List[dict]:
+def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024**2) -> List[dict]:
     import diffusers
 
     from ..cluster import ClusterConfig, get_cluster, shutdown_cluster
     from ..sampling.remote import ship_model
+    from ..sampling.ship import ship_model_in_parts
     from ..sampling.weights import to_arrays
 
     cluster = get_cluster(ClusterConfig(num_ranks=ranks, device="cpu"))
@@ -156,7 +184,12 @@ def measure(cases: Sequence[tuple], ranks: int = 2) -> List[dict]:
                 return {"config": CONFIG, "state_dict": persistent, "views": {}, "sharding": sharding, "transport": transport}
 
             with _Sampler() as first:
-                ship_model(cluster, ("host-copy", i), make_payload, _build)
+                if transport == "parts":
+                    ship_model_in_parts(cluster, ("host-copy", i), lambda: {"config": CONFIG, "sharding": sharding},
+                                        list(persistent), persistent.__getitem__, _begin_parts, part_bytes=part_bytes,
+                                        sizes={k: v.numel() * v.element_size() for k, v in persistent.items()})
+                else:
+                    ship_model(cluster, ("host-copy", i), make_payload, _build)
                 norms = cluster.run(_forward, ("host-copy", i))
             with _Sampler() as later:
                 for _ in range(2):
@@ -164,6 +197,7 @@ def measure(cases: Sequence[tuple], ranks: int = 2) -> List[dict]:
             local = cluster.run(_local_bytes)
             out.append({
                 "transport": transport, "sharding": sharding, "ranks": ranks, "model_bytes": model_bytes,
+                "part_bytes": part_bytes if transport == "parts" else None,
                 "baseline_pss_bytes": baseline, "first_prompt_peak_above_baseline_bytes": first.peak - baseline,
                 "later_prompts_peak_above_baseline_bytes": later.peak - baseline,
                 "first_prompt_ratio": (first.peak - baseline) / model_bytes,
@@ -183,11 +217,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--cases", default="torch:none,numpy:none,numpy:blocks")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--part-mb", type=int, default=32, help="parts transport: MB of weights per part")
     ap.add_argument("--append", action="store_true", help="add to the records already in --out (one case per process:"
                     " a process that ran a case keeps its freed memory, which the next case would reuse unseen)")
     a = ap.parse_args(argv)
     cases = [tuple(c.split(":")) for c in a.cases.split(",")]
-    records = measure(cases, a.ranks)
+    records = measure(cases, a.ranks, a.part_mb * 1024**2)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     if a.append and os.path.exists(a.out):
         with open(a.out) as f:
