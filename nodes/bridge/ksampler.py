@@ -76,7 +76,8 @@ def sample(
     """
     from ...distributed.cluster import ClusterConfig, get_cluster
     from ...distributed.sampling.config import LayerMode, OutputMode
-    from ...distributed.sampling.remote import distributed_sample, ship_model
+    from ...distributed.sampling.remote import distributed_sample
+    from ...distributed.sampling.ship import ship_model_in_parts
     from .dit_layout import plan_layout
     from .dit_models import cond_refusal, find_row
 
@@ -128,7 +129,7 @@ def sample(
                 )
     bridge_model.check_conditioning("positive", positive, layout.mode)
     bridge_model.check_conditioning("negative", negative, layout.mode)
-    key, make_payload = bridge_model.portable_model(model, layout.mode)
+    key, make_skeleton, names, tensor, sizes = bridge_model.portable_parts(model, layout.mode)
     if sharding == "blocks":
         bridge_shard.blocks_for(model.model.diffusion_model)  # an uncovered class is refused before the ranks start
 
@@ -150,10 +151,15 @@ def sample(
             log.info("PatchRay KSampler: %s", why)
         key = key + (("sharding", resolved),)  # a sharded model and a whole one are different things on the ranks
 
-        def make_payload(make=make_payload, resolved=resolved):
+        def make_payload(make=make_skeleton, resolved=resolved):
             return dict(make(), sharding=resolved)
 
-        ship_model(rank_cluster, key, make_payload, f"{_RANK}:build", prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel_check)
+        # the weights travel a part at a time (numpy views of Ray's shared store): beside ComfyUI's own weights the
+        # host holds at most one part in flight (sampling/ship.py)
+        ship_model_in_parts(
+            rank_cluster, key, make_payload, names, tensor, f"{_RANK}:begin_parts", end=f"{_RANK}:end_parts", sizes=sizes,
+            prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel_check,
+        )
         result = distributed_sample(
             rank_cluster, key, f"{_RANK}:sample", inputs, config,
             prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel_check, progress=progress,

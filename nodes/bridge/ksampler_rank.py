@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["WRAPPER_KEY", "prepare", "build", "device_memory", "sample", "agreed_batching", "patch_parallel"]
+__all__ = ["WRAPPER_KEY", "prepare", "build", "begin_parts", "end_parts", "device_memory", "sample", "agreed_batching", "patch_parallel"]
 
 WRAPPER_KEY = "patchray.patch_parallel"
 
@@ -82,6 +82,41 @@ def build(ctx, payload: dict):
     if handle is not None:
         base.__dict__["_patchray_shards"] = handle  # the figures (local bytes, gathered bytes) for checks and logs
         mp.size = local_model_bytes(base)  # ComfyUI sizes a model by its parameters' global shapes: count this rank's
+    return mp
+
+
+def begin_parts(ctx, payload: dict):
+    """Rank side of ``sampling.ship.ship_model_in_parts``: the skeleton, its blocks sharded on the meta device
+    (``sharding=blocks``: each rank allocates only its shards, on its device), every other tensor allocated (on the
+    host for ``none``, as :func:`build` leaves it for ComfyUI's loader). Returns ``(base, base)``: the parts fill the
+    BaseModel by its state-dict names."""
+    import comfy.model_management as mm
+
+    from ...distributed.sampling.ship import materialize_meta
+    from .shard_models import apply_sharding
+
+    mm.unload_all_models()
+    mm.soft_empty_cache()
+    base = payload["skeleton"]
+    sharding = payload.get("sharding", "none")
+    if sharding == "blocks" and ctx.world_size > 1:
+        handle = apply_sharding(ctx, base, sharding, init=lambda dm: materialize_meta(base, ctx.device))
+        base.__dict__["_patchray_shards"] = handle
+    else:
+        materialize_meta(base, torch.device("cpu"))
+    return base, base
+
+
+def end_parts(ctx, base):
+    """The rank's ModelPatcher once every part arrived (its size: what this rank holds)."""
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    from .shard_models import local_model_bytes
+
+    mp = comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+    if base.__dict__.get("_patchray_shards") is not None:
+        mp.size = local_model_bytes(base)
     return mp
 
 

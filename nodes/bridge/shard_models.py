@@ -51,9 +51,10 @@ def weight_bytes(dm) -> int:
     return sum(p.numel() * p.element_size() for p in dm.parameters())
 
 
-def apply_sharding(ctx, base_model, sharding: str):
-    """On each rank, after the weights are loaded: shard the diffusion model's blocks over ``ctx`` (``blocks``), or
-    leave it whole (``none``). Returns the library's ``ShardHandle`` or ``None``."""
+def apply_sharding(ctx, base_model, sharding: str, init=None):
+    """On each rank: shard the diffusion model's blocks over ``ctx`` (``blocks``), or leave it whole (``none``); after
+    the weights are loaded, or on the meta skeleton with ``init`` allocating the tensors (the weights then arrive in
+    parts). Returns the library's ``ShardHandle`` or ``None``."""
     if sharding in (None, "none") or ctx.world_size == 1:
         return None
     if sharding != "blocks":  # backstop, not the guard: the driver resolves auto before shipping
@@ -61,7 +62,7 @@ def apply_sharding(ctx, base_model, sharding: str):
     from ...distributed.parallel.shard import shard_model
 
     dm = base_model.diffusion_model
-    handle = shard_model(dm, ctx, blocks_for(dm))
+    handle = shard_model(dm, ctx, blocks_for(dm), init=init)
     for _, unit in handle.units:
         # A sharded block lives where FSDP2 put it (the rank's device) and is gathered there per call. ComfyUI's loader
         # moves whole models between its load and offload devices (``ModelPatcher.detach`` -> ``model.to``), which

@@ -1,8 +1,9 @@
 """The Distributed KSampler's rank side with sharding=blocks vs sharding=none and ComfyUI's stock sampling.
 
-Each rank builds the model exactly as the node's ranks do — ``ksampler_rank.build`` on the payload the driver makes
-(``model.portable_model``: meta skeleton + numpy weights, here handed over in-process instead of through Ray) with
-``sharding`` none or blocks — and runs ``ksampler_rank.sample`` (ComfyUI's ``comfy.sample.sample`` with PatchRay's
+Each rank builds the model exactly as the node's ranks do — ``ksampler_rank.begin_parts`` on the skeleton the driver
+makes (``model.portable_parts``), then the weights part by part as numpy arrays (``sampling.ship.fill_tensors``; here
+handed over in-process instead of through Ray's store), then ``ksampler_rank.end_parts`` — with ``sharding`` none or
+blocks — and runs ``ksampler_rank.sample`` (ComfyUI's ``comfy.sample.sample`` with PatchRay's
 wrappers). The final latents of both shardings are compared with each other and with ``comfy.sample.sample`` on the
 unsharded ModelPatcher on rank 0. ComfyUI's own classes at small widths (``dit_ranks._model``): FLUX.1, Wan 2.1 and
 an SD-style UNet (cfg parallelism: the whole model per rank, its blocks still sharded over both ranks); one case
@@ -50,7 +51,9 @@ def _rank(ctx, opts):
     from patchray.distributed.sampling.remote import RankSession
     from patchray.nodes.bridge import ksampler_rank as kr
     from patchray.nodes.bridge.dit_layout import plan_layout
-    from patchray.nodes.bridge.model import portable_model
+    from patchray.distributed.sampling.ship import fill_tensors, parts_by_bytes
+    from patchray.distributed.sampling.weights import from_arrays, to_arrays
+    from patchray.nodes.bridge.model import portable_parts
 
     kr.prepare(ctx, opts["comfy"])
     import comfy.sample
@@ -72,13 +75,16 @@ def _rank(ctx, opts):
                 ref = comfy.sample.sample(mp.clone(), inputs["noise"], 3, inputs["cfg"], "euler", "simple", inputs["positive"],
                                           inputs["negative"], inputs["latent_image"], denoise=1.0, noise_mask=inputs["noise_mask"],
                                           disable_pbar=True, seed=42).float()
-        _, make_payload = portable_model(mp, layout.mode)
+        _, make_skeleton, names, tensor, sizes = portable_parts(mp, layout.mode)
         rec = {"layout": layout.mode}
         finals = {}
         for sharding in ("none", "blocks"):
-            payload = dict(make_payload(), sharding=sharding)
-            rank_mp = kr.build(ctx, payload)
-            del payload
+            # what ship_model_in_parts does, without Ray: the skeleton, then the weights in parts (numpy, viewed)
+            built, module = kr.begin_parts(ctx, dict(make_skeleton(), sharding=sharding))
+            for group in parts_by_bytes(((n, sizes[n]) for n in names), 64 * 1024):
+                arrays, views = to_arrays({n: tensor(n) for n in group})
+                fill_tensors(module, from_arrays(arrays, views, copy=False), ctx)
+            rank_mp = kr.end_parts(ctx, built)
             handle = rank_mp.model.__dict__.get("_patchray_shards")
             dm = rank_mp.model.diffusion_model
             if handle is not None:
