@@ -34,7 +34,9 @@ CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=12
               text_dim=256, freq_dim=64, ffn_dim=4096, num_layers=16, cross_attn_norm=True, qk_norm="rms_norm_across_heads")
 
 
-def _pss_tree(root_pid: int) -> int:
+def _pss_tree(root_pid: int, idle: bool = True) -> int:
+    """Summed PSS of ``root_pid`` and its descendants; without ``idle``, Ray's idle worker processes (``ray::IDLE``,
+    started and stopped by Ray on its own, a few hundred MB each whatever the model) are left out."""
     import psutil
 
     total = 0
@@ -45,6 +47,8 @@ def _pss_tree(root_pid: int) -> int:
         return 0
     for p in procs:
         try:
+            if not idle and " ".join(p.cmdline()).startswith("ray::IDLE"):
+                continue
             total += p.memory_full_info().pss
         except psutil.Error:
             pass
@@ -55,6 +59,7 @@ class _Sampler:
     def __init__(self, period_s: float = 0.05):
         self.period_s = period_s
         self.peak = 0
+        self.peak_no_idle = 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -62,6 +67,7 @@ class _Sampler:
         pid = os.getpid()
         while not self._stop.is_set():
             self.peak = max(self.peak, _pss_tree(pid))
+            self.peak_no_idle = max(self.peak_no_idle, _pss_tree(pid, idle=False))
             time.sleep(self.period_s)
 
     def __enter__(self):
@@ -179,6 +185,7 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
             gc.collect()
             time.sleep(1.0)
             baseline = _pss_tree(os.getpid())
+            baseline_no_idle = _pss_tree(os.getpid(), idle=False)
             g = torch.Generator().manual_seed(0)
             model = diffusers.WanTransformer3DModel(**CONFIG).to(torch.bfloat16)
             with torch.no_grad():
@@ -212,6 +219,8 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
                 "later_prompts_peak_above_baseline_bytes": later.peak - baseline,
                 "first_prompt_ratio": (first.peak - baseline) / model_bytes,
                 "later_prompts_ratio": (later.peak - baseline) / model_bytes,
+                "first_prompt_ratio_without_idle_workers": (first.peak_no_idle - baseline_no_idle) / model_bytes,
+                "later_prompts_ratio_without_idle_workers": (later.peak_no_idle - baseline_no_idle) / model_bytes,
                 "rank_local_weight_bytes": local, "outputs_agree": len({round(n, 3) for n in norms}) == 1,
             })
             print(json.dumps(out[-1]), flush=True)
