@@ -110,6 +110,24 @@ def _build(ctx, payload):
     return (model.eval(), handle)
 
 
+def _breakdown(root_pid: int) -> Dict[str, int]:
+    """PSS by process kind (the driver, Ray's raylet with its shared-memory store, the rank actors, the rest)."""
+    import psutil
+
+    out: Dict[str, int] = {}
+    root = psutil.Process(root_pid)
+    for p in [root] + root.children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            kind = ("driver" if p.pid == root_pid else "raylet (store)" if "raylet" in cmd
+                    else "ranks" if cmd.startswith("ray::_RankActor") else "ray idle workers" if cmd.startswith("ray::IDLE")
+                    else "other ray processes")
+            out[kind] = out.get(kind, 0) + p.memory_full_info().pss
+        except psutil.Error:
+            pass
+    return out
+
+
 def _begin_parts(ctx, payload):
     """Rank side of the parts transport: the skeleton on the meta device, blocks sharded there, tensors allocated."""
     import diffusers
@@ -186,6 +204,7 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
             time.sleep(1.0)
             baseline = _pss_tree(os.getpid())
             baseline_no_idle = _pss_tree(os.getpid(), idle=False)
+            before = _breakdown(os.getpid())
             g = torch.Generator().manual_seed(0)
             model = diffusers.WanTransformer3DModel(**CONFIG).to(torch.bfloat16)
             with torch.no_grad():
@@ -208,6 +227,7 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
                 else:
                     ship_model(cluster, ("host-copy", i), make_payload, _build)
                 norms = cluster.run(_forward, ("host-copy", i))
+            after_first = _breakdown(os.getpid())
             with _Sampler() as later:
                 for _ in range(2):
                     cluster.run(_forward, ("host-copy", i))
@@ -221,7 +241,8 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
                 "later_prompts_ratio": (later.peak - baseline) / model_bytes,
                 "first_prompt_ratio_without_idle_workers": (first.peak_no_idle - baseline_no_idle) / model_bytes,
                 "later_prompts_ratio_without_idle_workers": (later.peak_no_idle - baseline_no_idle) / model_bytes,
-                "rank_local_weight_bytes": local, "outputs_agree": len({round(n, 3) for n in norms}) == 1,
+                "rank_local_weight_bytes": local,
+                "pss_growth_by_process_after_first_prompt": {k: after_first.get(k, 0) - before.get(k, 0) for k in after_first}, "outputs_agree": len({round(n, 3) for n in norms}) == 1,
             })
             print(json.dumps(out[-1]), flush=True)
             del model, persistent
