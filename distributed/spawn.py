@@ -20,7 +20,7 @@ import queue as _queue
 import shutil
 import tempfile
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Sequence, Union
 
 import torch
 import torch.multiprocessing as mp
@@ -35,9 +35,9 @@ class RankError(RuntimeError):
     """A rank raised; the message names the rank and carries its traceback."""
 
 
-def _worker(rank, world_size, store_path, backend, device_kind, fn, args, kwargs, queue, timeout_s):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
+def _worker(rank, world_size, store_path, backend, device_kind, fn, args, kwargs, queue, timeout_s, threads=1):
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
     try:
         comm.init_process_group(
             backend,
@@ -67,6 +67,7 @@ def run_ranks(
     backend: str = "gloo",
     device: str = "cpu",
     timeout_s: float = 300.0,
+    threads: Union[int, Sequence[int]] = 1,
     **kwargs,
 ) -> List[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` spawned ranks; return the results by rank.
@@ -77,6 +78,8 @@ def run_ranks(
         backend: ``"gloo"`` (CPU, or several ranks sharing one GPU) or ``"nccl"``.
         device: ``"cpu"`` or ``"cuda"`` (every rank uses ``cuda:0`` of what it sees).
         timeout_s: bound on forming the group and on each collective.
+        threads: compute threads per rank: one count for every rank, or one per rank (e.g. ``(2, 1)``: ranks of
+            unequal speed on one machine).
 
     Raises:
         RankError: naming the first failing rank, with its traceback.
@@ -85,6 +88,9 @@ def run_ranks(
         >>> run_ranks(my_module.rank_of, 2)  # doctest: +SKIP
         [0, 1]
     """
+    per_rank = [threads] * world_size if isinstance(threads, int) else list(threads)
+    if len(per_rank) != world_size or any(not isinstance(t, int) or t < 1 for t in per_rank):
+        raise ValueError(f"threads must be a count >= 1 or one count per rank (got {threads!r} for {world_size} ranks)")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     rendezvous = tempfile.mkdtemp(prefix="patchray-spawn-")
@@ -92,7 +98,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, store_path, backend, device, fn, args, kwargs, queue, timeout_s),
+            args=(r, world_size, store_path, backend, device, fn, args, kwargs, queue, timeout_s, per_rank[r]),
             daemon=True,
         )
         for r in range(world_size)

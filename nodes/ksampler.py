@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ._comfy import interrupt_check, io, progress_callback, sampler_lists
 from .bridge import ksampler as bridge_ksampler
-from .bridge.ksampler import ATTENTION_NAMES, PARALLELISM_NAMES, PRESET_NAMES, SHARDING_NAMES
+from .bridge.ksampler import ATTENTION_NAMES, BALANCE_NAMES, PARALLELISM_NAMES, PRESET_HELP, PRESET_NAMES, SHARDING_NAMES
 from .types import CATEGORY, CLUSTER
 
 __all__ = ["PatchRayKSampler"]
@@ -31,7 +31,7 @@ class PatchRayKSampler(io.ComfyNode):
                 "MODEL as loaded. parallelism: a band of latent rows per rank (sequence; UNets SD 1.x/2.x/SDXL and the "
                 "DiTs FLUX.1, Chroma, Wan 2.1/2.2), cond and uncond on different ranks (cfg; every model), or the "
                 "batch split (batch; every model). Exact (equal to the stock KSampler) with preset full_sync; "
-                "displaced/otil/balanced trade exactness for less traffic on UNets."
+                "displaced/compressed/otil/balanced trade exactness for less traffic (UNets and DiTs); auto picks by link."
             ),
             inputs=[
                 io.Model.Input("model", tooltip="The model (from a checkpoint loader; LoRAs and model patches applied)."),
@@ -49,11 +49,8 @@ class PatchRayKSampler(io.ComfyNode):
                     "preset",
                     options=PRESET_NAMES,
                     default="full_sync",
-                    tooltip=(
-                        "full_sync: exact, every layer exchanges every step. displaced: DistriFusion, neighbours' data one step "
-                        "stale and sent asynchronously. otil: stale layers plus only the top-k most-changed latent blocks sent "
-                        "per step, periodic refresh. balanced: stale layers, full output exchange, frequent refresh."
-                    ),
+                    tooltip=" ".join(f"{name}: {PRESET_HELP[name]}." for name in PRESET_NAMES)
+                    + " UNets: parallelism sequence; DiTs: sequence or cfg+sequence, gathered or auto attention.",
                 ),
                 io.Int.Input("warmup_steps", default=-1, min=-1, max=1000, tooltip="Synchronous steps at the start (-1: the preset's, 4). Ignored by full_sync."),
                 io.Int.Input("refresh_every", default=-1, min=-1, max=1000, tooltip="Run every Nth step synchronous to refresh stale data (-1: the preset's; 0: never). Ignored by full_sync."),
@@ -85,6 +82,18 @@ class PatchRayKSampler(io.ComfyNode):
                     ),
                 ),
                 io.Combo.Input(
+                    "balance",
+                    options=BALANCE_NAMES,
+                    default="equal",
+                    optional=True,
+                    tooltip=(
+                        "How big each rank's band of latent rows is when the work is split by sequence. equal: the same "
+                        "for every rank. speed: proportional to each rank's measured speed (a short benchmark run once "
+                        "per cluster), so a faster GPU takes more rows and a mixed pair (e.g. 4090 + 3090) finishes "
+                        "together. The result is the same either way; cfg and batch splits are unaffected."
+                    ),
+                ),
+                io.Combo.Input(
                     "sharding",
                     options=SHARDING_NAMES,
                     default="none",
@@ -104,13 +113,15 @@ class PatchRayKSampler(io.ComfyNode):
     def execute(
         cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster,
         preset="full_sync", warmup_steps=-1, refresh_every=-1, k_ratio=0.25, block_size=8, parallelism="auto",
-        sequence_attention="auto", sharding="none",
+        sequence_attention="auto", balance="equal", sharding="none",
     ) -> io.NodeOutput:
-        config = bridge_ksampler.patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size)
+        link = bridge_ksampler.link_profile(cluster) if preset == "auto" else None
+        config = bridge_ksampler.patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size, link=link)
         progress = progress_callback(steps)
         latent = bridge_ksampler.sample(
             model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster, config,
-            parallelism=parallelism, attention=sequence_attention, sharding=sharding, cancel_check=interrupt_check(), progress=progress,
+            parallelism=parallelism, attention=sequence_attention, balance=balance, sharding=sharding,
+            cancel_check=interrupt_check(), progress=progress,
         )
         if progress is not None:
             progress(steps, steps)

@@ -21,6 +21,20 @@ def _precision_input():
     )
 
 
+def _balance_input():
+    return io.Combo.Input(
+        "balance",
+        options=["equal", "speed"],
+        default="equal",
+        optional=True,
+        tooltip=(
+            "Row mode: how many rows each rank decodes. equal: the same for every rank. speed: in proportion to each "
+            "rank's measured speed (a short benchmark run once per cluster), so a faster GPU takes more rows and a "
+            "mixed pair (e.g. 4090 + 3090) finishes together. The image is the same either way; tile modes ignore it."
+        ),
+    )
+
+
 def _output(result: "bridge_vae.Result") -> io.NodeOutput:
     if result.note is None:
         return io.NodeOutput(result.value)
@@ -67,14 +81,16 @@ class PatchRayVAEDecode(io.ComfyNode):
                     tooltip="Tile modes only: share GroupNorm statistics between tiles so colours match the full decode (one extra collective per norm).",
                 ),
                 TILE_PLAN.Input("plan", optional=True, tooltip="Optional tile plan from PatchRay Tile Planner (tile-runs mode); without it the planner's balanced plan is used."),
+                _balance_input(),
             ],
             outputs=[io.Image.Output(display_name="IMAGE", tooltip="The decoded image(s), like the stock VAE Decode: [B, H, W, 3] in 0..1; video frames in the batch.")],
         )
 
     @classmethod
-    def execute(cls, samples, vae, cluster, mode="auto", precision="auto", gn_sync=False, plan=None) -> io.NodeOutput:
+    def execute(cls, samples, vae, cluster, mode="auto", precision="auto", gn_sync=False, plan=None, balance="equal") -> io.NodeOutput:
         progress = _progress()
-        result = bridge_vae.decode(samples, vae, cluster, mode, precision, gn_sync, plan, cancel_check=interrupt_check(), progress=progress)
+        result = bridge_vae.decode(samples, vae, cluster, mode, precision, gn_sync, plan, cancel_check=interrupt_check(), progress=progress,
+                                   balance=balance)
         _finish(progress)
         return _output(result)
 
@@ -95,13 +111,14 @@ class PatchRayVAEEncode(io.ComfyNode):
                 io.Vae.Input("vae", tooltip="ComfyUI's VAE, from the stock Load VAE or checkpoint loader."),
                 CLUSTER.Input("cluster", tooltip="The rank cluster, from PatchRay Cluster."),
                 _precision_input(),
+                _balance_input(),
             ],
             outputs=[io.Latent.Output(display_name="LATENT", tooltip="The latent, like the stock VAE Encode: {'samples': tensor}.")],
         )
 
     @classmethod
-    def execute(cls, pixels, vae, cluster, precision="auto") -> io.NodeOutput:
+    def execute(cls, pixels, vae, cluster, precision="auto", balance="equal") -> io.NodeOutput:
         progress = _progress()
-        result = bridge_vae.encode(pixels, vae, cluster, precision, cancel_check=interrupt_check(), progress=progress)
+        result = bridge_vae.encode(pixels, vae, cluster, precision, cancel_check=interrupt_check(), progress=progress, balance=balance)
         _finish(progress)
         return _output(result)

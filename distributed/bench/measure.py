@@ -18,6 +18,10 @@ barrier. An error is caught and recorded per rank (an out-of-memory error as ``"
   time it. The modelled N-device latency then sums, stage by stage, the slowest rank's compute and the
   communication modelled from the bytes each call moved (:func:`.linkmodel.model_alone`): the ranks meet at
   every collective, so a stage ends when its slowest rank does.
+* **The unsharded reference runs on one rank** (:func:`measure_on_one_rank`): a speed-up's denominator is one
+  device's decode, so rank 0 measures it as a one-rank run while the other ranks wait at one bounded barrier.
+  Run on every rank at once, N full decodes would compete for the same CPU cores or GPU and inflate the
+  reference (at 4 CPU ranks, kl 200x136, one thread per rank: 3.4 s against 2.3 s on one rank).
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..comm import CommCall, barrier, intercept, log_comm, tensor_bytes, uncounted_barrier
+from ..comm import CommCall, barrier, bounded_barrier, intercept, log_comm, tensor_bytes, uncounted_barrier
+from ..context import ParallelContext
 from .linkmodel import call_wire_bytes, time_comm
 from .options import Options
 
 __all__ = ["sync_fn", "classify_error", "error_record", "memory_cap", "unique_path", "measure", "TurnTaking",
-           "take_turns", "measure_alone"]
+           "take_turns", "measure_alone", "measure_on_one_rank"]
 
 
 def sync_fn(device: torch.device) -> Callable[[], None]:
@@ -256,7 +261,7 @@ class TurnTaking:
         result = _completed(result)
         self.sync()
         self.comm_ms.append((time.perf_counter() - start) * 1e3)
-        self.wire_bytes.append(call_wire_bytes(call, self.ctx.world_size))
+        self.wire_bytes.append(call_wire_bytes(call, _group_size(call, self.ctx.world_size)))
         self.ops.append(call.op)
         self.begin_turn()
         return result
@@ -265,6 +270,15 @@ class TurnTaking:
         return {"compute_ms": [round(x, 4) for x in self.compute_ms], "cpu_ms": [round(x, 4) for x in self.cpu_ms],
                 "comm_ms": [round(x, 4) for x in self.comm_ms], "wire_bytes": list(self.wire_bytes),
                 "ops": list(self.ops), "marks": list(self.marks)}
+
+
+def _group_size(call: CommCall, default: int) -> int:
+    """The size of the group a call ran on (a subgroup inside the turn-taking group: CFG x sequence), else ``default``."""
+    size = getattr(call.kwargs.get("group"), "size", None)
+    try:
+        return int(size()) if callable(size) else default
+    except Exception:  # a group object without a size: the turn-taking group's
+        return default
 
 
 def _completed(result):
@@ -353,4 +367,24 @@ def measure(ctx, opts: Options, fn: Callable[[], Any], stem: str) -> Tuple[dict,
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
     m["cpu_s"] = time.process_time() - cpu_start
+    return m, output
+
+
+def measure_on_one_rank(ctx, opts: Options, fn: Callable[[], Any], stem: str, rank: int = 0) -> Tuple[dict, Any]:
+    """:func:`measure` of ``fn`` on ``rank`` alone, as a one-rank run; the other ranks wait and never call ``fn``.
+
+    For work with no collective (the unsharded reference). Every rank then meets at one barrier bounded by
+    ``opts.timeout_s`` (:func:`~patchray.distributed.comm.bounded_barrier`), so the ranks leave together and a
+    rank that never arrives raises instead of hanging. The waiting ranks return a record with ``waited: True``
+    and no times.
+    """
+    if ctx.rank == rank:
+        m, output = measure(ParallelContext.single(ctx.device), opts, fn, stem)
+        m["rank"] = ctx.rank
+    else:
+        m = {"rank": ctx.rank, "error": None, "times_ms": [], "comm": None, "comm_ms": None,
+             "peak": {"metric": None, "bytes": None}, "profile": None, "device": str(ctx.device), "cpu_s": 0.0,
+             "waited": True}
+        output = None
+    bounded_barrier(ctx, getattr(opts, "timeout_s", 3600.0))
     return m, output

@@ -192,6 +192,7 @@ def base_record(opts: Options, spec, shape, case: Case, world: int, prov) -> dic
         "agreement_ok": None,
         "finite": None,
         "cpu_s_by_rank": None,
+        "reference_ranks": None,
         "compute_ms_by_rank": None,
         "comm_ms_by_rank": None,
         "wire_bytes_by_rank": None,

@@ -50,6 +50,10 @@ ALL_CASES = {
     "otil_c4": ("otil", {"compress_bits": 4}),
     "otil_adaptive": ("otil", {"adaptive_k": True, "comm_budget_ms": 0.5}),
     "otil_cfghalf": ("otil", {"cfg_repair_half": True}),
+    "compressed": ("compressed", {}),
+    "compressed_2bit": ("compressed_2bit", {}),
+    "compressed_1bit": ("compressed_1bit", {}),
+    "otil_compressed": ("otil_compressed", {}),
 }
 
 # SDXL's latent -> RGB preview factors (rows: latent channels; columns: R, G, B) and bias

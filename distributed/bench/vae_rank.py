@@ -2,7 +2,9 @@
 
 Design decision: :func:`bench_rank` builds the VAE with seed-0 weights and the input with seed 1, plans the
 cases, measures each (:mod:`.measure`) and ends every case with one ``all_gather_object`` so *every* rank
-returns the finished records. An error in one case is recorded and the ranks move on together.
+returns the finished records. An error in one case is recorded and the ranks move on together. The unsharded
+reference runs on rank 0 alone while the other ranks wait (:func:`.measure.measure_on_one_rank`): its figures are
+one device's decode, the denominator of every speed-up, and the record's per-rank lists hold rank 0's only.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..comm import all_gather_object
 from .cases import Case, Reference, make_input, make_runner, plan_cases
 from .catalog import format_shape
 from .linkmodel import model_record, summarise_alone, throttle_link, wire_bytes
-from .measure import error_record, measure, memory_cap
+from .measure import error_record, measure, measure_on_one_rank, memory_cap
 from .options import DTYPES, Options
 from .records import base_record, check_output, comm_block, peak_block
 
@@ -139,19 +141,27 @@ def _run_case(ctx, opts, spec, vae, inp, shape, case: Case, prov, throttle, ref:
     if ctx.rank == 0:
         progress_line(opts, f"  {format_shape(shape)} {case.name}: running ({opts.warmup} warm-up, 1 logged, {opts.iters} timed)")
     slept_before = throttle["slept_ms"] if throttle is not None else 0.0
-    mine, output = measure(ctx, opts, runner, stem)
+    on_one_rank = case.mode == "unsharded" and world > 1
+    if on_one_rank:
+        mine, output = measure_on_one_rank(ctx, opts, runner, stem)
+    else:
+        mine, output = measure(ctx, opts, runner, stem)
     if throttle is not None:
         mine["slept_ms"] = throttle["slept_ms"] - slept_before
     # rank 0 judges its output (the distributed modes deliver there); the verdict travels with its measurements
     if ctx.rank == 0 and mine["error"] is None:
         mine["check"] = check_output(opts, spec, shape, case, output, ref)
-    per_rank = all_gather_object(mine, ctx)
+    gathered = all_gather_object(mine, ctx)
     keep = output if (case.mode == "unsharded" and ctx.rank == 0) else None
     del output
 
-    errors = [m["error"] for m in per_rank if m["error"]]
+    errors = [m["error"] for m in gathered if m["error"]]
     rec["error"] = errors[0] if errors else None
-    rec["errors_by_rank"] = [m["error"]["kind"] if m["error"] else None for m in per_rank]
+    rec["errors_by_rank"] = [m["error"]["kind"] if m["error"] else None for m in gathered]
+    # the reference ran on rank 0 alone: its figures are rank 0's (the others only waited)
+    per_rank = [m for m in gathered if not m.get("waited")]
+    rec["reference_ranks"] = [m["rank"] for m in per_rank] if case.mode == "unsharded" else None
+    world = len(per_rank)
     check = per_rank[0].get("check") or {}
     if rec["error"] is None and check.get("structural"):
         rec["error"] = error_record("structural", check["structural"], 0)

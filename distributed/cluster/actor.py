@@ -57,13 +57,14 @@ def report_progress(done: int, total: int) -> None:
 class _RankActor:
     """Hosts one rank. Methods are called by :class:`RankCluster` only."""
 
-    def __init__(self, rank: int, world_size: int, device_kind: str, rank_memory_mb: Optional[float] = None):
+    def __init__(self, rank: int, world_size: int, device_kind: str, rank_memory_mb: Optional[float] = None,
+                 threads: Optional[int] = None):
         self.rank, self.world_size, self.device_kind = rank, world_size, device_kind
         self.rank_memory_mb = rank_memory_mb
         self.ctx: Optional[ParallelContext] = None
         self._store = None
         if device_kind == "cpu":
-            threads = max(1, (os.cpu_count() or 1) // max(1, world_size))
+            threads = threads or max(1, (os.cpu_count() or 1) // max(1, world_size))
             torch.set_num_threads(threads)
 
     def _device(self) -> torch.device:

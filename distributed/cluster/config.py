@@ -35,6 +35,9 @@ class ClusterConfig:
         rank_memory_mb: a cap on what one call may allocate on each rank beyond what the rank already held
             (``None``: no cap). Past it the rank raises ``torch.OutOfMemoryError``, as a full GPU does; see
             ``memory.py``. For sharing a GPU with other work, and for exercising out-of-memory recovery on CPU ranks.
+        rank_threads: CPU ranks only: the compute threads of each rank (one count per rank, e.g. ``(2, 1)``);
+            empty gives each rank this machine's cores divided by the rank count. Unequal counts make ranks of
+            unequal speed on one machine (what speed-weighted bands are for, shown on CPU).
 
     Example:
         >>> cfg = ClusterConfig(num_ranks=2, device="cpu")
@@ -52,6 +55,7 @@ class ClusterConfig:
     gpu_ids: tuple = ()
     connect_timeout_s: float = 30.0
     rank_memory_mb: Optional[float] = None
+    rank_threads: tuple = ()
 
     def __post_init__(self):
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
@@ -68,6 +72,14 @@ class ClusterConfig:
             raise ValueError(f"rank_memory_mb must be a positive number of MiB or None (got {self.rank_memory_mb!r})")
         object.__setattr__(self, "extra_pythonpath", tuple(self.extra_pythonpath))
         object.__setattr__(self, "gpu_ids", tuple(self.gpu_ids))
+        object.__setattr__(self, "rank_threads", tuple(self.rank_threads))
+        if self.rank_threads:
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in self.rank_threads):
+                raise ValueError(f"rank_threads must be thread counts >= 1, one per rank (got {self.rank_threads!r})")
+            if len(self.rank_threads) != self.num_ranks:
+                raise ValueError(f"rank_threads lists {len(self.rank_threads)} count(s) for {self.num_ranks} ranks: list one per rank")
+            if self.device == "cuda":
+                raise ValueError("rank_threads sets CPU ranks' threads, but device is 'cuda': drop rank_threads or use device='cpu'")
         if self.gpu_ids:
             if any(not isinstance(g, int) or g < 0 for g in self.gpu_ids) or len(set(self.gpu_ids)) != len(self.gpu_ids):
                 raise ValueError(f"gpu_ids must be distinct GPU indices >= 0 (got {self.gpu_ids!r})")

@@ -168,7 +168,10 @@ class RankCluster:
                 max_concurrency=2,  # a second thread answers ping() while a call runs
                 name=None,
             )
-            self._actors.append(actor_cls.options(**opts).remote(r, n, self.device_kind, cfg.rank_memory_mb))
+            if self.device_kind == "cpu" and cfg.rank_threads:
+                opts["runtime_env"] = {"env_vars": dict(env, OMP_NUM_THREADS=str(cfg.rank_threads[r]))}
+            threads = cfg.rank_threads[r] if self.device_kind == "cpu" and cfg.rank_threads else None
+            self._actors.append(actor_cls.options(**opts).remote(r, n, self.device_kind, cfg.rank_memory_mb, threads))
 
         deadline = time.monotonic() + cfg.init_timeout_s
         cancel = self._cancel_check

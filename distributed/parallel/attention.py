@@ -64,14 +64,34 @@ def _gather_kv(key: torch.Tensor, value: torch.Tensor, ctx, dim: int, sizes: Seq
     return both[..., :width], both[..., width:]
 
 
+def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``scaled_dot_product_attention`` runs a fused CUDA kernel (flash or memory-efficient) on these
+    inputs, i.e. holds no score matrix. Decided from the inputs' shapes and dtypes (the same on every rank)."""
+    if query.device.type != "cuda":
+        return False
+    try:
+        from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+
+        try:
+            params = SDPAParams(query, key, value, None, 0.0, False, False)
+        except TypeError:  # builds before grouped-query attention took one argument fewer
+            params = SDPAParams(query, key, value, None, 0.0, False)
+        return bool(can_use_flash_attention(params, False) or can_use_efficient_attention(params, False))
+    except Exception:  # an API this build lacks: chunk, the choice that is safe for memory
+        return False
+
+
 def chunked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: int) -> torch.Tensor:
     """``scaled_dot_product_attention`` with the queries in ``chunks`` pieces (each query row is independent).
 
     With K/V gathered from N ranks, one call would hold an ``L_local x N * L_local`` score matrix where a kernel
     falls back to the math path (head dims above the fused kernels' limit, as in the VAEs' single-head
-    attention): N times what a band decode holds. N query chunks keep it at the band's ``L_local^2``.
+    attention): N times what a band decode holds. N query chunks keep it at the band's ``L_local^2``. A fused
+    kernel holds no score matrix, so there the band's queries go in one call: a fused kernel's grid is one block
+    per query tile, and ``L / N^2`` queries per call would leave most of a GPU idle (64 blocks on an H200's 132
+    multiprocessors for the kl mid-block at 2048x2048 and N = 4).
     """
-    if chunks <= 1 or query.shape[-2] < 2 * chunks:
+    if chunks <= 1 or query.shape[-2] < 2 * chunks or _fused_attention(query, key, value):
         return F.scaled_dot_product_attention(query, key, value)
     step = -(-query.shape[-2] // chunks)
     return torch.cat([F.scaled_dot_product_attention(q, key, value) for q in query.split(step, dim=-2)], dim=-2)

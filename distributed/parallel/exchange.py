@@ -9,13 +9,17 @@ choice is a strategy object, shared by every adapter that exchanges (halo convol
   and kept in the stale memory; the other steps read the memory ("no_sync").
 * :data:`DISPLACED` (:class:`StaleExchange` with streaming): DistriFusion's displaced patch parallelism: the
   memory is refreshed every step by an asynchronous all-gather of this step's values, read one step later.
+* :class:`CompressedExchange` (:func:`compressed`): displaced, but the refresh travels as ``bits``-bit residuals
+  ``fresh - what_peers_hold`` (1, 2 or 4 bits, one absmax scale per group of elements, packed codes) with error
+  feedback (CompactFusion): sender and receivers both store ``base + dequant(q)``, so quantisation error does not
+  accumulate. Synchronous steps (warm-up, refresh) are exact and also reset the sender's reference. The codec and
+  its buffers belong to the stale memory (``sampling/comm_manager.py``); the strategy only marks its slots.
 
 The strategies do not branch on a mode inside the forward; each is its own small class. The K/V methods are the
 seam for sequence-parallel attention (DiTs, ``sequence.py``): :class:`~.sequence.SequenceAttention` in gathered mode
 completes a token shard's packed K and V through ``full_kv`` exactly like a row band's (the token table is the band
-table, see ``bands.py``), so displaced K/V work for DiTs unchanged. Further K/V strategies plug in here without a
-second attention code path: a compressed-residual exchange (send low-bit ``fresh - stale`` with error feedback, as
-OTIL's ``compress_bits`` does for the output). Ulysses (all-to-all of q, k, v over heads) exchanges this step's
+table, see ``bands.py``), so displaced K/V work for DiTs unchanged. The compressed-residual strategy plugs in at the same seam (no
+second attention code path), for the UNet's halos and K/V and the DiTs' gathered K/V alike. Ulysses (all-to-all of q, k, v over heads) exchanges this step's
 queries too, so it is a mode of :class:`~.sequence.SequenceAttention` rather than a K/V strategy; it only runs with
 :data:`EXACT`.
 
@@ -36,7 +40,21 @@ from ..context import ParallelContext
 from .bands import band_heights, bounds_of, scaled_extents
 from .plan import RowState
 
-__all__ = ["StepState", "PeerExchange", "ExactExchange", "StaleExchange", "EXACT", "STALE", "DISPLACED"]
+__all__ = [
+    "StepState",
+    "PeerExchange",
+    "ExactExchange",
+    "StaleExchange",
+    "CompressedExchange",
+    "compressed",
+    "EXACT",
+    "STALE",
+    "DISPLACED",
+    "COMPRESSED_BITS",
+]
+
+#: the code widths :class:`CompressedExchange` accepts
+COMPRESSED_BITS = (1, 2, 4)
 
 
 class StepState(RowState):
@@ -66,7 +84,7 @@ class StepState(RowState):
 
     def set_bands(self, height: int, width: int, cm) -> None:
         """Set the band table for a latent size and the stale memory (``cm``) the adapters use with it."""
-        self.rows = band_heights(height, self.ctx.world_size, self.align)
+        self.rows = band_heights(height, self.ctx.world_size, self.align, weights=self.ctx.band_weights)
         self.bounds = bounds_of(self.rows)
         self.latent_bounds = self.bounds
         self.height, self.width = height, width
@@ -137,13 +155,21 @@ class StaleExchange(PeerExchange):
 
     streams: bool = False
 
+    #: bits of the streamed refresh (0: values as they are); see :class:`CompressedExchange`
+    bits = 0
+
+    def _edges(self, x, keep):
+        return torch.cat([x[..., :keep, :], x[..., x.shape[-2] - keep :, :]], dim=-2)
+
     def halo(self, x, key, before, after, keep, state):
         cm, r, n = state.cm, state.ctx.rank, state.ctx.world_size
         if state.sync:
             h = _exact_halo(x, before, after, state)
             shape = list(x.shape)
             shape[-2] = 2 * keep  # each rank keeps `keep` rows of each of its edges
-            sid = cm.register(key, "halo", shape, x, None, streamed=self.streams)
+            sid = cm.register(key, "halo", shape, x, None, streamed=self.streams, bits=self.bits)
+            if self.bits:  # the reference: what the neighbours now hold of this rank's edges (the rows they read)
+                cm.view(sid, r).copy_(self._edges(x, keep))
             if h.before is not None:
                 cm.view(sid, r - 1)[..., 2 * keep - before :, :].copy_(h.before)
             if h.after is not None:
@@ -153,16 +179,16 @@ class StaleExchange(PeerExchange):
         above = cm.view(sid, r - 1)[..., 2 * keep - before :, :].clone() if r > 0 and before else None
         below = cm.view(sid, r + 1)[..., :after, :].clone() if r < n - 1 and after else None
         if self.streams:
-            cm.enqueue(sid, torch.cat([x[..., :keep, :], x[..., x.shape[-2] - keep :, :]], dim=-2))
+            cm.enqueue(sid, self._edges(x, keep))
         return above, below
 
     def full_kv(self, local, key, state):
         cm, me = state.cm, state.ctx.rank
         if state.sync:
             full, sizes = _exact_kv(local, state)
-            sid = cm.register(key, "kv", local.shape, local, 1, streamed=self.streams)
+            sid = cm.register(key, "kv", local.shape, local, 1, streamed=self.streams, bits=self.bits)
             for r, part in enumerate(full.split(sizes, dim=1)):
-                if r != me:
+                if r != me or self.bits:  # compressed: this rank's own row is the reference the residuals go against
                     cm.view(sid, r).copy_(part)
             return full
         sid = cm.register(key, "kv", local.shape, local, 1, streamed=False)  # lookup
@@ -170,6 +196,35 @@ class StaleExchange(PeerExchange):
         if self.streams:
             cm.enqueue(sid, local)
         return full
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompressedExchange(StaleExchange):
+    """Displaced exchange whose per-step refresh travels as ``bits``-bit residuals with error feedback.
+
+    Args:
+        bits: 1, 2 or 4 (:data:`COMPRESSED_BITS`): sign codes with a mean-absolute scale, or symmetric absmax codes;
+            one float32 scale per group of ``comm_manager.GROUP`` elements.
+
+    Synchronous steps are exact (one blocking exchange, as :data:`EXACT`) and set both the peers' copies and this
+    rank's reference; every other step reads the peers' previous-step values from the memory and enqueues this
+    step's value, of which only the quantised change since the reference travels. Over the rows a peer reads, its
+    copy equals the sender's reference bit for bit (the halo memory of a peer that is not a neighbour is never read).
+    """
+
+    streams: bool = True
+    bits: int = 2
+
+    def __post_init__(self):
+        if self.bits not in COMPRESSED_BITS:
+            raise ValueError(f"compressed exchange bits must be one of {COMPRESSED_BITS} (got {self.bits})")
+        if not self.streams:
+            raise ValueError("the compressed exchange refreshes every step: streams must be True")
+
+
+def compressed(bits: int) -> CompressedExchange:
+    """The compressed-residual strategy with ``bits``-bit codes (1, 2 or 4)."""
+    return CompressedExchange(bits=int(bits))
 
 
 EXACT = ExactExchange()

@@ -3,16 +3,19 @@
 Modes (strategies): :class:`ExactStats` (row mode: whole-tensor statistics in one collective), the stepwise
 sampling modes :class:`SyncStats`, :class:`StaleStats`, :class:`CorrectedStats` and :class:`SeparateStats`
 (below), and ``ImageWideStats`` for tiles (``imagewide.py``: statistics over every tile's core, collected in
-passes). Every mode merges per-part (count, mean, M2) with Chan et al.'s parallel update and uses
+passes). The sampling and tile modes merge per-part (count, mean, M2) with Chan et al.'s parallel update and use
 :func:`group_chunks` to bound fp32 temporaries of low-precision activations.
 
-Exact mode: each rank reduces its band to per-(sample, group) ``(count, mean, M2)`` (in fp64: a handful
-of numbers), one ``all_gather`` exchanges those ``3 x B x G`` numbers, and every rank merges them with Chan et
-al.'s parallel update (``M2 = sum M2_r + sum n_r (mean_r - mean)^2``), which is exact up to rounding and does
-not cancel catastrophically the way ``E[x^2] - E[x]^2`` does. The variance is the biased one ``nn.GroupNorm``
-uses. Normalisation is one fused ``x * a + b`` with per-(sample, channel) coefficients. Low-precision inputs are
-upcast to fp32 a few groups at a time (for the statistics and for the normalisation), so the result is as exact
-as ``nn.GroupNorm``'s fp32-internal kernels without a whole-activation fp32 copy.
+Exact mode (:func:`exact_group_norm_coefficients`): each rank reduces its band in one fused fp32 pass to
+per-(sample, group) moments and turns them into fp64 power sums ``(count, sum x, sum x^2)`` (:func:`group_sums`:
+a handful of numbers), and one in-place ``all_reduce`` adds them over the ranks. The merged variance
+``E[x^2] - mean^2`` is formed in fp64 from sums that keep every digit of the fp32 moments, so it stays as exact as
+Chan's update of per-rank ``(count, mean, M2)`` (still used by the sampling modes and :func:`merge_group_stats`)
+for any activation whose mean is not ~10^4 standard deviations from zero, with a dozen small operations instead
+of forty (each is a kernel launch on a GPU). The variance is the biased one ``nn.GroupNorm`` uses.
+Normalisation is one fused ``x * a + b`` with per-(sample, channel) fp32 coefficients (batch norm's elementwise
+kernel for low-precision inputs), as exact as ``nn.GroupNorm``'s fp32-internal kernels without an fp32 copy of
+the activation.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from ..comm import all_gather_padded
+from ..comm import all_gather_padded, all_reduce
 from ..context import ParallelContext
 from .exchange import StepState
 from .plan import Applied, Style, replace_forward
@@ -31,6 +34,7 @@ __all__ = [
     "group_chunks",
     "group_stats",
     "merge_group_stats",
+    "group_sums",
     "exact_group_norm",
     "exact_group_norm_coefficients",
     "normalize_with",
@@ -70,18 +74,34 @@ def group_stats(x: torch.Tensor, num_groups: int) -> torch.Tensor:
 
     fp64 for the few numbers that travel: counts of video bands exceed fp32's 2**24 exact integers.
 
-    The moments come from the native GroupNorm kernel (``native_group_norm`` with ``eps = 0`` returns the biased
-    mean and ``1 / sqrt(var)`` per (sample, group), accumulated in fp32 for every input dtype once the affine
-    parameters are fp32): one fused pass, measured 9x faster than ``torch.var_mean`` on a CPU core (3.1 vs 27.2
-    ms on a [1, 128, 128, 256] fp32 band) with the same fp32 accuracy (variance within 2e-7 relative of an fp64
-    reference). Its normalised output is discarded; it is transient, as large as the output the caller makes next.
+    One fused pass over the activation, accumulated in fp32 whatever its dtype, with no fp32 copy of it:
+
+    * CPU: the native GroupNorm kernel (``native_group_norm`` with ``eps = 0`` returns the biased mean and
+      ``1 / sqrt(var)`` per (sample, group); fp32 affine parameters make it return fp32 moments for a
+      low-precision input). Measured 9x faster than ``torch.var_mean`` on a CPU core (3.1 vs 27.2 ms on a
+      [1, 128, 128, 256] fp32 band), variance within 2e-7 relative of an fp64 reference. Its normalised output is
+      discarded; it is transient, as large as the output the caller makes next.
+    * CUDA: the native GroupNorm kernel refuses fp32 affine parameters with a low-precision input ("expected
+      scalar type BFloat16 but found Float", seen on an H200) and would return bf16 moments without them, so
+      the per-channel Welford moments of SyncBatchNorm's kernel (``torch.batch_norm_stats``: fp32 mean and
+      ``1 / sqrt(var)`` per channel, no output written) are merged into groups here with Chan's formula. It
+      reads the activation once with ``B * C`` blocks (the GroupNorm kernel uses ``B * G``), where the earlier
+      path upcast sixteen group chunks to fp32 (a copy and a reduction each: 32 launches and three times the
+      bytes).
     """
     b = x.shape[0]
     c = x.shape[1]
-    # the kernel takes contiguous inputs only; on CUDA it refuses fp32 affine parameters with a low-precision input
-    # ("expected scalar type BFloat16 but found Float", seen on an H200), so there low precision takes the chunks
-    mixed_ok = x.device.type == "cpu" or x.dtype in (torch.float32, torch.float64)
-    if x.numel() and c % num_groups == 0 and x.is_contiguous() and mixed_ok:
+    fused = x.numel() and c % num_groups == 0 and x.is_contiguous()
+    if fused and x.device.type == "cuda":
+        per_channel = x.numel() // (b * c)
+        mean_c, invstd_c = torch.batch_norm_stats(x.view(1, b * c, per_channel), 0.0)
+        cpg = c // num_groups
+        mean_c = mean_c.double().view(b, num_groups, cpg)
+        var_c = invstd_c.double().view(b, num_groups, cpg).pow(-2)  # invstd = inf (a constant channel): var 0
+        mean = mean_c.mean(-1)
+        m2 = (var_c.sum(-1) + (mean_c - mean.unsqueeze(-1)).pow(2).sum(-1)) * per_channel
+        return torch.stack([torch.full_like(mean, float(per_channel * cpg)), mean, m2])
+    if fused and x.device.type == "cpu":
         count = x.numel() // (b * num_groups)
         weight = bias = None
         if x.dtype not in (torch.float32, torch.float64):
@@ -122,29 +142,83 @@ def exact_group_norm(x: torch.Tensor, norm: nn.GroupNorm, ctx: ParallelContext) 
     return normalize_with(x, scale, shift, norm.num_groups)
 
 
+def group_sums(x: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """This rank's ``[B, G, 3]`` fp64 power sums ``(count, sum x, sum x^2)`` per (sample, group).
+
+    Sums add across ranks, so the whole tensor's statistics are ONE in-place ``all_reduce`` of this tensor (the
+    exact row mode), with no per-rank stacking, padding or merge. They come from the fused fp32 moments of
+    :func:`group_stats` (per channel on CUDA, per group on CPU) turned into sums in fp64: ``sum x^2 =
+    n (var + mean^2)`` keeps every digit of the fp32 moments, and the merged variance ``E[x^2] - mean^2`` in fp64
+    loses only ``1e-16 * mean^2 / var`` relative, far below the fp32 moments' own rounding for any activation
+    whose mean is not 10^4 standard deviations from zero. A dozen small operations per call instead of the
+    forty of the gather-and-merge form: on a GPU each is a launch, and band-sized GroupNorms are launch-bound.
+    """
+    b, c = x.shape[0], x.shape[1]
+    if not (x.numel() and c % num_groups == 0 and x.is_contiguous()) or x.device.type not in ("cuda", "cpu"):
+        stats = group_stats(x, num_groups)  # [3, B, G]: count, mean, M2
+        count, mean = stats[0], stats[1]
+        return torch.stack([count, mean * count, stats[2] + mean * mean * count], dim=-1)
+    per_channel = x.numel() // (b * c)
+    if x.device.type == "cuda":
+        # per-channel Welford moments (SyncBatchNorm's kernel: B * C blocks, fp32, no output), summed per group
+        cpg = c // num_groups
+        mean_c, invstd_c = torch.batch_norm_stats(x.view(1, b * c, per_channel), 0.0)
+        mean = mean_c.view(b, num_groups, cpg).double()
+        ex2 = invstd_c.view(b, num_groups, cpg).double().pow_(-2).addcmul_(mean, mean)  # inf rstd: var 0
+        return torch.stack([torch.ones_like(mean), mean, ex2], dim=-1).sum(2).mul_(per_channel)
+    weight, bias = _unit_affine(c, x)
+    _, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, b, c, per_channel, num_groups, 0.0)
+    mean = mean.view(b, num_groups).double()
+    ex2 = rstd.view(b, num_groups).double().pow_(-2).addcmul_(mean, mean)  # rstd = inf (a constant group): var 0
+    return torch.stack([torch.ones_like(mean), mean, ex2], dim=-1).mul_(per_channel * (c // num_groups))
+
+
+_UNIT = {}
+
+
+def _unit_affine(c: int, x: torch.Tensor):
+    """fp32 ones and zeros of length ``c`` on ``x``'s device (cached), or ``(None, None)`` for fp32/fp64 ``x``."""
+    if x.dtype in (torch.float32, torch.float64):
+        return None, None
+    key = (c, x.device)
+    unit = _UNIT.get(key)
+    if unit is None:
+        if len(_UNIT) > 64:
+            _UNIT.clear()
+        unit = _UNIT[key] = (torch.ones(c, dtype=torch.float32, device=x.device),
+                             torch.zeros(c, dtype=torch.float32, device=x.device))
+    return unit
+
+
 def exact_group_norm_coefficients(x: torch.Tensor, norm: nn.GroupNorm, ctx: ParallelContext):
-    """The per-(sample, channel) fp32 ``(scale, shift)`` of ``norm`` over every rank's part (one all-gather).
+    """The per-(sample, channel) fp32 ``(scale, shift)`` of ``norm`` over every rank's part (one all-reduce).
 
     ``norm(x_full) = x * scale + shift`` with the affine parameters folded in; a caller that also holds rows of a
     neighbour's part (a halo) normalises them with the same coefficients (:func:`normalize_with`).
     """
     b, c = x.shape[0], x.shape[1]
     g = norm.num_groups
-    stats = group_stats(x, g)
+    sums = group_sums(x, g)
     if ctx.world_size > 1:
-        stats = all_gather_padded(stats.unsqueeze(0).contiguous(), ctx, 0, [1] * ctx.world_size)
-    else:
-        stats = stats.unsqueeze(0)
-    mean, var = merge_group_stats(stats)
-    mean, rstd = mean.float(), torch.rsqrt(var + norm.eps).float()
-    # per (sample, channel): y = x * scale + shift, with the affine parameters folded in
-    per_group = c // g
-    scale = rstd.repeat_interleave(per_group, dim=1)
-    shift = -mean.repeat_interleave(per_group, dim=1) * scale
+        all_reduce(sums, ctx)
+    moments = sums[..., 1:] / sums[..., :1]  # [B, G, 2]: mean, E[x^2]
+    mean, ex2 = moments[..., :1], moments[..., 1:]
+    rstd = torch.addcmul(ex2, mean, mean, value=-1).clamp_min_(0).add_(norm.eps).rsqrt_()
+    # per (sample, channel): y = x * scale + shift, with the affine parameters folded in; formed in fp64 on the
+    # [B, G, C/G] grid and rounded once to fp32
     if norm.affine:
-        shift = shift * norm.weight.float() + norm.bias.float()
-        scale = scale * norm.weight.float()
-    return scale, shift
+        scale = rstd * norm.weight.view(1, g, c // g)
+        shift = torch.addcmul(norm.bias.view(1, g, c // g).double(), mean, scale, value=-1)
+    else:
+        scale = rstd.expand(b, g, c // g)
+        shift = -mean * scale
+    coefficients = torch.stack([scale, shift]).float().view(2, b, c)
+    return coefficients[0], coefficients[1]
+
+
+#: whether CUDA's batch-norm kernel took a low-precision input with fp32 coefficients (set by the first call; a
+#: build that refused would fall back to the chunked path for the rest of the process, on every rank alike)
+_CUDA_MIXED_BATCH_NORM = {"ok": True}
 
 
 def normalize_with(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -152,22 +226,29 @@ def normalize_with(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, nu
 
     A low-precision input goes through batch norm in inference mode with mean 0, variance 1 and eps 0, which is
     exactly ``x * weight + bias`` computed in fp32 by one fused kernel with no fp32 copy of the activation (the
-    earlier path upcast it in sixteen group chunks: 4 kernels and an fp32 chunk each). Identical results to the
-    chunked path on CPU bf16; eps 0 keeps cuDNN out (it requires eps >= 1e-5), so the native kernel runs.
+    earlier path upcast it in sixteen group chunks: 4 kernels and an fp32 chunk each, 64 launches per call on
+    CUDA, which made band-sized GroupNorms launch-bound). Identical results to the chunked path on CPU bf16; eps 0
+    keeps cuDNN out (it requires eps >= 1e-5), so the native kernel runs, on CUDA too (its elementwise kernel
+    takes a bf16/fp16 input with fp32 parameters).
     """
     b, c = x.shape[0], x.shape[1]
     per_group = c // num_groups
     chunks = _group_chunks(num_groups, x.dtype)
     if len(chunks) == 1:
         view = (b, c) + (1,) * (x.dim() - 2)
-        return torch.addcmul(shift.view(view), x, scale.view(view)).to(x.dtype)
-    if x.is_contiguous() and x.device.type == "cpu":  # CPU-checked; CUDA keeps the chunked path (mixed dtypes)
+        out = torch.addcmul(shift.view(view), x, scale.view(view))
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+    if x.is_contiguous() and (x.device.type == "cpu" or _CUDA_MIXED_BATCH_NORM["ok"]):
         bc = b * c
-        zeros = torch.zeros(bc, dtype=torch.float32, device=x.device)
-        ones = torch.ones(bc, dtype=torch.float32, device=x.device)
-        out = torch.batch_norm(x.reshape(1, bc, -1), scale.reshape(bc).float(), shift.reshape(bc).float(), zeros, ones,
-                               False, 0.0, 0.0, torch.backends.cudnn.enabled)
-        return out.view(x.shape)
+        ones, zeros = _unit_affine(bc, x)  # running variance 1 and mean 0
+        try:
+            out = torch.batch_norm(x.view(1, bc, -1), scale.reshape(bc), shift.reshape(bc), zeros, ones, False,
+                                   0.0, 0.0, torch.backends.cudnn.enabled)
+            return out.view(x.shape)
+        except RuntimeError:
+            if x.device.type == "cpu":
+                raise
+            _CUDA_MIXED_BATCH_NORM["ok"] = False  # this build refuses mixed dtypes: the chunked path below
     x3 = x.reshape(b, c, -1)
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     for start, stop in chunks:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import logging
 from fractions import Fraction
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -233,13 +234,20 @@ def style_for(plan: Dict[str, Style], path: str, module: nn.Module, bases: bool 
     (most-derived first), so a host application's subclasses of torch layers are covered by ``"Conv2d"``.
     """
     for key, style in plan.items():
-        if path and fnmatch.fnmatchcase(path, key):
+        if path and (fnmatch.fnmatchcase(path, key) if _is_glob(key) else path == key):
             return style
     for name in _class_names(module, bases):
         for key, style in plan.items():
-            if fnmatch.fnmatchcase(name, key):
+            if fnmatch.fnmatchcase(name, key) if _is_glob(key) else name == key:
                 return style
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_glob(key: str) -> bool:
+    """Whether a plan key has glob characters (others match by equality: a row plan is applied on every decode,
+    and ``fnmatch`` on every key for every module was most of that cost)."""
+    return any(c in key for c in "*?[")
 
 
 def check_coverage(root: nn.Module, plan: Dict[str, Style], prefix: str = "") -> None:

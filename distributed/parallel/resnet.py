@@ -4,7 +4,7 @@ Design decisions:
 
 * **Exchange the block input once, two rows deep.** diffusers ``ResnetBlock2D`` (norm1, SiLU, conv1, norm2, SiLU,
   conv2, shortcut) has two 3x3 convolutions; adapted layer by layer it makes two halo exchanges (one row each) and
-  two GroupNorm all-gathers. Normalisation and SiLU are pointwise once the (global) statistics are known, so the
+  two GroupNorm all-reduces. Normalisation and SiLU are pointwise once the (global) statistics are known, so the
   block can instead receive **two raw input rows** from each neighbour in one exchange, normalise them with the
   same coefficients as its own band, compute conv1 on one extra row per inner boundary (the halo conv2 needs), and
   normalise that row with norm2's coefficients: three collectives per block instead of four, at the cost of one
@@ -74,47 +74,72 @@ def _conv_valid_rows(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
 
 
 def _norm_silu(x: torch.Tensor, scale, shift, groups: int) -> torch.Tensor:
+    if x.shape[0] != scale.shape[0]:  # boundary strips stacked along the batch: the coefficients repeat with them
+        times = x.shape[0] // scale.shape[0]
+        scale, shift = scale.repeat(times, 1), shift.repeat(times, 1)
     return F.silu(normalize_with(x, scale, shift, groups), inplace=True)
 
 
+def _batched(strips):
+    """One tensor of the boundary strips (one or two, the same shape) stacked along the batch: one launch each."""
+    return strips[0] if len(strips) == 1 else torch.cat(strips, dim=0)
+
+
 def resnet_rows(block, x: torch.Tensor, state: RowState) -> torch.Tensor:
-    """``block(x)`` on this rank's band ``x`` (``[B, C, rows, W]``), exact at band boundaries."""
+    """``block(x)`` on this rank's band ``x`` (``[B, C, rows, W]``), exact at band boundaries.
+
+    The rows next to inner boundaries are recomputed from thin strips of *raw* rows (the halo and the band's edge
+    rows), normalised with the same coefficients as the band: the same elementwise arithmetic as normalising the
+    band and the halo apart, with the two boundaries of a middle rank stacked in one batch (one normalisation
+    and one conv launch for both).
+    """
     ctx = state.ctx
     n = ctx.world_size
     halos = tuple((_DEPTH if i > 0 else 0, _DEPTH if i < n - 1 else 0) for i in range(n))
     halo = exchange_halo(x, ctx, 2, halos, buffers=state.halo_buffers)
     g1, g2 = block.norm1.num_groups, block.norm2.num_groups
+    batch, rows = x.shape[0], x.shape[2]
+    above, below = halo.before is not None, halo.after is not None
+    sides = [side for side, present in (("above", above), ("below", below)) if present]
+    conv1, conv2 = block.conv1, block.conv2
 
     scale, shift = exact_group_norm_coefficients(x, block.norm1, ctx)
+    # raw input rows -2..1 (above) and R-2..R+1 (below): conv1 gives rows -1, 0 and R-1, R
+    strips = []
+    if above:
+        strips.append(torch.cat([halo.before, x.narrow(2, 0, 2)], dim=2))
+    if below:
+        strips.append(torch.cat([x.narrow(2, rows - 2, 2), halo.after], dim=2))
+    edge = _conv_valid_rows(_norm_silu(_batched(strips), scale, shift, g1), conv1) if strips else None
+    del strips
     h = _norm_silu(x, scale, shift, g1)
-    above = _norm_silu(halo.before, scale, shift, g1) if halo.before is not None else None
-    below = _norm_silu(halo.after, scale, shift, g1) if halo.after is not None else None
-    rows = h.shape[2]
-    conv1, conv2 = block.conv1, block.conv2
     out = F.conv2d(h, conv1.weight, conv1.bias, 1, conv1.padding)
-    c_above = c_below = None
-    if above is not None:  # input rows -2..1 give output rows -1 (conv2's halo) and 0
-        edge = _conv_valid_rows(torch.cat([above, h.narrow(2, 0, 2)], dim=2), conv1)
-        out.narrow(2, 0, 1).copy_(edge.narrow(2, 1, 1))
-        c_above = edge.narrow(2, 0, 1)
-    if below is not None:  # input rows R-2..R+1 give output rows R-1 and R (conv2's halo)
-        edge = _conv_valid_rows(torch.cat([h.narrow(2, rows - 2, 2), below], dim=2), conv1)
-        out.narrow(2, rows - 1, 1).copy_(edge.narrow(2, 0, 1))
-        c_below = edge.narrow(2, 1, 1)
-    del h, above, below
+    del h
+    parts = {side: edge.narrow(0, i * batch, batch) for i, side in enumerate(sides)}
+    if above:  # edge rows -1 (conv2's halo) and 0
+        out.narrow(2, 0, 1).copy_(parts["above"].narrow(2, 1, 1))
+    if below:  # edge rows R-1 and R (conv2's halo)
+        out.narrow(2, rows - 1, 1).copy_(parts["below"].narrow(2, 0, 1))
+    # raw conv1 rows for conv2's boundary rows, -1..1 and R-2..R, cut after both fixes (a two-row band shares them)
+    strips = []
+    if above:
+        strips.append(torch.cat([parts["above"].narrow(2, 0, 1), out.narrow(2, 0, 2)], dim=2))
+    if below:
+        strips.append(torch.cat([out.narrow(2, rows - 2, 2), parts["below"].narrow(2, 1, 1)], dim=2))
+    del edge, parts
 
     scale, shift = exact_group_norm_coefficients(out, block.norm2, ctx)
+    fixed = _conv_valid_rows(block.dropout(_norm_silu(_batched(strips), scale, shift, g2)), conv2) if strips else None
+    del strips
     h = _norm_silu(out, scale, shift, g2)
     del out
     h = block.dropout(h)
     out = F.conv2d(h, conv2.weight, conv2.bias, 1, conv2.padding)
-    if c_above is not None:
-        strip = torch.cat([_norm_silu(c_above, scale, shift, g2), h.narrow(2, 0, 2)], dim=2)
-        out.narrow(2, 0, 1).copy_(_conv_valid_rows(strip, conv2))
-    if c_below is not None:
-        strip = torch.cat([h.narrow(2, rows - 2, 2), _norm_silu(c_below, scale, shift, g2)], dim=2)
-        out.narrow(2, rows - 1, 1).copy_(_conv_valid_rows(strip, conv2))
     del h
+    for i, side in enumerate(sides):
+        row = 0 if side == "above" else rows - 1
+        out.narrow(2, row, 1).copy_(fixed.narrow(0, i * batch, batch))
+    del fixed
     shortcut = block.conv_shortcut(x) if block.conv_shortcut is not None else x
     # diffusers: (input_tensor + hidden_states) / output_scale_factor; a + b == b + a exactly in IEEE arithmetic
     out.add_(shortcut)
@@ -125,7 +150,7 @@ def resnet_rows(block, x: torch.Tensor, state: RowState) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class HaloResnetBlock(Style):
-    """diffusers ``ResnetBlock2D`` on a row band: one two-row halo exchange and two GroupNorm all-gathers.
+    """diffusers ``ResnetBlock2D`` on a row band: one two-row halo exchange and two GroupNorm all-reduces.
 
     Configurations outside the supported set run the block's own forward (its layers' adapters do the work);
     see the module docstring.

@@ -16,6 +16,14 @@ Design decisions (after distrifuser's ``PatchParallelismCommManager``, without i
   overwrites a value still to be read in this step (on CUDA, the collective's stream waits for the compute
   stream at issue time).
 * **Waiting happens in one place**: :meth:`CommManager.wait` at the start of the next step.
+* **Compressed slots** (``bits`` > 0 at registration: the compressed-residual K/V and halo exchange) live in pools
+  of their own, one per ``(dtype, bits)``, each slot padded to whole groups of :data:`GROUP` elements. When a chunk
+  is full its residual against this rank's row of the memory (what the peers hold of it) is quantised per group
+  (``parallel/quantize.py``), this rank's row becomes ``base + dequantize(codes)`` at once, and the packed codes
+  and scales travel in one asynchronous all-gather of bytes; :meth:`CommManager.wait` adds every peer's decoded
+  residual to that peer's row. Sender and receivers run the same arithmetic on the same bytes, so every peer's copy
+  equals the sender's reference bit for bit and quantisation error does not accumulate (error feedback). The
+  accounting counts the packed bytes that travel.
 * The byte accounting (:class:`Traffic`) is plain Python arithmetic on shapes: it costs no synchronisation.
 """
 
@@ -29,8 +37,19 @@ import torch
 
 from ..comm import all_gather_into
 from ..context import ParallelContext
+from ..parallel.quantize import code_bytes, dequantize, quantize
 
-__all__ = ["KINDS", "Traffic", "CommManager", "async_all_gather_into"]
+__all__ = ["KINDS", "GROUP", "Traffic", "CommManager", "async_all_gather_into", "packed_bytes"]
+
+#: elements per quantisation group (one float32 scale each) of a compressed slot
+GROUP = 256
+
+
+def packed_bytes(numel: int, bits: int, group: Optional[int] = None) -> int:
+    """Bytes one rank sends for a compressed slot of ``numel`` elements (padded to whole groups): codes + scales."""
+    group = GROUP if group is None else group
+    rows = math.ceil(numel / group)
+    return rows * (code_bytes(group, bits) + 4)
 
 #: byte-accounting kinds, in report order
 KINDS = ("halo", "kv", "groupnorm", "latent_blocks", "output", "cfg")
@@ -82,12 +101,26 @@ class _Slot:
     dtype: torch.dtype
     shapes: Tuple[Tuple[int, ...], ...]  # per rank
     streamed: bool
+    bits: int = 0
     offset: int = -1
     temp: Optional[torch.Tensor] = None  # (world, max numel) until the layout is built
 
     @property
+    def pool(self) -> Tuple[torch.dtype, int]:
+        return (self.dtype, self.bits)
+
+    @property
     def max_numel(self) -> int:
         return max(math.prod(s) for s in self.shapes)
+
+    @property
+    def stored_numel(self) -> int:
+        """Elements the slot occupies in its pool (a compressed slot is padded to whole groups)."""
+        n = self.max_numel
+        return n if not self.bits else math.ceil(n / GROUP) * GROUP
+
+
+Pool = Tuple[torch.dtype, int]
 
 
 class CommManager:
@@ -108,22 +141,30 @@ class CommManager:
         self._slots: List[_Slot] = []
         self._index: Dict[str, int] = {}
         self._laid_out = False
-        self._mem: Dict[torch.dtype, torch.Tensor] = {}
-        self._send: Dict[torch.dtype, torch.Tensor] = {}
-        # per dtype: list of chunks (lo, hi, slot ids); per slot: (dtype, chunk index)
-        self._chunks: Dict[torch.dtype, List[Tuple[int, int, List[int]]]] = {}
-        self._slot_chunk: Dict[int, Tuple[torch.dtype, int]] = {}
-        self._pending: Dict[Tuple[torch.dtype, int], int] = {}
+        self._mem: Dict[Pool, torch.Tensor] = {}
+        self._send: Dict[Pool, torch.Tensor] = {}
+        # per pool: list of chunks (lo, hi, slot ids); per slot: (pool, chunk index)
+        self._chunks: Dict[Pool, List[Tuple[int, int, List[int]]]] = {}
+        self._slot_chunk: Dict[int, Tuple[Pool, int]] = {}
+        self._pending: Dict[Tuple[Pool, int], int] = {}
         self._handles: list = []
+        # compressed pools: per chunk, the gathered packed bytes (world, nbytes); chunks whose residuals await decoding
+        self._recv: Dict[Tuple[Pool, int], torch.Tensor] = {}
+        self._to_decode: List[Tuple[Pool, int]] = []
+        #: packed bytes this rank sent per compressed chunk in the last step (for tests and reports)
+        self.last_packed: Dict[Tuple[Pool, int], int] = {}
 
     # ---------------------------------------------------------------- registration (the dry pass)
 
     def register(
-        self, key: str, kind: str, shape: Sequence[int], like: torch.Tensor, scale_dim: Optional[int], streamed: bool
+        self, key: str, kind: str, shape: Sequence[int], like: torch.Tensor, scale_dim: Optional[int], streamed: bool,
+        bits: int = 0,
     ) -> int:
         """Register (once) or look up the slot ``key`` holding ``shape``-shaped tensors (``like``'s dtype/device).
 
         ``scale_dim`` is the dimension whose extent is proportional to the rank's band (None: same on every rank).
+        ``bits`` > 0 makes a streamed slot compressed: its refreshes travel as ``bits``-bit residuals with error
+        feedback (see the module docstring).
         """
         sid = self._index.get(key)
         if sid is not None:
@@ -131,6 +172,8 @@ class CommManager:
         if self._laid_out:
             # backstop, not the guard: the handle builds a new manager whenever the latent shape changes
             raise RuntimeError(f"slot {key!r} registered after the layout was built; the model's call graph changed")
+        if bits and not streamed:
+            raise ValueError(f"slot {key!r}: compressed slots (bits={bits}) must be streamed")
         me = self.ctx.rank
         shapes = []
         for r in range(self.ctx.world_size):
@@ -141,7 +184,7 @@ class CommManager:
                     raise ValueError(f"slot {key!r}: extent {shape_r[scale_dim]} is not proportional to the band table {self.rows}")
                 shape_r[scale_dim] = extent // self.rows[me]
             shapes.append(tuple(shape_r))
-        slot = _Slot(key, kind, like.dtype, tuple(shapes), streamed)
+        slot = _Slot(key, kind, like.dtype, tuple(shapes), streamed, int(bits))
         slot.temp = torch.zeros(self.ctx.world_size, slot.max_numel, dtype=like.dtype, device=like.device)
         self._slots.append(slot)
         self._index[key] = len(self._slots) - 1
@@ -151,15 +194,16 @@ class CommManager:
         """Allocate the flat memories (streamed slots first) and move the dry pass's values in."""
         if self._laid_out:
             return
-        by_dtype: Dict[torch.dtype, List[int]] = {}
+        by_pool: Dict[Pool, List[int]] = {}
         for sid, s in enumerate(self._slots):
-            by_dtype.setdefault(s.dtype, []).append(sid)
-        for dtype, sids in by_dtype.items():
+            by_pool.setdefault(s.pool, []).append(sid)
+        for pool, sids in by_pool.items():
+            dtype, bits = pool
             ordered = [i for i in sids if self._slots[i].streamed] + [i for i in sids if not self._slots[i].streamed]
             offset = 0
             for i in ordered:
                 self._slots[i].offset = offset
-                offset += self._slots[i].max_numel
+                offset += self._slots[i].stored_numel
             device = self._slots[ordered[0]].temp.device
             mem = torch.zeros(self.ctx.world_size, offset, dtype=dtype, device=device)
             streamed = [i for i in ordered if self._slots[i].streamed]
@@ -167,33 +211,37 @@ class CommManager:
             for c in range(0, len(streamed), self.checkpoint):
                 ids = streamed[c : c + self.checkpoint]
                 lo = self._slots[ids[0]].offset
-                hi = self._slots[ids[-1]].offset + self._slots[ids[-1]].max_numel
+                hi = self._slots[ids[-1]].offset + self._slots[ids[-1]].stored_numel
                 for i in ids:
-                    self._slot_chunk[i] = (dtype, len(chunks))
+                    self._slot_chunk[i] = (pool, len(chunks))
+                if bits:
+                    nbytes = packed_bytes(hi - lo, bits)
+                    self._recv[(pool, len(chunks))] = torch.zeros(self.ctx.world_size, nbytes, dtype=torch.uint8, device=device)
                 chunks.append((lo, hi, ids))
             for i in ordered:
                 s = self._slots[i]
                 mem[:, s.offset : s.offset + s.max_numel].copy_(s.temp)
                 s.temp = None
-            self._mem[dtype] = mem
-            self._send[dtype] = torch.zeros(chunks[-1][1] if chunks else 0, dtype=dtype, device=device)
-            self._chunks[dtype] = chunks
+            self._mem[pool] = mem
+            self._send[pool] = torch.zeros(chunks[-1][1] if chunks else 0, dtype=dtype, device=device)
+            self._chunks[pool] = chunks
         self._laid_out = True
         self._reset_pending()
 
     def _reset_pending(self):
-        self._pending = {(dt, c): len(ids) for dt, chunks in self._chunks.items() for c, (_, _, ids) in enumerate(chunks)}
+        self._pending = {(p, c): len(ids) for p, chunks in self._chunks.items() for c, (_, _, ids) in enumerate(chunks)}
 
     # ---------------------------------------------------------------- access
 
     def view(self, sid: int, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s stored value of slot ``sid`` (a writable view of the memory)."""
+        """Rank ``rank``'s stored value of slot ``sid`` (a writable view of the memory). For a compressed slot, this
+        rank's own row is the reference: what every peer holds of this rank's value."""
         s = self._slots[sid]
         shape = s.shapes[rank]
         n = math.prod(shape)
         if s.temp is not None:
             return s.temp[rank, :n].view(shape)
-        return self._mem[s.dtype][rank, s.offset : s.offset + n].view(shape)
+        return self._mem[s.pool][rank, s.offset : s.offset + n].view(shape)
 
     def enqueue(self, sid: int, fresh: torch.Tensor) -> None:
         """Copy this rank's fresh value of slot ``sid`` into the send buffer; start its chunk's all-gather when full."""
@@ -202,35 +250,89 @@ class CommManager:
             # backstop, not the guard: adapters only enqueue streamed slots after the first synchronous step
             raise RuntimeError(f"slot {s.key!r} enqueued before the layout was built or without streamed=True")
         n = fresh.numel()
-        self._send[s.dtype][s.offset : s.offset + n].copy_(fresh.reshape(-1))
-        self.traffic.add(s.kind, n * fresh.element_size() * (self.ctx.world_size - 1), asynchronous=True)
-        dtype, c = self._slot_chunk[sid]
-        self._pending[(dtype, c)] -= 1
-        if self._pending[(dtype, c)] == 0:
-            self._issue(dtype, c)
+        self._send[s.pool][s.offset : s.offset + n].copy_(fresh.reshape(-1))
+        if not s.bits:
+            self.traffic.add(s.kind, n * fresh.element_size() * (self.ctx.world_size - 1), asynchronous=True)
+        pool, c = self._slot_chunk[sid]
+        self._pending[(pool, c)] -= 1
+        if self._pending[(pool, c)] == 0:
+            self._issue(pool, c)
 
-    def _issue(self, dtype, c):
-        lo, hi, ids = self._chunks[dtype][c]
-        mem = self._mem[dtype]
-        outputs = [mem[r, lo:hi] for r in range(self.ctx.world_size)]
-        handle = async_all_gather_into(outputs, self._send[dtype][lo:hi], self.ctx)
+    def _issue(self, pool, c):
+        lo, hi, ids = self._chunks[pool][c]
+        mem = self._mem[pool]
+        dtype, bits = pool
+        if bits:
+            send = self._encode(pool, lo, hi, bits, ids)
+            outputs = [self._recv[(pool, c)][r] for r in range(self.ctx.world_size)]
+            self._to_decode.append((pool, c))
+        else:
+            send = self._send[pool][lo:hi]
+            outputs = [mem[r, lo:hi] for r in range(self.ctx.world_size)]
+        handle = async_all_gather_into(outputs, send, self.ctx)
         self.traffic.add(self._slots[ids[0]].kind, 0, collectives=1)
         if handle is not None:
             self._handles.append(handle)
 
+    def _encode(self, pool, lo: int, hi: int, bits: int, ids: List[int]) -> torch.Tensor:
+        """Quantise this chunk's residual against this rank's reference row, update the reference (error feedback),
+        count the packed bytes by kind, and return the bytes to all-gather."""
+        me = self.ctx.rank
+        ref = self._mem[pool][me, lo:hi]
+        base = ref.float().view(-1, GROUP)
+        codes, scale = quantize(self._send[pool][lo:hi].float().view(-1, GROUP) - base, bits)
+        ref.copy_((base + dequantize(codes, scale, bits, GROUP)).reshape(-1).to(ref.dtype))
+        payload = torch.cat([codes, scale.view(torch.uint8).reshape(-1, 4)], dim=1).reshape(-1)
+        per_group = code_bytes(GROUP, bits) + 4
+        peers = self.ctx.world_size - 1
+        for i in ids:
+            s = self._slots[i]
+            self.traffic.add(s.kind, (s.stored_numel // GROUP) * per_group * peers, asynchronous=True)
+        self.last_packed[(pool, self._slot_chunk[ids[0]][1])] = payload.numel()
+        return payload
+
+    def _decode(self) -> None:
+        """Add every peer's received residuals to that peer's row (the same arithmetic the sender ran).
+
+        A host that samples under ``torch.inference_mode`` (ComfyUI) made the memory an inference tensor; the last
+        wait may come after it left that mode, so the update runs in the memory's own mode."""
+        inference = any(m.is_inference() for m in self._mem.values())
+        with torch.inference_mode(inference):
+            self._decode_all()
+
+    def _decode_all(self) -> None:
+        me = self.ctx.rank
+        for pool, c in self._to_decode:
+            lo, hi, _ = self._chunks[pool][c]
+            bits = pool[1]
+            ncode = code_bytes(GROUP, bits)
+            recv = self._recv[(pool, c)]
+            mem = self._mem[pool]
+            for r in range(self.ctx.world_size):
+                if r == me:
+                    continue
+                rows = recv[r].view(-1, ncode + 4)
+                scale = rows[:, ncode:].contiguous().view(torch.float32).reshape(-1)
+                row = mem[r, lo:hi]
+                base = row.float().view(-1, GROUP)
+                row.copy_((base + dequantize(rows[:, :ncode], scale, bits, GROUP)).reshape(-1).to(row.dtype))
+        self._to_decode.clear()
+
     def flush(self) -> None:
         """Issue every chunk that was partly enqueued (a step that skipped some layers); called at step end."""
-        for (dtype, c), left in list(self._pending.items()):
-            _, _, ids = self._chunks[dtype][c]
+        for (pool, c), left in list(self._pending.items()):
+            _, _, ids = self._chunks[pool][c]
             if 0 < left < len(ids):
-                self._issue(dtype, c)
+                self._issue(pool, c)
         self._reset_pending()
 
     def wait(self) -> None:
-        """Wait for every in-flight all-gather: the one place this manager blocks."""
+        """Wait for every in-flight all-gather and decode what arrived: the one place this manager blocks."""
         for h in self._handles:
             h.wait()
         self._handles.clear()
+        if self._to_decode:
+            self._decode()
 
     @property
     def laid_out(self) -> bool:
@@ -239,3 +341,12 @@ class CommManager:
     @property
     def num_slots(self) -> int:
         return len(self._slots)
+
+    def slot(self, key: str) -> Optional[int]:
+        """The id of slot ``key`` (``None`` if not registered)."""
+        return self._index.get(key)
+
+    @property
+    def slots(self) -> Tuple[Tuple[str, str, int, int], ...]:
+        """Every slot as ``(key, kind, bits, elements stored)``, in registration order (reports and tests)."""
+        return tuple((s.key, s.kind, s.bits, s.stored_numel) for s in self._slots)

@@ -27,6 +27,17 @@ Presets (what each trades is in docs/sampling.md, "Presets"):
   synchronous refresh of halos and K/V every 10 steps.
 * ``balanced``: keeps the full output gather (cheap: one band per step) and spends the budget on quality:
   synchronised GroupNorm and a refresh every 5 steps.
+* ``compressed``: ``displaced`` whose per-step halo and K/V refresh travels as 4-bit residuals with error feedback
+  (CompactFusion-style, ``exchange_bits``): about 1/4 of displaced's bf16 bytes at displaced's error (within a
+  few percent), for links without GPU peer-to-peer.
+* ``compressed_2bit`` / ``compressed_1bit``: the same with 2-bit (Lloyd-Max) or 1-bit (sign) residuals: about
+  1/7.5 and 1/14 of displaced's bytes, for slower links (Ethernet), at a somewhat larger error.
+* ``otil_compressed``: ``otil``'s latent blocks as 4-bit residuals (``compress_bits``) on top of ``compressed``
+  halos and K/V.
+
+:func:`auto_preset` picks one from a link profile (the probe's link class; none known -> ``full_sync``): NVLink-class -> ``full_sync`` (exact;
+the exchange is nearly free), PCIe with peer-to-peer -> ``displaced``, PCIe without peer-to-peer or slower ->
+``compressed``, Ethernet-class (< 2 GB/s) -> ``compressed_2bit``.
 
 Every preset keeps ``cfg_repair`` on (with ``split_batch``, a rank would otherwise combine a fresh CFG half with
 the other half as of the last synchronous step); turn it off only to reproduce that error.
@@ -41,7 +52,20 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-__all__ = ["LayerMode", "GroupNormMode", "OutputMode", "PatchConfig", "PRESETS", "DEPRECATED_PRESETS", "preset"]
+__all__ = [
+    "LayerMode",
+    "GroupNormMode",
+    "OutputMode",
+    "PatchConfig",
+    "PRESETS",
+    "DEPRECATED_PRESETS",
+    "preset",
+    "auto_preset",
+    "EXCHANGE_BITS",
+]
+
+#: ``exchange_bits`` values: 0 (values as they are) or the compressed exchange's code widths
+EXCHANGE_BITS = (0, 1, 2, 4)
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +132,11 @@ class PatchConfig:
             latent exchange fits ``comm_budget_ms`` per step.
         link_bandwidth_gbps: the link's bandwidth in GB/s for ``adaptive_k`` (None: measure it once).
         comm_budget_ms: per-step time budget of the latent exchange for ``adaptive_k``.
-        compress_bits: 0 (off) or 8/4/2: send the selected blocks as low-bit residuals against what the peers
+        compress_bits: 0 (off) or 8/4/2/1: send OTIL's selected blocks as low-bit residuals against what the peers
             hold, with error feedback (CompactFusion-style).
+        exchange_bits: 0 (off) or 4/2/1, with ``layer_mode="displaced"``: the per-step refresh of halos and K/V
+            travels as low-bit residuals with error feedback (``parallel.exchange.CompressedExchange``);
+            synchronous steps stay exact.
         comm_checkpoint: in ``displaced`` mode, issue one asynchronous all-gather per this many buffers.
 
     Example:
@@ -134,12 +161,13 @@ class PatchConfig:
     comm_budget_ms: float = 1.0
     compress_bits: int = 0
     comm_checkpoint: int = 60
+    exchange_bits: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "layer_mode", _enum(LayerMode, self.layer_mode, "layer_mode"))
         object.__setattr__(self, "groupnorm", _enum(GroupNormMode, self.groupnorm, "groupnorm"))
         object.__setattr__(self, "output", _enum(OutputMode, self.output, "output"))
-        for name in ("warmup_steps", "refresh_every", "block_size", "comm_checkpoint", "compress_bits"):
+        for name in ("warmup_steps", "refresh_every", "block_size", "comm_checkpoint", "compress_bits", "exchange_bits"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})")
@@ -170,8 +198,15 @@ class PatchConfig:
             raise ValueError(f"k_blocks must be a positive int or None (got {self.k_blocks!r}); None uses k_ratio")
         if self.cfg_repair_half and not self.cfg_repair:
             raise ValueError("cfg_repair_half widens cfg_repair; set cfg_repair=True or cfg_repair_half=False")
-        if self.compress_bits not in (0, 2, 4, 8):
-            raise ValueError(f"compress_bits must be 0 (off), 8, 4 or 2 (got {self.compress_bits})")
+        if self.compress_bits not in (0, 1, 2, 4, 8):
+            raise ValueError(f"compress_bits must be 0 (off), 1, 8, 4 or 2 (got {self.compress_bits})")
+        if self.exchange_bits not in EXCHANGE_BITS:
+            raise ValueError(f"exchange_bits must be 0 (off), 4, 2 or 1 (got {self.exchange_bits})")
+        if self.exchange_bits and self.layer_mode is not LayerMode.DISPLACED:
+            raise ValueError(
+                f"exchange_bits={self.exchange_bits} compresses the displaced per-step refresh of halos and K/V; set "
+                f"layer_mode='displaced' (got {self.layer_mode.value!r}) or exchange_bits=0"
+            )
         if self.compress_bits and self.output is not OutputMode.OTIL:
             raise ValueError(
                 f"compress_bits={self.compress_bits} compresses OTIL's selected blocks; set output='otil' or compress_bits=0"
@@ -222,7 +257,46 @@ PRESETS: Dict[str, PatchConfig] = {
     "otil_unsynced": PatchConfig(layer_mode="no_sync", groupnorm="separate", output="otil", warmup_steps=4, refresh_every=0),
     "otil": PatchConfig(layer_mode="no_sync", groupnorm="sync", output="otil", warmup_steps=4, refresh_every=10),
     "balanced": PatchConfig(layer_mode="no_sync", groupnorm="sync", output="gather", warmup_steps=4, refresh_every=5),
+    "compressed": PatchConfig(layer_mode="displaced", groupnorm="corrected_async", output="gather", warmup_steps=4, exchange_bits=4),
+    "compressed_2bit": PatchConfig(layer_mode="displaced", groupnorm="corrected_async", output="gather", warmup_steps=4, exchange_bits=2),
+    "compressed_1bit": PatchConfig(layer_mode="displaced", groupnorm="corrected_async", output="gather", warmup_steps=4, exchange_bits=1),
+    "otil_compressed": PatchConfig(layer_mode="displaced", groupnorm="corrected_async", output="otil", warmup_steps=4,
+                                   exchange_bits=4, compress_bits=4),
 }
+
+#: the presets :func:`auto_preset` chooses from, fastest link first
+AUTO_CHOICES = ("full_sync", "displaced", "compressed", "compressed_2bit")
+#: at or above this effective bandwidth (GB/s, one copy, no host staging) the exact exchange is nearly free
+AUTO_EXACT_GBPS = 100.0
+#: below this effective bandwidth (GB/s) 2-bit residuals (Ethernet between machines)
+AUTO_TWO_BIT_GBPS = 2.0
+
+
+def auto_preset(profile) -> str:
+    """The preset for a link (a ``topology.links`` profile or its name, e.g. the probe's nearest profile).
+
+    NVLink-class (>= 100 GB/s, peer-to-peer) -> ``full_sync``: exact, and the exchange is nearly free.
+    PCIe with peer-to-peer -> ``displaced``. Staged through host memory (PCIe without P2P) or slower -> ``compressed``
+    (4-bit residuals). Below 2 GB/s (10 GbE between machines) -> ``compressed_2bit``. ``None`` (no GPU link known,
+    e.g. CPU ranks) -> ``full_sync`` (nothing to save: keep the exact result).
+
+    Example:
+        >>> auto_preset("nvlink"), auto_preset("pcie4_x16_no_p2p"), auto_preset("10gbe")
+        ('full_sync', 'compressed', 'compressed_2bit')
+    """
+    if profile is None:
+        return "full_sync"
+    from ..topology.links import effective_gbps, get_profile
+
+    p = get_profile(profile)
+    gbps = effective_gbps(p)
+    if gbps < AUTO_TWO_BIT_GBPS:
+        return "compressed_2bit"
+    if p.via_host:
+        return "compressed"
+    if gbps >= AUTO_EXACT_GBPS:
+        return "full_sync"
+    return "displaced" if gbps >= 10.0 else "compressed"
 
 
 DEPRECATED_PRESETS: Dict[str, str] = {

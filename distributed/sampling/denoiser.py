@@ -37,20 +37,20 @@ from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional
 import torch
 import torch.nn as nn
 
-from .. import comm
 from ..comm import all_gather_padded
 from ..context import ParallelContext
 from ..parallel.attention import GatheredAttention
 from ..parallel.bands import band_heights
 from ..parallel.conv import HaloConv
-from ..parallel.exchange import DISPLACED, EXACT, STALE, StepState
+from ..parallel.exchange import DISPLACED, EXACT, STALE, PeerExchange, StepState, compressed
 from ..parallel.groupnorm import CorrectedStats, SeparateStats, ShardedGroupNorm, StaleStats, SyncStats
 from ..parallel.plan import Applied, Style, apply_plan, undo_all
 from .comm_manager import CommManager, Traffic
 from .config import GroupNormMode, LayerMode, OutputMode, PatchConfig
 from .otil import OtilExchange, choose_k, measure_link_bandwidth
+from .split import RankGroups
 
-__all__ = ["unet_plan", "parallelize_unet", "UNetPatchHandle", "PatchParallelDenoiser", "SplitLayout", "SplitGroups"]
+__all__ = ["unet_plan", "parallelize_unet", "layer_exchange", "UNetPatchHandle", "PatchParallelDenoiser", "SplitLayout", "SplitGroups"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class UNetPatchHandle:
     def _set_latent(self, height: int, width: int, cm: Optional[CommManager] = None) -> None:
         """The band table for a latent size; a new (empty) stale memory unless ``cm`` (a stream's) is given."""
         if cm is None:
-            rows = band_heights(height, self.state.ctx.world_size, self.state.align)
+            rows = band_heights(height, self.state.ctx.world_size, self.state.align, weights=self.state.ctx.band_weights)
             cm = CommManager(self.state.ctx, rows, self.state.traffic, self.config.comm_checkpoint)
         self.state.set_bands(height, width, cm)
 
@@ -146,6 +146,13 @@ def _row_align(convs) -> int:
 
 
 _EXCHANGES = {LayerMode.FULL_SYNC: EXACT, LayerMode.NO_SYNC: STALE, LayerMode.DISPLACED: DISPLACED}
+
+
+def layer_exchange(config: PatchConfig) -> PeerExchange:
+    """The halo and K/V strategy of ``config``: its layer mode's, compressed when ``exchange_bits`` is set."""
+    if config.exchange_bits:
+        return compressed(config.exchange_bits)
+    return _EXCHANGES[config.layer_mode]
 _STATISTICS = {
     GroupNormMode.SYNC: SyncStats(),
     GroupNormMode.STALE: StaleStats(),
@@ -165,7 +172,7 @@ def unet_plan(input_conv: str, config: PatchConfig) -> Dict[str, Style]:
     every ``*Attention`` (diffusers' ``Attention``, ComfyUI's ``CrossAttention``) gathered K/V on self-attention
     calls. Everything else in a UNet is row- or token-local and runs unchanged.
     """
-    exchange = _EXCHANGES[config.layer_mode]
+    exchange = layer_exchange(config)
     return {
         input_conv: HaloConv(exchange=exchange, cut_input=True),
         "Conv2d": HaloConv(exchange=exchange),
@@ -232,39 +239,23 @@ class SplitLayout(NamedTuple):
     pair: Optional[ParallelContext]  # the two ranks holding the same band of opposite halves
 
 
-def _subgroup(ctx: ParallelContext, members: List[int]) -> ParallelContext:
-    global_members = [ctx.global_ranks[i] for i in members] if ctx.global_ranks else members
-    if len(members) == 1:
-        return ParallelContext.single(ctx.device)
-    return ParallelContext(
-        group=comm.new_group(global_members),
-        rank=members.index(ctx.rank),
-        world_size=len(members),
-        global_ranks=tuple(global_members),
-        device=ctx.device,
-        backend=ctx.backend,
-    )
-
-
 class SplitGroups:
     """The two subgroups of a CFG split, owned by the object that made them (a :class:`PatchParallelDenoiser`).
 
-    Ranks ``[0, N/2)`` compute the first batch half and ``[N/2, N)`` the second (the patch groups); ranks ``p``
-    and ``p + N/2`` hold the same band of opposite halves (the pair groups). Only the members of a group create
-    it. :meth:`close` releases them; the owner calls it when it is removed.
+    The library's :class:`~.split.RankGroups` with two groups: ranks ``[0, N/2)`` compute the first batch half and
+    ``[N/2, N)`` the second (the patch groups, its ``inner``); ranks ``p`` and ``p + N/2`` hold the same band of
+    opposite halves (the pair groups, its ``across``). :meth:`close` releases them (not destroyed: see
+    ``split.py``); the owner calls it when it is removed.
     """
 
     def __init__(self, ctx: ParallelContext):
-        m = ctx.world_size // 2
-        half, p = divmod(ctx.rank, m)
-        patch = _subgroup(ctx, [half * m + q for q in range(m)])
-        pair = _subgroup(ctx, [p, p + m])
-        self.layout: Optional[SplitLayout] = SplitLayout(half, patch, pair)
+        self._groups = RankGroups(ctx, 2)
+        g = self._groups.layout
+        self.layout: Optional[SplitLayout] = SplitLayout(g.group, g.inner, g.across)
 
     def close(self) -> None:
-        """Release the groups (idempotent): the owner's references are the only ones. They are not destroyed
-        here: destroying a gloo subgroup while a peer may still be inside a collective on it hangs that peer (seen in
-        the CPU tests); torch.distributed keeps them registered until the WORLD group is destroyed with the cluster."""
+        """Release the groups (idempotent)."""
+        self._groups.close()
         self.layout = None
 
 

@@ -22,6 +22,14 @@ Design decisions:
   ``num_frames/height/width`` arguments), so every rank derives the same shard table without a collective.
 * **Refusals name the class and what would be needed**, and happen at apply time (the model's configuration) or
   at the first call (its inputs), identically on every rank.
+* **The low-traffic modes are the UNet's presets** (a :class:`~.config.PatchConfig`, ``config=``): the layer mode
+  picks the gathered K/V strategy (``displaced``: the peers' K/V of the previous step, all-gathered asynchronously
+  behind the next layers' compute, DistriFusion/PipeFusion-style; ``no_sync``: frozen between synchronous steps;
+  ``exchange_bits``: the displaced refresh as low-bit residuals with error feedback, CompactFusion-style), and
+  ``output="otil"`` completes the output tokens with OTIL's top-k block exchange instead of the all-gather. The
+  warm-up and refresh steps are the config's synchronous steps (exact). A DiT rank cuts its input tokens from its
+  own band of the latent, so the remote regions of its latent copy (OTIL's stale blocks) never enter its next
+  step; :meth:`DiTHandle.finalize_tokens` / :meth:`DiTHandle.finalize_rows` gather each rank's own band at the end.
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..comm import all_gather_padded
 from ..context import ParallelContext
-from ..parallel.exchange import EXACT, PeerExchange
+from ..parallel.exchange import EXACT, CompressedExchange, PeerExchange
 from ..parallel.plan import Applied, Style, apply_plan, undo_all
 from ..parallel.sequence import (
     AttentionCost,
@@ -47,9 +56,12 @@ from ..parallel.sequence import (
     SequenceState,
     ShardGridRows,
     ShardTokens,
+    gather_tokens,
     shard_tokens,
 )
-from .comm_manager import CommManager, Traffic
+from .comm_manager import CommManager, Traffic, packed_bytes
+from .config import LayerMode, OutputMode, PatchConfig
+from .otil import OtilExchange, _num_blocks
 
 __all__ = [
     "DiTFamily",
@@ -58,6 +70,9 @@ __all__ = [
     "dit_plan",
     "parallelize_dit",
     "DiTHandle",
+    "dit_exchange",
+    "TokenOtil",
+    "finalize_rows",
     "cp_plan_points",
     "DiTShape",
     "FULL_SIZE_SHAPES",
@@ -286,34 +301,112 @@ class DiTHandle:
     """What :func:`parallelize_dit` returns: the shared state, the step bracket, and ``remove()``.
 
     ``state`` is the :class:`SequenceState` (shard table of the last call, traffic, stale memory). For the
-    stale/displaced K/V strategies bracket every model call with :meth:`begin_step`/:meth:`end_step` (the
-    step index decides which steps are synchronous); exact modes need no bracket.
+    stale/displaced/compressed K/V strategies and OTIL's output exchange bracket every model call with
+    :meth:`begin_step`/:meth:`end_step` (the step index decides which steps are synchronous); exact modes need no
+    bracket.
     """
 
-    def __init__(self, model: nn.Module, family: DiTFamily, state: SequenceState, applied: List[Applied]):
+    def __init__(self, model: nn.Module, family: DiTFamily, state: SequenceState, applied: List[Applied],
+                 config: Optional[PatchConfig] = None):
         self.model = model
         self.family = family
         self.state = state
+        self.config = config
         self.adapters = [a for a in applied if a.undo is not None]
         self._removed = False
+        if config is not None and config.output is OutputMode.OTIL and state.ctx.world_size > 1:
+            state.output_exchange = TokenOtil(state, config)
 
     @property
     def traffic(self) -> Traffic:
         return self.state.traffic
 
-    def begin_step(self, step: int, sync: bool) -> None:
+    def begin_step(self, step: int, sync: Optional[bool] = None, stream: Any = None) -> None:
+        """Start logical step ``step`` of ``stream``; ``sync`` defaults to the config's schedule (warm-up, refresh)."""
+        if sync is None:
+            sync = self.config.is_sync_step(step) if self.config is not None else True
+        self.state.select_stream(stream)
         self.state.begin_step(step, sync)
 
     def end_step(self) -> None:
         self.state.end_step()
+
+    # ---------------------------------------------------------------- the exact final latent
+
+    def finalize_tokens(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The exact final packed latent (tokens in global order along ``dim``, FLUX/Qwen-Image pipelines): each
+        rank's own tokens, gathered (one all-gather). Identity on one rank."""
+        st = self.state
+        if st.ctx.world_size == 1:
+            return x
+        shards = st.require_shards()
+        return gather_tokens(shard_tokens(x, shards, st.ctx.rank, dim=dim).contiguous(), shards, st.ctx, dim=dim)
+
+    def finalize_rows(self, latent: torch.Tensor, row_dim: int = -2) -> torch.Tensor:
+        """The exact final latent grid (``[..., H, W]``; Wan, HunyuanVideo, LTX-Video): each rank's own rows (its
+        token rows times the patch height), gathered. Identity on one rank."""
+        return finalize_rows(self.state, latent, row_dim)
 
     def remove(self) -> None:
         """Restore the model (idempotent)."""
         if self._removed:
             return
         self.state.finish()
+        self.state.output_exchange = None
         undo_all(self.adapters)
         self._removed = True
+
+
+class TokenOtil:
+    """OTIL's top-k block exchange of a DiT's output tokens: ``SequenceState.output_exchange`` for a preset with
+    ``output="otil"``. Exact all-gather (and a memory reset) on synchronous steps; otherwise each rank sends the
+    ``k`` blocks of its band of the token grid that changed most (``block_size / 2`` tokens a side: a token is 2x2
+    latent pixels in every covered family), one OTIL memory per stream and grid."""
+
+    def __init__(self, state: SequenceState, config: PatchConfig):
+        self.state, self.config = state, config
+        self._ex: Dict[Any, OtilExchange] = {}
+
+    def __call__(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        st, cfg = self.state, self.config
+        shards, ctx = st.require_shards(), st.ctx
+        if dim != 1 or t.dim() != 3:
+            raise NotImplementedError(f"OTIL output exchange needs [batch, tokens, features] tokens (got {tuple(t.shape)}, dim {dim})")
+        b, _, f = t.shape
+        fr, rows, cols = shards.frames, shards.rows, shards.cols
+        key = (st.stream, shards, b, f, t.dtype)
+        ex = self._ex.get(key)
+        if ex is None:
+            bs = max(1, cfg.block_size // 2)
+            ks = [cfg.k_for(_num_blocks(h, cols, bs)) for h in shards.row_sizes]
+            ex = self._ex[key] = OtilExchange(ctx, shards.row_sizes, b, fr * f, cols, t.dtype, t.device, bs, ks,
+                                              cfg.compress_bits, st.traffic)
+        if st.sync:
+            full = gather_tokens(t, shards, ctx, dim=1)
+            st.traffic.add("output", t.numel() * t.element_size() * (ctx.world_size - 1), collectives=1)
+            ex.sync(full.view(b, fr, rows, cols, f).permute(0, 1, 4, 2, 3).reshape(b, fr * f, rows, cols))
+            return full
+        mine = shards.row_sizes[ctx.rank]
+        band = t.view(b, fr, mine, cols, f).permute(0, 1, 4, 2, 3).reshape(b, fr * f, mine, cols)
+        grid = ex.step(band)
+        return grid.view(b, fr, f, rows, cols).permute(0, 1, 3, 4, 2).reshape(b, fr * rows * cols, f)
+
+
+def finalize_rows(state: SequenceState, latent: torch.Tensor, row_dim: int = -2) -> torch.Tensor:
+    """The exact final latent grid (``[..., H, W]``): each rank's own rows (its token rows times the patch height,
+    from ``state``'s shard table), gathered in one all-gather. Identity on one rank."""
+    st = state
+    if st.ctx.world_size == 1:
+        return latent
+    shards = st.require_shards()
+    extent = latent.shape[row_dim]
+    ph = -(-extent // shards.rows)  # the patch height; a host that pads the latent to whole patches (ComfyUI) has
+    if (shards.rows - 1) * ph >= extent:  # a last token row that is partly padding, cut off here
+        raise ValueError(f"latent of {extent} rows does not match the {shards.rows} token rows")
+    bounds = [min(extent, b * ph) for b in shards.row_bounds]
+    rows = [b - a for a, b in zip(bounds, bounds[1:])]
+    mine = latent.narrow(row_dim, bounds[st.ctx.rank], rows[st.ctx.rank]).contiguous()
+    return all_gather_padded(mine, st.ctx, dim=row_dim % latent.dim(), sizes=rows)
 
 
 def _root_hook(model: nn.Module, family: DiTFamily, state: SequenceState) -> Applied:
@@ -349,6 +442,7 @@ def parallelize_dit(
     kv: PeerExchange = EXACT,
     link: Optional[str] = None,
     traffic: Optional[Traffic] = None,
+    config: Optional[PatchConfig] = None,
 ) -> DiTHandle:
     """Install sequence parallelism on one of diffusers' DiT classes (see :data:`DIT_FAMILIES`).
 
@@ -360,6 +454,10 @@ def parallelize_dit(
         kv: the gathered mode's K/V strategy (``EXACT``; ``STALE``/``DISPLACED`` need the step bracket).
         link: link profile for ``auto``.
         traffic: byte accounting to add to (a new one by default).
+        config: a sampling preset (:func:`~.config.preset`: ``displaced``, ``otil``, ``balanced``, ``compressed``,
+            ...): sets the K/V strategy from its layer mode (overriding ``kv``) and, with ``output="otil"``, OTIL's
+            exchange of the output tokens; bracket each call with ``handle.begin_step(step)``/``end_step()``.
+            GroupNorm fields do not apply (DiTs have none). ``None``: ``kv`` as given.
 
     Returns:
         :class:`DiTHandle`. The model is then called as usual, on every rank with the same full inputs; its output
@@ -378,8 +476,11 @@ def parallelize_dit(
     why = family.refuse(model, None)
     if why:
         raise NotImplementedError(f"{type(model).__name__}: sequence parallelism does not support {why}")
+    if config is not None:
+        kv = dit_exchange(config, mode)
     traffic = traffic if traffic is not None else Traffic()
-    state = SequenceState(ctx, traffic, memory=lambda c, rows, t: CommManager(c, rows, t))
+    checkpoint = config.comm_checkpoint if config is not None else 60
+    state = SequenceState(ctx, traffic, memory=lambda c, rows, t: CommManager(c, rows, t, checkpoint))
     applied: List[Applied] = []
     if ctx.world_size > 1:
         plan = dit_plan(family, mode=mode, kv=kv, link=link)
@@ -390,7 +491,22 @@ def parallelize_dit(
         except BaseException:
             undo_all(applied)
             raise
-    return DiTHandle(model, family, state, applied)
+    return DiTHandle(model, family, state, applied, config)
+
+
+def dit_exchange(config: PatchConfig, mode: str = "auto") -> PeerExchange:
+    """The gathered K/V strategy of a sampling preset for a DiT (refuses Ulysses with a stale strategy)."""
+    from .denoiser import layer_exchange
+
+    if not isinstance(config, PatchConfig):
+        raise TypeError(f"config must be a PatchConfig (got {type(config).__name__}); use sampling.config.preset(name)")
+    kv = layer_exchange(config)
+    if str(mode) in ("ulysses", SeqMode.ULYSSES) and config.layer_mode is not LayerMode.FULL_SYNC:
+        raise ValueError(
+            f"sequence attention 'ulysses' exchanges this step's queries, keys and values; the {config.layer_mode.value} "
+            f"layer mode keeps earlier K/V in a gathered memory: pick attention 'gathered' or 'auto' for it"
+        )
+    return kv
 
 
 def _check_plan_matches(model: nn.Module, family: DiTFamily, plan: Dict[str, Style]) -> None:
@@ -453,6 +569,8 @@ def step_cost(shape: DiTShape, world_size: int, mode: str = "auto", *, itemsize:
         mode: ``gathered``, ``ulysses`` or ``auto`` (resolved by :func:`~..parallel.sequence.choose_mode` on
             ``link``).
         itemsize: bytes per element of the activations (2: bf16/fp16).
+        kv: the K/V strategy; a :class:`~..parallel.exchange.CompressedExchange` counts its packed residuals
+            (displaced and stale strategies move the exact bytes, asynchronously or on synchronous steps only).
         batch: latents per call (CFG batched in one call: 2).
 
     Returns:
@@ -469,6 +587,10 @@ def step_cost(shape: DiTShape, world_size: int, mode: str = "auto", *, itemsize:
                                kv=kv, link=link)
     one: AttentionCost = attention_cost(resolved, shards.counts, shape.heads, shape.head_dim, itemsize, batch=batch,
                                         replicated=shape.text)
+    if isinstance(kv, CompressedExchange) and resolved is SeqMode.GATHERED:
+        # each rank sends its packed residual codes of K and V (padded to the largest band) to N-1 peers
+        piece = packed_bytes(2 * max(shards.counts) * batch * shape.heads * shape.head_dim, kv.bits)
+        one = AttentionCost(piece * (world_size - 1), 1, {"all_gather": piece * (world_size + 1)})
     counted = {op: shape.attention_layers * b for op, b in one.counted.items()}
     out_piece = batch * max(shards.counts) * shape.out_features * itemsize
     counted["all_gather"] = counted.get("all_gather", 0) + out_piece * (world_size + 1)

@@ -32,6 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..comm import all_gather_padded
+from ..parallel.quantize import code_bytes as _code_bytes, dequantize as _dequantize, quantize as _quantize
 from ..context import ParallelContext
 from .comm_manager import Traffic
 
@@ -245,39 +246,3 @@ class OtilExchange:
         if self.bits:
             return _code_bytes(self.block_numel, self.bits) + 4 + 4
         return self.block_numel * torch.tensor([], dtype=self.dtype).element_size() + 4
-
-
-# ------------------------------------------------------------------------------------------- compression
-
-
-def _code_bytes(numel: int, bits: int) -> int:
-    return math.ceil(numel * bits / 8)
-
-
-def _quantize(residual: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row absmax quantisation of ``residual[k, n]`` to ``bits``, packed into uint8 codes."""
-    qmax = (1 << (bits - 1)) - 1
-    scale = residual.abs().amax(dim=1).clamp_min(1e-12) / qmax
-    q = torch.round(residual / scale.unsqueeze(1)).clamp(-qmax, qmax).to(torch.int16) + qmax  # 0..2*qmax
-    per = 8 // bits
-    k, n = q.shape
-    pad = (-n) % per
-    if pad:
-        q = torch.nn.functional.pad(q, (0, pad))
-    q = q.view(k, -1, per).to(torch.uint8)
-    shifts = torch.arange(per, device=q.device, dtype=torch.uint8) * bits
-    packed = (q << shifts).sum(dim=2, dtype=torch.int32).to(torch.uint8) if per > 1 else q.reshape(k, -1)
-    return packed.contiguous(), scale.to(torch.float32).contiguous()
-
-
-def _dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    qmax = (1 << (bits - 1)) - 1
-    per = 8 // bits
-    k = codes.shape[0]
-    if per > 1:
-        shifts = torch.arange(per, device=codes.device, dtype=torch.uint8) * bits
-        q = (codes.unsqueeze(2) >> shifts) & ((1 << bits) - 1)
-        q = q.reshape(k, -1)[:, :numel]
-    else:
-        q = codes[:, :numel]
-    return (q.to(torch.float32) - qmax) * scale.unsqueeze(1)

@@ -194,7 +194,8 @@ class RankSession:
 def _session(ctx: ParallelContext, key: Hashable, config: PatchConfig, input_conv: Optional[str]) -> RankSession:
     cache = rank_cache()
     session = cache.get(_SESSION)
-    if session is not None and (session.key, session.config, session.input_conv) == (key, config, input_conv):
+    if session is not None and (session.key, session.config, session.input_conv) == (key, config, input_conv) \
+            and session.ctx.band_weights == ctx.band_weights:  # other weights: other band tables, a fresh denoiser
         session.ctx = ctx
         return session
     if session is not None:
@@ -203,9 +204,11 @@ def _session(ctx: ParallelContext, key: Hashable, config: PatchConfig, input_con
     return session
 
 
-def _sample_on_rank(ctx: ParallelContext, key, sample, inputs_ref, config: dict, input_conv, prepare, prepare_args, return_traffic: bool):
+def _sample_on_rank(ctx: ParallelContext, key, sample, inputs_ref, config: dict, input_conv, prepare, prepare_args, return_traffic: bool,
+                    band_weights=None):
     import ray
 
+    ctx = ctx.with_band_weights(band_weights)  # the same figures on every rank: the same band tables
     if prepare is not None:
         resolve_fn(prepare)(ctx, *prepare_args)
     try:
@@ -297,6 +300,7 @@ def distributed_sample(
     cancel_check: Optional[Callable[[], None]] = None,
     progress: Optional[Callable[[int, int], None]] = None,
     return_traffic: bool = False,
+    band_weights: Optional[Sequence[float]] = None,
 ) -> dict:
     """Run ``sample(ctx, model, session, inputs)`` on every rank with the model shipped under ``key``.
 
@@ -305,6 +309,10 @@ def distributed_sample(
     must make the same sequence of ``denoise`` calls (same shapes): the sampler must be deterministic given the
     inputs (seeded noise included). Returns ``{"latent": exact final latent (CPU), "calls": UNet calls}`` from
     rank 0, plus ``"traffic"`` when asked.
+
+    ``band_weights`` (one positive figure per rank, e.g. ``topology.cluster_band_weights(cluster, "speed")``) make
+    every band table of the run (UNet row bands, DiT token shards) proportional to them; ``None``: equal bands.
+    The final latent is assembled from every rank's own band either way.
 
     Raises:
         TypeError: ``config`` is not a PatchConfig.
@@ -319,7 +327,7 @@ def distributed_sample(
         results = cluster.run(
             _sample_on_rank, key, fn_ref(sample), ref, config.to_dict(), input_conv,
             fn_ref(prepare) if prepare is not None else None, tuple(prepare_args), return_traffic,
-            timeout_s=timeout_s, cancel_check=cancel_check, progress=progress,
+            tuple(band_weights) if band_weights is not None else None, timeout_s=timeout_s, cancel_check=cancel_check, progress=progress,
         )
     except RankFailure as exc:
         if caused_by(exc, SamplingDesync) and not cluster.broken:

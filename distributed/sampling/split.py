@@ -132,7 +132,7 @@ def _subgroup(ctx: ParallelContext, members: List[int]) -> ParallelContext:
         global_ranks=tuple(global_members),
         device=ctx.device,
         backend=ctx.backend,
-    )
+    ).member_weights(ctx.band_weights, ctx.global_ranks or tuple(range(ctx.world_size)))
 
 
 class RankGroups:

@@ -22,10 +22,16 @@ from .advice import (
 from .cli import probe_main
 from .parse import TopoMatrix, parse_gpu_listing, parse_p2p_matrix, parse_saved_outputs, parse_topo_matrix
 from .probe import probe_topology, report_from_saved
+from .throughput import BALANCE_MODES, cluster_band_weights, measure_rank_speed, rank_speeds_task, speed_weights
 from .render import heatmap_image, render_heatmap, summary_text
 from .report import TopologyReport
 
 __all__ = [
+    "BALANCE_MODES",
+    "cluster_band_weights",
+    "measure_rank_speed",
+    "rank_speeds_task",
+    "speed_weights",
     "Advice",
     "DecodeChoice",
     "OtilChoice",

@@ -71,6 +71,16 @@ def _cluster_check(args) -> tuple:
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "ranks": args.ranks}, []
     hosts = [r.get("host") for r in info.get("ranks", [])]
+    if not args.no_measure and isinstance(result, dict):
+        # each rank's throughput on the probe workload: what speed-weighted bands (balance="speed") are made of
+        from .throughput import cached_rank_speeds, rank_speeds_task, speed_weights
+
+        try:
+            cluster = get_cluster(config)
+            speeds = cached_rank_speeds(("rank-speed", repr(config)), lambda: cluster.run(rank_speeds_task, timeout_s=120)[0])
+            result = dict(result, rank_speed_gflops=[round(x, 2) for x in speeds], balance_weights=list(speed_weights(speeds)))
+        except Exception as exc:
+            result = dict(result, rank_speed_error=f"{type(exc).__name__}: {exc}")
     return result, hosts
 
 

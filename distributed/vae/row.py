@@ -243,8 +243,9 @@ def _latent_channels(vae) -> int:
     raise ValueError(f"cannot tell the latent channels of {type(vae).__name__}")  # pragma: no cover
 
 
-def validate_latent(vae, z: torch.Tensor, world_size: int) -> List[Tuple[int, int]]:
-    """Check ``z`` against ``vae`` and the rank count (shared data only); return the latent bands."""
+def validate_latent(vae, z: torch.Tensor, world_size: int, weights=None) -> List[Tuple[int, int]]:
+    """Check ``z`` against ``vae`` and the rank count (shared data only); return the latent bands (proportional to
+    ``weights`` when given, see ``parallel/bands.py``)."""
     family = family_of(vae)
     spec = get_family(family)
     want_dim = 5 if spec.is_video else 4
@@ -257,7 +258,7 @@ def validate_latent(vae, z: torch.Tensor, world_size: int) -> List[Tuple[int, in
             f"latent has {z.shape[1]} channels but this {family} VAE expects {channels}; "
             f"pass a latent made by this VAE (or load the matching VAE)"
         )
-    return row_bands(z.shape[-2], world_size)
+    return row_bands(z.shape[-2], world_size, weights=weights)
 
 
 def _bounds(bands) -> Tuple[int, ...]:
@@ -380,13 +381,16 @@ def _gather_rows(out: torch.Tensor, ctx: ParallelContext, bands) -> Optional[tor
 
 
 @torch.no_grad()
-def row_decode(vae: nn.Module, z: torch.Tensor, ctx: ParallelContext) -> Optional[torch.Tensor]:
+def row_decode(vae: nn.Module, z: torch.Tensor, ctx: ParallelContext, weights=None) -> Optional[torch.Tensor]:
     """Decode ``z`` with the rows split across the ranks of ``ctx``; the sample arrives on group rank 0 only.
 
     Args:
         vae: a diffusers VAE of a known family, on ``ctx.device``.
         z: the FULL latent, the same on every rank (any dtype; cast to the VAE's).
         ctx: the parallel context (``ParallelContext.single()`` decodes on one rank).
+        weights: one positive figure per rank (e.g. measured throughput, ``topology.throughput``): bands
+            proportional to them, so faster ranks decode more rows; default ``ctx.band_weights`` (``None``: equal
+            bands). The same on every rank; the result is the same either way.
 
     Returns:
         on rank 0 the decoded sample, equal to ``vae.decode(z).sample``; ``None`` on the other ranks.
@@ -399,7 +403,7 @@ def row_decode(vae: nn.Module, z: torch.Tensor, ctx: ParallelContext) -> Optiona
     Example:
         >>> image = row_decode(vae, z, ctx)  # doctest: +SKIP
     """
-    bands = validate_latent(vae, z, ctx.world_size)
+    bands = validate_latent(vae, z, ctx.world_size, ctx.band_weights if weights is None else weights)
     dtype, device = _param_dtype_device(vae)
     if ctx.world_size == 1 and "decoder" not in vae.__dict__.get(_HANDLE_ATTR, {}):
         # one rank holds every row: the plain decode, with no plan applied and nothing gathered
@@ -423,7 +427,7 @@ def _decode_band(vae, band: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def check_encode_input(family: str, x: torch.Tensor, in_channels: int, world_size: int):
+def check_encode_input(family: str, x: torch.Tensor, in_channels: int, world_size: int, weights=None):
     """Refuse an encode input that cannot work (rank, channels, size multiple, rows vs ranks); return the bands.
 
     The same checks run on the driver before anything is shipped and on every rank, from shared data only.
@@ -441,10 +445,10 @@ def check_encode_input(family: str, x: torch.Tensor, in_channels: int, world_siz
             f"{family} encodes sizes divisible by {ratio}; got {height}x{width}: crop or pad to "
             f"{height // ratio * ratio}x{width // ratio * ratio}"
         )
-    return row_bands(height // ratio, world_size)
+    return row_bands(height // ratio, world_size, weights=weights)
 
 
-def row_encode(vae: nn.Module, x: torch.Tensor, ctx: ParallelContext, *, return_parameters: bool = False):
+def row_encode(vae: nn.Module, x: torch.Tensor, ctx: ParallelContext, *, return_parameters: bool = False, weights=None):
     """Encode ``x`` with the rows split across the ranks; the latent mean arrives on group rank 0 only.
 
     Args:
@@ -454,6 +458,7 @@ def row_encode(vae: nn.Module, x: torch.Tensor, ctx: ParallelContext, *, return_
         ctx: the parallel context.
         return_parameters: return the latent distribution's parameters (mean and log-variance channels, what
             ``DiagonalGaussianDistribution`` takes) instead of its mean.
+        weights: band weights, as for :func:`row_decode` (default ``ctx.band_weights``).
 
     Returns:
         on rank 0 ``vae.encode(x).latent_dist.mean`` (or ``.parameters``); ``None`` on the other ranks.
@@ -462,7 +467,8 @@ def row_encode(vae: nn.Module, x: torch.Tensor, ctx: ParallelContext, *, return_
 
     family = family_of(vae)
     ratio = get_family(family).spatial_ratio
-    bands = check_encode_input(family, x, image_channels(family, vae.config), ctx.world_size)
+    bands = check_encode_input(family, x, image_channels(family, vae.config), ctx.world_size,
+                               ctx.band_weights if weights is None else weights)
     dtype, device = _param_dtype_device(vae)
     start, stop = bands[ctx.rank]
     if ctx.world_size == 1 and "encoder" not in vae.__dict__.get(_HANDLE_ATTR, {}):

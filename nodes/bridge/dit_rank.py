@@ -147,13 +147,25 @@ class DitSequence:
     takes them off (the model is exactly as before). :meth:`wrapper` is the DIFFUSION_MODEL wrapper.
     """
 
-    def __init__(self, ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None):
-        from ...distributed.sampling.comm_manager import Traffic
+    def __init__(self, ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None, config=None):
+        from ...distributed.sampling.comm_manager import CommManager, Traffic
+        from ...distributed.sampling.config import LayerMode, OutputMode
+        from ...distributed.sampling.dit import TokenOtil, dit_exchange
 
         seq = _seq()
         self.ctx, self.row, self.dm, self.counter = ctx, row, dm, counter
-        self.state = seq.SequenceState(ctx, Traffic())
-        self.attn = seq.SequenceAttention(self.state, attention)
+        # a low-traffic preset (displaced, otil, balanced, compressed): stale/compressed K/V through the stale memory,
+        # one logical step per model call of a stream (cond/uncond may come in separate calls), as for the UNet
+        self.config = config
+        self.stepwise = config is not None and (config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER)
+        kv = dit_exchange(config, attention) if config is not None else None
+        checkpoint = config.comm_checkpoint if config is not None else 60
+        memory = (lambda c, rows, t: CommManager(c, rows, t, checkpoint)) if self.stepwise else None
+        self.state = seq.SequenceState(ctx, Traffic(), memory=memory)
+        if self.stepwise and config.output is OutputMode.OTIL and ctx.world_size > 1:
+            self.state.output_exchange = TokenOtil(self.state, config)
+        self.attn = seq.SequenceAttention(self.state, "gathered" if self.stepwise else attention, **({"kv": kv} if kv is not None else {}))
+        self._steps: dict = {}
         self.scopes = _Scopes()
         self._applied: list = []
         self._handles: list = []
@@ -195,6 +207,8 @@ class DitSequence:
     def remove(self) -> None:
         from ...distributed.parallel.plan import undo_all
 
+        self.state.finish()
+        self.state.output_exchange = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -267,12 +281,34 @@ class DitSequence:
         to["optimized_attention_override"] = self.override(to.get("optimized_attention_override"))
         bound.arguments["transformer_options"] = to
         with self.counter.call() if self.counter is not None else contextlib.nullcontext():
-            return executor(*bound.args, **bound.kwargs)
+            if not self.stepwise:
+                return executor(*bound.args, **bound.kwargs)
+            stream = tuple(to.get("cond_or_uncond", ()))
+            step = self._steps.get(stream, 0)
+            self.state.select_stream(stream)
+            self.state.begin_step(step, self.config.is_sync_step(step))
+            try:
+                return executor(*bound.args, **bound.kwargs)
+            finally:
+                self.state.end_step()
+                self._steps[stream] = step + 1
+
+    def finalize(self, latent):
+        """The exact final latent: each rank's own rows, gathered (with OTIL's output exchange the ranks' copies
+        differ outside their bands; otherwise every rank already holds it and this returns it as is)."""
+        from ...distributed.sampling.config import OutputMode
+        from ...distributed.sampling.dit import finalize_rows
+
+        if not self.stepwise or self.config.output is not OutputMode.OTIL or self.ctx.world_size == 1:
+            return latent
+        self.state.finish()
+        return finalize_rows(self.state, latent, row_dim=-2)
 
 
-def sequence_parallel(ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None) -> DitSequence:
-    """:class:`DitSequence` applied to ``dm`` (call ``remove()`` when the run ends)."""
-    seq = DitSequence(ctx, row, dm, attention=attention, counter=counter)
+def sequence_parallel(ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None, config=None) -> DitSequence:
+    """:class:`DitSequence` applied to ``dm`` (call ``remove()`` when the run ends); ``config``: the node's preset
+    (a ``PatchConfig``; full_sync or ``None``: exact)."""
+    seq = DitSequence(ctx, row, dm, attention=attention, counter=counter, config=config)
     seq.apply()
     return seq
 

@@ -19,27 +19,70 @@ from . import validate
 from .errors import rank_errors_for_user
 from .shim import CANONICAL
 
-__all__ = ["PRESET_NAMES", "PARALLELISM_NAMES", "ATTENTION_NAMES", "SHARDING_NAMES", "patch_config", "sample"]
+__all__ = [
+    "PRESET_NAMES", "PRESET_HELP", "PARALLELISM_NAMES", "ATTENTION_NAMES", "BALANCE_NAMES", "SHARDING_NAMES", "patch_config",
+    "link_profile", "sample",
+]
 
 log = logging.getLogger(__name__)
 
 _RANK = f"{CANONICAL}.nodes.bridge.ksampler_rank"
 
-PRESET_NAMES = ["full_sync", "displaced", "otil", "balanced"]
+PRESET_NAMES = ["full_sync", "auto", "displaced", "compressed", "compressed_2bit", "compressed_1bit", "otil", "otil_compressed", "balanced"]
+#: the node's help text for each preset (the widget's tooltip is built from it)
+PRESET_HELP = {
+    "full_sync": "exact (equal to the stock KSampler): every layer exchanges every step",
+    "auto": "picked from the GPUs' link: NVLink -> full_sync, PCIe with P2P -> displaced, PCIe without P2P -> compressed, "
+            "Ethernet-class -> compressed_2bit (CPU ranks or no GPU link measured: full_sync)",
+    "displaced": "DistriFusion/PipeFusion: the neighbours' halos and K/V of the previous step, sent asynchronously behind "
+                 "compute; 4 exact warm-up steps",
+    "compressed": "displaced, but the per-step refresh travels as 4-bit residuals with error feedback (CompactFusion): "
+                  "~1/4 of displaced's bytes at displaced's error; for PCIe without P2P",
+    "compressed_2bit": "compressed with 2-bit residuals: ~1/7.5 of displaced's bytes, slightly larger error (Ethernet)",
+    "compressed_1bit": "compressed with 1-bit (sign) residuals: ~1/14 of displaced's bytes, larger error",
+    "otil": "stale layers refreshed every 10 steps, plus only the top-k most-changed latent blocks sent per step (OTIL)",
+    "otil_compressed": "compressed layers plus OTIL's top-k latent blocks as 4-bit residuals",
+    "balanced": "stale layers refreshed every 5 steps, full output exchange",
+}
 PARALLELISM_NAMES = ["auto", "sequence", "cfg", "cfg+sequence", "batch"]  # dit_layout.MODES, without importing it here
 ATTENTION_NAMES = ["auto", "gathered", "ulysses"]
+BALANCE_NAMES = ["equal", "speed"]  # topology.throughput.BALANCE_MODES, without importing it here
 SHARDING_NAMES = bridge_shard.SHARDING_NAMES
 # samplers whose step control reads the whole latent: with OTIL's approximate remote regions the ranks would take
 # different numbers of steps, and their collectives would not line up
 _ADAPTIVE = {"dpm_adaptive"}
 
 
-def patch_config(preset: str, warmup_steps: int = -1, refresh_every: int = -1, k_ratio: float = 0.25, block_size: int = 8):
-    """The PatchConfig for the node's widgets (-1: the preset's own value). CFG is not split across ranks."""
-    from ...distributed.sampling.config import OutputMode, preset as make
+def link_profile(cluster_config) -> Optional[str]:
+    """The named link profile nearest to the cluster's slowest GPU link (the topology probe, once per cluster
+    configuration, no bandwidth runs); ``None`` for CPU ranks or when no link is known."""
+    if getattr(cluster_config, "device", "auto") == "cpu":
+        return None
+    try:
+        from ...distributed.topology import cached_probe
+        from ...distributed.topology.links import bottleneck_link, nearest_profile
+
+        link = bottleneck_link(cached_probe(("ksampler-auto", cluster_config), measure=False))
+        prof = nearest_profile(link.bandwidth_gbps, link.via_host) if link.bandwidth_gbps else None
+        return prof.name if prof is not None else None
+    except Exception as exc:  # advice is optional: never fail a sampling run over it
+        log.debug("topology probe unavailable: %s", exc)
+        return None
+
+
+def patch_config(preset: str, warmup_steps: int = -1, refresh_every: int = -1, k_ratio: float = 0.25, block_size: int = 8,
+                 link: Optional[str] = None):
+    """The PatchConfig for the node's widgets (-1: the preset's own value). CFG is not split across ranks.
+
+    ``preset="auto"`` picks one from ``link`` (a link profile name, :func:`link_profile`): see :data:`PRESET_HELP`.
+    """
+    from ...distributed.sampling.config import OutputMode, auto_preset, preset as make
 
     if preset not in PRESET_NAMES:
         raise ValueError(f"preset must be one of {PRESET_NAMES} (got {preset!r})")
+    if preset == "auto":
+        preset = auto_preset(link)
+        log.info("PatchRay KSampler: preset auto -> %s (link %s)", preset, link or "unknown")
     over = {"split_batch": False}  # ComfyUI may evaluate cond and uncond in separate calls: every rank takes both
     if preset != "full_sync":
         if int(warmup_steps) >= 0:
@@ -54,7 +97,7 @@ def patch_config(preset: str, warmup_steps: int = -1, refresh_every: int = -1, k
 
 def sample(
     model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster_config, config,
-    *, parallelism: str = "auto", attention: str = "auto", sharding: str = "none",
+    *, parallelism: str = "auto", attention: str = "auto", balance: str = "equal", sharding: str = "none",
     cancel_check: Optional[Callable[[], None]] = None, progress: Optional[Callable[[int, int], None]] = None,
 ) -> dict:
     """Run the KSampler on the ranks of ``cluster_config``; return the LATENT dict.
@@ -64,6 +107,8 @@ def sample(
         parallelism: the node's widget (:data:`PARALLELISM_NAMES`; see :mod:`.dit_layout`).
         attention: sequence-parallel attention of DiTs: ``gathered`` K/V, ``ulysses`` (heads must divide by the
             sequence ranks) or ``auto`` (per call, from the modelled link cost).
+        balance: the sequence split's bands (UNet row bands, DiT token shards): ``equal``, or ``speed``
+            (proportional to each rank's measured throughput, measured once per cluster; the result is the same).
         sharding: the diffusion model's weights on the ranks: ``none`` (each rank holds all of them), ``blocks``
             (1/N of each block per rank, FSDP2, gathered per block as it runs; :mod:`.shard_models`) or ``auto``
             (``blocks`` when the weights would not leave room for activations on the smallest card).
@@ -78,6 +123,7 @@ def sample(
     from ...distributed.sampling.config import LayerMode, OutputMode
     from ...distributed.sampling.remote import distributed_sample
     from ...distributed.sampling.ship import ship_model_in_parts
+    from ...distributed.topology.throughput import cluster_band_weights
     from .dit_layout import plan_layout
     from .dit_models import cond_refusal, find_row
 
@@ -85,6 +131,8 @@ def sample(
         raise ValueError(f"parallelism must be one of {PARALLELISM_NAMES} (got {parallelism!r})")
     if attention not in ATTENTION_NAMES:
         raise ValueError(f"sequence_attention must be one of {ATTENTION_NAMES} (got {attention!r})")
+    if balance not in BALANCE_NAMES:
+        raise ValueError(f"balance must be one of {BALANCE_NAMES} (got {balance!r})")
     if sharding not in SHARDING_NAMES:
         raise ValueError(f"sharding must be one of {SHARDING_NAMES} (got {sharding!r})")
     if sampler_name in _ADAPTIVE and config.output is OutputMode.OTIL:
@@ -104,11 +152,21 @@ def sample(
     )
     if layout.note:
         log.warning("PatchRay KSampler: %s", layout.note)
-    if stale and not (kind == "unet" and layout.mode == "sequence"):
+    if stale and kind == "unet" and layout.mode != "sequence":
         raise ValueError(
             f"preset {config_name(config)} (stale neighbour data) is the UNet's row-band patch parallelism: it applies to "
-            f"parallelism=sequence on SD 1.x/2.x/SDXL UNets; this run is parallelism={layout.mode} on a "
-            f"{'UNet' if kind == 'unet' else 'DiT'}: pick preset full_sync"
+            f"parallelism=sequence on SD 1.x/2.x/SDXL UNets; this run is parallelism={layout.mode}: pick preset full_sync"
+        )
+    if stale and kind == "dit" and layout.seq_ranks < 2:
+        raise ValueError(
+            f"preset {config_name(config)} (stale K/V between sequence ranks) needs sequence ranks; this run is "
+            f"parallelism={layout.mode} with {layout.seq_ranks} sequence rank(s) per group: pick preset full_sync or "
+            f"parallelism sequence / cfg+sequence"
+        )
+    if stale and kind == "dit" and attention == "ulysses":
+        raise ValueError(
+            f"preset {config_name(config)} keeps earlier steps' K/V in a gathered memory; sequence_attention=ulysses "
+            f"exchanges this step's queries, keys and values: pick sequence_attention gathered or auto"
         )
     if layout.seq_ranks > 1:
         if kind == "unet":  # in node terms, before the ranks start or weights ship (DiT rows: check_sequence)
@@ -142,6 +200,8 @@ def sample(
     root = bridge_model.comfy_root()
     with rank_errors_for_user():
         rank_cluster = get_cluster(cluster_config)
+        # bands by speed only where the run splits a sequence: CFG/batch layouts give every rank whole work
+        weights = cluster_band_weights(rank_cluster, balance) if layout.seq_ranks > 1 else None
         free_min = total_min = None
         if sharding == "auto" and n > 1:
             mem = rank_cluster.run(f"{_RANK}:device_memory", timeout_s=60.0, cancel_check=cancel_check)
@@ -163,7 +223,7 @@ def sample(
         result = distributed_sample(
             rank_cluster, key, f"{_RANK}:sample", inputs, config,
             prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel_check, progress=progress,
-            timeout_s=cluster_config.call_timeout_s,
+            timeout_s=cluster_config.call_timeout_s, band_weights=weights,
         )
     if result["calls"] == 0 and float(denoise) > 0:
         raise RuntimeError(
@@ -182,7 +242,10 @@ def config_name(config) -> str:
     from ...distributed.sampling.config import PRESETS
 
     for name in PRESET_NAMES:
+        if name not in PRESETS:  # "auto" names a choice, not a config
+            continue
         base = PRESETS[name].replace(split_batch=False)
-        if (base.layer_mode, base.output, base.groupnorm) == (config.layer_mode, config.output, config.groupnorm):
+        key = (base.layer_mode, base.output, base.groupnorm, base.exchange_bits)
+        if key == (config.layer_mode, config.output, config.groupnorm, config.exchange_bits):
             return name
     return "(custom)"

@@ -225,6 +225,7 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
     counter = dit_rank.Counter(session)
     undo = []
     group_session = None
+    seq = None
     if layout.batch:
         model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.BATCH_KEY, dit_rank.batch_parallel(ctx, counter))
         agree = ctx
@@ -235,7 +236,8 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
             seq_ctx = ParallelContext.single(ctx.device)
         else:
             place = dit_rank.make_groups(ctx, layout.cfg_groups, layout.seq_ranks)  # the library's GroupLayout
-            seq_ctx = place.inner
+            # the groups are kept across runs; this run's band weights (balance) are its members' share of ctx's
+            seq_ctx = place.inner.member_weights(ctx.band_weights, ctx.global_ranks or tuple(range(ctx.world_size)))
             if layout.cfg_groups > 1:
                 model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, dit_rank.CFG_KEY, dit_rank.cfg_parallel(place))
         agree = seq_ctx
@@ -244,7 +246,8 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
             row = find_row(type(dm).__name__)
             if row is None:  # backstop, not the guard: the driver refuses models without a row
                 raise NotImplementedError(f"no DiT table row for {type(dm).__name__}")
-            seq = dit_rank.sequence_parallel(seq_ctx, row, dm, attention=inputs.get("attention", "auto"), counter=counter)
+            seq = dit_rank.sequence_parallel(seq_ctx, row, dm, attention=inputs.get("attention", "auto"), counter=counter,
+                                             config=session.config)
             undo.append(seq.remove)
             model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, seq.wrapper)
         elif layout.seq_ranks > 1:
@@ -258,6 +261,8 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
         model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching(dit_rank.Agree(agree), mm.get_free_memory))
     try:
         latent = _run(model, session, inputs)
+        if seq is not None:
+            latent = seq.finalize(latent)
         if group_session is not None:
             latent = group_session.finalize(latent)
             session.calls += group_session.calls
@@ -288,7 +293,8 @@ def _group_session(ctx, session):
 
     cache = rank_cache()
     held = cache.get(_GROUP_SESSION)
-    if held is not None and (held.key, held.config, held.ctx.global_ranks) == (session.key, session.config, ctx.global_ranks):
+    if held is not None and (held.key, held.config, held.ctx.global_ranks, held.ctx.band_weights) == (
+            session.key, session.config, ctx.global_ranks, ctx.band_weights):
         return held
     if held is not None:
         held.close()

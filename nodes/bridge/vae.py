@@ -93,6 +93,13 @@ def _refuse_non_finite(node: str, name: str, x: torch.Tensor, what: str) -> None
     )
 
 
+def _check_balance(node: str, balance: str) -> None:
+    from ...distributed.vae.api import BALANCE_MODES
+
+    if balance not in BALANCE_MODES:
+        raise ValueError(f"{node}: 'balance' must be one of {', '.join(BALANCE_MODES)} (got {balance!r})")
+
+
 def _check_samples(spec, z: torch.Tensor, num_ranks: int, mode: str) -> None:
     """The decode's input checks, in the node's terms (see the module docstring)."""
     from ...distributed.vae.api import MODES, latent_channels
@@ -174,6 +181,7 @@ def decode(
     plan=None,
     cancel_check: Optional[Callable[[], None]] = None,
     progress: Optional[Callable[[int, int], None]] = None,
+    balance: str = "equal",
 ) -> Result:
     """LATENT -> IMAGE ``[N, H, W, 3]`` in 0..1 on the cluster's ranks, like the stock VAE Decode.
 
@@ -185,6 +193,7 @@ def decode(
     from ...distributed.vae.api import decode_report
     from ...distributed.vae.convert import UnsupportedVaeError
 
+    _check_balance(_DECODE, balance)
     z = cv.latent_tensor(samples)
     plan = cv.plan_dict(plan)
     config = _cluster_config(cluster_config)
@@ -214,6 +223,7 @@ def decode(
             cancel_check=cancel_check,
             progress=progress,
             on_oom="row-tiled",
+            balance=balance,
         )
     note = "; ".join(n for n in (unused, report.note) if n) or None
     if note:
@@ -228,6 +238,7 @@ def encode(
     precision: str = "auto",
     cancel_check: Optional[Callable[[], None]] = None,
     progress: Optional[Callable[[int, int], None]] = None,
+    balance: str = "equal",
 ) -> Result:
     """IMAGE -> LATENT ``{"samples": mean}`` on the cluster's ranks, like the stock VAE Encode."""
     from ...distributed.cluster import get_cluster
@@ -236,6 +247,7 @@ def encode(
     from ...distributed.vae.families import image_channels
     from ...distributed.vae.row import check_encode_input
 
+    _check_balance(_ENCODE, balance)
     config = _cluster_config(cluster_config)
     try:
         spec = cv.vae_spec(vae)
@@ -255,6 +267,7 @@ def encode(
         ) from None
     with rank_errors_for_user():
         z: torch.Tensor = distributed_encode(
-            get_cluster(config), spec, x, dtype=cv.resolve_dtype(precision, vae), cancel_check=cancel_check, progress=progress
+            get_cluster(config), spec, x, dtype=cv.resolve_dtype(precision, vae), cancel_check=cancel_check, progress=progress,
+            balance=balance,
         )
     return Result({"samples": cv.latent_from_library(spec, z)}, None)

@@ -318,7 +318,16 @@ NOTES.update(DIT_NOTES)
 WORKFLOWS.update(DIT_WORKFLOWS)
 
 
+#: widgets every workflow leaves at their defaults, filled in for every node of the type
+WIDGET_DEFAULTS = {
+    "PatchRayVAEDecode": {"balance": "equal"},
+    "PatchRayVAEEncode": {"balance": "equal"},
+    "PatchRayKSampler": {"balance": "equal"},
+}
+
+
 def build(name: str, nodes: dict, info: dict):
+    nodes = {nid: (t, {**WIDGET_DEFAULTS.get(t, {}), **values}) for nid, (t, values) in nodes.items()}
     api, ui_nodes, links = {}, [], []
     out_links = {}
     note_id = max(nodes) + 1

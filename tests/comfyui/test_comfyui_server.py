@@ -558,13 +558,33 @@ def test_distributed_ksampler_on_dits_matches_the_stock_ksampler(server, model_f
     assert rel <= 1e-5, (model_file, parallelism, ranks, sharding, rel)
 
 
-def test_distributed_ksampler_refuses_what_a_dit_cannot_do_before_shipping(server):
-    """Stale presets are the UNet's; cfg on three ranks; Ulysses over heads that do not divide: refused with the
-    widget named, and the next prompt works."""
+@pytest.mark.parametrize("preset", ["displaced", "compressed", "otil"])
+def test_distributed_ksampler_low_traffic_presets_on_a_dit(server, preset):
+    """A DiT with sequence ranks under the stale presets: the stale memory per stream, the step bracket, OTIL's output
+    tokens and the final rows' gather run inside ComfyUI's sampler; the result stays near the stock KSampler's."""
     url, base = server
-    api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 2)
+    api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 4)
+    api["8"]["inputs"].update(preset=preset, warmup_steps=1)
+    entry = _run(url, api)
+    stock, ours = _latent(base, entry, "9"), _latent(base, entry, "10")
+    rel = ((ours - stock).norm() / stock.norm()).item()
+    print(f"wan2.1 1.3B sequence x2 preset {preset} (1 exact warm-up step of 4): relative L2 to the stock KSampler {rel:.2e}")
+    # 3 of 4 steps with stale K/V: not exact (> 1e-6, so the stale path ran), yet far from a broken memory or a
+    # wrong band (those give O(1) errors); the bound is loose because the weights are synthetic
+    assert 1e-6 < rel < 0.3, (preset, rel)
+
+
+def test_distributed_ksampler_refuses_what_a_dit_cannot_do_before_shipping(server):
+    """Stale presets need sequence ranks (and gathered K/V); cfg on three ranks; Ulysses over heads that do not
+    divide: refused with the widget named, and the next prompt works."""
+    url, base = server
+    api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "cfg", 2, 1, 2)
     api["8"]["inputs"]["preset"] = "otil"
-    with pytest.raises(AssertionError, match="pick preset full_sync"):
+    with pytest.raises(AssertionError, match="needs sequence ranks"):
+        _run(url, api)
+    api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 2, attention="ulysses")
+    api["8"]["inputs"]["preset"] = "compressed"
+    with pytest.raises(AssertionError, match="pick sequence_attention gathered or auto"):
         _run(url, api)
     api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "cfg", 3, 1, 2)
     with pytest.raises(AssertionError, match="parallelism=cfg puts the conditional"):

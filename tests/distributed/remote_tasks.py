@@ -78,7 +78,10 @@ def refuse(ctx, unet, session, inp):
 
 
 def state(ctx):
-    return {"builds": rank_cache().get("test.builds", 0), "prepared": list(rank_cache().get("test.prepared", []))}
+    session = rank_cache().get("patchray.sampling.session")
+    rows = tuple(session.denoiser.rows) if session is not None and session.denoiser is not None else None
+    return {"builds": rank_cache().get("test.builds", 0), "prepared": list(rank_cache().get("test.prepared", [])),
+            "rows": rows}
 
 
 def _one_call(unet, session, x, cond):

@@ -14,7 +14,7 @@ import torch.nn as nn
 from patchray.distributed.comm import log_comm
 from patchray.distributed.context import ParallelContext
 from patchray.distributed.parallel.conv import HaloConv, halo_plan
-from patchray.distributed.parallel.groupnorm import ShardedGroupNorm, exact_group_norm, merge_group_stats, group_stats
+from patchray.distributed.parallel.groupnorm import ShardedGroupNorm, exact_group_norm, merge_group_stats, group_stats, group_sums
 from patchray.distributed.parallel.plan import ClaimedOnly, RowLocal, RowState, apply_plan, undo_all
 from patchray.distributed.spawn import run_ranks
 
@@ -117,7 +117,40 @@ def test_group_norm_is_exact_in_one_collective(case):
         # the 0.1 std, so nn.GroupNorm itself is only good to ~1e-4 there
         tol = 1e-3 if case == "gn_shifted" else TOL
         assert diff <= tol, f"{case}: rank {rank} max abs diff {diff:.3g}"
-        assert calls == {"all_gather": 1}, calls
+        assert calls == {"all_reduce": 1}, calls
+
+
+def test_group_sums_cuda_branch_matches_the_cpu_branch(monkeypatch):
+    """group_sums' CUDA arithmetic (per-channel moments of ``batch_norm_stats`` summed per group), run on CPU.
+
+    ``torch.batch_norm_stats`` exists on CUDA only: it is stood in for by its definition (fp32 per-channel mean and
+    ``1 / sqrt(biased var + eps)``) and the input by a tensor whose ``device.type`` reads ``"cuda"``. The sums must
+    agree with the CPU branch's (the native GroupNorm kernel's per-group moments) to fp32 rounding, and a constant
+    channel (``1 / sqrt(0) = inf``) must give variance 0, not NaN.
+    """
+    import types
+
+    def batch_norm_stats(inp, eps):
+        var, mean = torch.var_mean(inp.float(), dim=(0, 2), correction=0)
+        return mean, torch.rsqrt(var + eps)
+
+    class Cuda(torch.Tensor):
+        @property
+        def device(self):
+            return types.SimpleNamespace(type="cuda")
+
+    x = torch.randn(2, 12, 5, 7, generator=torch.Generator().manual_seed(5)) * 2 + 3
+    x[:, 4] = 1.5  # one constant channel inside a group
+    x[:, 8:12] = -2.0  # one constant group
+    cpu = group_sums(x, 3)
+    monkeypatch.setattr(torch, "batch_norm_stats", batch_norm_stats, raising=False)
+    cuda = group_sums(x.as_subclass(Cuda), 3).as_subclass(torch.Tensor)
+    assert cuda.shape == (2, 3, 3) and cuda.dtype == torch.float64
+    assert torch.isfinite(cuda).all()
+    assert torch.allclose(cuda, cpu, rtol=1e-6, atol=1e-6)
+    xd = x.double().reshape(2, 3, -1)  # fp64 truth of (count, sum x, sum x^2)
+    truth = torch.stack([torch.full_like(xd[..., 0], xd.shape[-1]), xd.sum(-1), (xd * xd).sum(-1)], -1)
+    assert torch.allclose(cuda, truth, rtol=1e-6, atol=1e-5)
 
 
 def test_chan_merge_equals_whole_tensor_statistics():

@@ -61,6 +61,13 @@ def test_full_sync_equals_single_process_and_model_is_cached(n):
     assert all(s["builds"] == 1 for s in states), states
     assert all(s["prepared"] == ["ship"] for s in states), states
 
+    if n == 2:
+        # speed-weighted bands (rank 0 three times as fast): a fresh denoiser with the weighted table, the same latent
+        weighted = distributed_sample(cluster, key, tasks.sample, inp, preset("full_sync", split_batch=False), band_weights=(3.0, 1.0))
+        assert _rel(weighted["latent"], ref) < 2e-5, _rel(weighted["latent"], ref)  # the bound above
+        rows = [s["rows"] for s in cluster.run(tasks.state)]
+        assert rows[0] == rows[1] and rows[0][0] == 3 * rows[0][1], rows
+
 
 def test_otil_then_full_sync_and_a_new_key():
     cluster = _cluster(2)

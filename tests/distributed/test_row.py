@@ -315,10 +315,10 @@ def test_output_is_gathered_once_and_no_metadata_collectives():
     assert resnets and group_norms and attentions and halo_convs > 2 * resnets  # the counts below mean something
     for rank_result in _run(2):
         calls = rank_result["comm"]["calls"]
-        # one output gather; ONE all_gather per GroupNorm and one for K and V together; one batched exchange per
-        # conv outside the resnet blocks and ONE per resnet block (its two convs share a two-row halo);
-        # nothing else (no metadata collectives)
-        assert calls == {"gather": 1, "all_gather": group_norms + attentions,
+        # one output gather; ONE all_reduce per GroupNorm (its power sums) and one all_gather for K and V together;
+        # one batched exchange per conv outside the resnet blocks and ONE per resnet block (its two convs share a
+        # two-row halo); nothing else (no metadata collectives)
+        assert calls == {"gather": 1, "all_reduce": group_norms, "all_gather": attentions,
                          "batch_isend_irecv": halo_convs - resnets}
 
 

@@ -17,6 +17,9 @@ _DOCUMENTED = {
     "displaced": ("displaced", "corrected_async", "gather", 4, 0),
     "otil": ("no_sync", "sync", "otil", 4, 10),
     "balanced": ("no_sync", "sync", "gather", 4, 5),
+    "compressed": ("displaced", "corrected_async", "gather", 4, 0),
+    "compressed_2bit": ("displaced", "corrected_async", "gather", 4, 0),
+    "otil_compressed": ("displaced", "corrected_async", "otil", 4, 0),
 }
 
 
@@ -50,6 +53,12 @@ def test_knobs_override_the_preset(ks):
     assert ks.patch_config("balanced", k_ratio=0.5).k_ratio == PRESETS["balanced"].k_ratio
 
 
+def test_auto_picks_the_preset_from_the_link(ks):
+    assert ks.patch_config("auto", link="pcie4_x16_no_p2p").exchange_bits == 4
+    assert ks.patch_config("auto", link="nvlink") == PRESETS["full_sync"].replace(split_batch=False)
+    assert ks.patch_config("auto") == PRESETS["full_sync"].replace(split_batch=False)  # no GPU link known: exact
+
+
 def test_bad_widgets_are_refused_with_the_fix(ks):
     with pytest.raises(ValueError, match="preset must be one of"):
         ks.patch_config("fast")
@@ -75,7 +84,10 @@ def test_schema_offers_comfyuis_samplers_and_the_presets(ks):
     inputs = {i.id: i for i in schema.inputs}
     assert {"euler", "dpmpp_2m", "uni_pc"} <= set(inputs["sampler_name"].options)
     assert {"normal", "karras"} <= set(inputs["scheduler"].options)
-    assert list(inputs["preset"].options) == ["full_sync", "displaced", "otil", "balanced"]
+    assert list(inputs["preset"].options) == [
+        "full_sync", "auto", "displaced", "compressed", "compressed_2bit", "compressed_1bit", "otil", "otil_compressed", "balanced"
+    ]
+    assert all(name in inputs["preset"].tooltip for name in inputs["preset"].options)
     assert inputs["seed"].control_after_generate
 
 

@@ -133,3 +133,34 @@ def test_a_dead_rank_fails_the_prompt_clearly_and_the_next_prompt_works(cluster,
         run()
     image = run().args[0]  # the next prompt rebuilds the ranks and resends the weights
     assert (image - vae8.decode(z)).abs().max() <= 1 / 255
+
+
+def test_speed_balanced_row_decode_and_encode_match_the_one_process_ones(cluster, vae8):
+    from patchray.distributed.cluster import get_cluster
+    from patchray.distributed.topology import throughput
+    from patchray.nodes.vae import PatchRayVAEDecode, PatchRayVAEEncode
+
+    throughput.clear_speed_cache()
+    z = torch.randn(1, 4, 12, 10)
+    image = PatchRayVAEDecode.execute(samples={"samples": z}, vae=vae8, cluster=cluster, mode="row", precision="fp32",
+                                      gn_sync=False, balance="speed").args[0]
+    # the speeds were measured on the ranks once, and cached for this cluster
+    speeds = throughput.cached_rank_speeds(("rank-speed", repr(get_cluster(cluster).config)), lambda: pytest.fail("re-measured"))
+    assert len(speeds) == 2 and min(speeds) > 0
+    # the bound for fp32 as above: any band table is exact up to fp32 reassociation
+    assert (image - vae8.decode(z)).abs().max() <= 1 / 255
+    pixels = torch.rand(1, 64, 48, 3, generator=torch.Generator().manual_seed(4))
+    latent = PatchRayVAEEncode.execute(pixels=pixels, vae=vae8, cluster=cluster, precision="fp32", balance="speed").args[0]
+    assert (latent["samples"] - vae8.encode(pixels)).abs().max() <= 1e-4
+    with pytest.raises(ValueError, match="'balance' must be one of equal, speed"):
+        PatchRayVAEDecode.execute(samples={"samples": z}, vae=vae8, cluster=cluster, mode="row", balance="fastest")
+
+
+def test_balance_widgets_have_tooltips():
+    from patchray.nodes.ksampler import PatchRayKSampler
+    from patchray.nodes.vae import PatchRayVAEDecode, PatchRayVAEEncode
+
+    for node in (PatchRayVAEDecode, PatchRayVAEEncode, PatchRayKSampler):
+        inputs = {i.id: i for i in node.define_schema().inputs}
+        assert list(inputs["balance"].options) == ["equal", "speed"] and inputs["balance"].default == "equal"
+        assert "speed" in inputs["balance"].tooltip and inputs["balance"].optional

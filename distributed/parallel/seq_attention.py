@@ -1,0 +1,434 @@
+"""Exact sequence-parallel attention over token shards: the shared state and :class:`SequenceAttention`.
+
+:class:`SequenceState` is the step state of one sequence-parallel model (context, shard table, step flags, stale
+memory, and an optional completion of the output tokens); :class:`SequenceAttention` computes the local queries'
+attention over every rank's keys in gathered mode (K/V completed through a :class:`~.exchange.PeerExchange`
+strategy: exact, stale, displaced or compressed residuals) or Ulysses mode (all-to-all over heads). See
+``sequence.py`` for the design.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Union
+
+import torch
+
+from ..comm import all_gather_padded, all_to_all_equal
+from ..context import ParallelContext
+from .exchange import EXACT, ExactExchange, PeerExchange, StepState
+from .tokens import TokenShards, split_replicated
+
+__all__ = [
+    "SequenceState",
+    "SeqMode",
+    "SequenceAttention",
+    "choose_mode",
+    "attention_cost",
+    "AttentionCost",
+    "LAYOUTS",
+    "AttentionFn",
+]
+
+#: the q/k/v layouts :class:`SequenceAttention` accepts
+LAYOUTS = ("BHLD", "BLHD", "BLC")
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], int], torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------------
+# the shared state
+
+
+class SequenceState(StepState):
+    """What the sequence-parallel adapters of one model share: context, shard table, step flags, stale memory.
+
+    A :class:`~.exchange.StepState` whose band table is the token-row table: the exchange strategies
+    (``EXACT``/``STALE``/``DISPLACED``) work on it unchanged (a rank's K/V extent is proportional to its rows).
+
+    Args:
+        ctx: the sequence group.
+        traffic: the byte accounting (``sampling.comm_manager.Traffic``).
+        memory: ``memory(ctx, row_sizes, traffic)`` builds the stale memory (``sampling.comm_manager.CommManager``)
+            when the shard table changes; needed only for the stale/displaced strategies.
+
+    Outside :meth:`begin_step`/:meth:`end_step` (``active`` False) the adapters still shard and gather exactly:
+    ``active`` only tells the stale strategies that a step's bookkeeping runs.
+    """
+
+    def __init__(self, ctx: ParallelContext, traffic, memory: Optional[Callable] = None):
+        super().__init__(ctx, align=1, traffic=traffic)
+        self.shards: Optional[TokenShards] = None
+        self._memory = memory
+        self.steps_in_memory = 0
+        #: the last local key mask verified to treat image keys alike (shared by every attention of the model)
+        self.checked_masks: dict = {}
+        #: the current stream (a caller that evaluates cond and uncond in separate calls keeps a memory per stream)
+        self.stream: Any = None
+        self._held: Dict[Any, tuple] = {}
+        #: ``fn(local_tokens, dim) -> full tokens`` used by ``GatherTokens`` inside a step (e.g. OTIL's block
+        #: exchange of the output, set by ``sampling/dit.py``); ``None``: the exact all-gather
+        self.output_exchange: Optional[Callable] = None
+
+    def set_shards(self, shards: TokenShards) -> bool:
+        """Use ``shards`` from now on; True (and a fresh, empty stale memory) when the table changed."""
+        if shards.world_size != self.ctx.world_size:
+            raise ValueError(f"shard table for {shards.world_size} ranks used in a group of {self.ctx.world_size}")
+        if shards == self.shards:
+            return False
+        if self.cm is not None:
+            self.cm.wait()
+        for cm, _ in self._held.values():
+            if cm is not None:
+                cm.wait()
+        self._held.clear()
+        self.shards = shards
+        self.rows = shards.row_sizes
+        self.bounds = self.latent_bounds = shards.row_bounds
+        self.height, self.width = shards.rows, shards.cols
+        self.cm = self._memory(self.ctx, shards.row_sizes, self.traffic) if self._memory is not None else None
+        self.steps_in_memory = 0
+        return True
+
+    def select_stream(self, stream: Any) -> None:
+        """Use ``stream``'s stale memory from now on (each stream has its own, built on its first step)."""
+        if stream == self.stream:
+            return
+        if self.cm is not None:
+            self.cm.wait()
+        self._held[self.stream] = (self.cm, self.steps_in_memory)
+        self.stream = stream
+        self.cm, self.steps_in_memory = self._held.pop(stream, (None, 0))
+        if self.cm is None and self.shards is not None and self._memory is not None:
+            self.cm = self._memory(self.ctx, self.shards.row_sizes, self.traffic)
+
+    def set_grid(self, frames: int, rows: int, cols: int, row_sizes: Optional[Sequence[int]] = None) -> bool:
+        """:meth:`set_shards` for a token grid with equal bands (or ``row_sizes``)."""
+        return self.set_shards(TokenShards.split(frames, rows, cols, self.ctx.world_size, row_sizes, weights=self.ctx.band_weights))
+
+    def require_shards(self) -> TokenShards:
+        if self.shards is None:
+            # backstop, not the guard: the plan's root hook sets the grid before any adapter runs
+            raise RuntimeError("sequence-parallel model ran without a token grid; call set_grid() first")
+        return self.shards
+
+    def begin_step(self, step: int, sync: bool) -> None:
+        """Start logical step ``step`` (``sync``: exchange exactly and refill the stale memory)."""
+        if self.cm is None and not sync:
+            raise RuntimeError("a non-synchronous step needs a stale memory: build the SequenceState with memory=")
+        if self.steps_in_memory == 0 and not sync:
+            raise RuntimeError("the first step after a new token grid must be synchronous: the stale memory is empty")
+        if self.cm is not None:
+            self.cm.wait()
+        self.step, self.sync, self.active = step, sync, True
+
+    def end_step(self) -> None:
+        self.active = False
+        self.sync = True
+        if self.cm is not None and self.cm.num_slots:
+            if not self.cm.laid_out:
+                self.cm.build_layout()
+            else:
+                self.cm.flush()
+        self.steps_in_memory += 1
+
+    def finish(self) -> None:
+        """Wait for every in-flight exchange (before reading results or releasing the group)."""
+        if self.cm is not None:
+            self.cm.wait()
+        for cm, _ in self._held.values():
+            if cm is not None:
+                cm.wait()
+
+
+# --------------------------------------------------------------------------------------------------
+# attention
+
+
+class SeqMode(str, enum.Enum):
+    """How :class:`SequenceAttention` reaches the other ranks' tokens (both exact with the exact K/V strategy)."""
+
+    GATHERED = "gathered"  # all-gather the sharded part of K and V; local queries
+    ULYSSES = "ulysses"  # all-to-all: my tokens x all heads <-> all tokens x heads/N
+    AUTO = "auto"  # per call, by the modelled cost (choose_mode)
+
+
+class AttentionCost(NamedTuple):
+    """Modelled traffic of one self-attention call for one rank (the slowest: the largest band).
+
+    ``wire_bytes``: bytes the rank sends; ``messages``: collective calls; ``counted``: the bytes comm's accounting
+    (``log_comm``) counts per operation, so ``bench/linkmodel.wire_bytes(counted, N) == wire_bytes``.
+    """
+
+    wire_bytes: int
+    messages: int
+    counted: Dict[str, int]
+
+
+def attention_cost(mode: Union[str, SeqMode], counts: Sequence[int], heads: int, head_dim: int, itemsize: int, *,
+                   batch: int = 1, replicated: int = 0) -> AttentionCost:
+    """The modelled cost of one exact self-attention call (per rank), from shapes.
+
+    Args:
+        mode: ``gathered`` or ``ulysses``.
+        counts: image tokens per rank (:attr:`TokenShards.counts`).
+        heads, head_dim, itemsize: of q/k/v.
+        batch: batch size of the call.
+        replicated: replicated (text) tokens in the joint sequence.
+
+    Gathered: one all-gather of K and V packed, padded to the largest band: each rank sends ``2 * n_max * H * D``
+    to N-1 peers. Ulysses: an all-to-all of q, k and v packed (``3 * n_max * H * D``, N-1 of N pieces leave) and one
+    of the output (``n_max * H * D``), plus an all-gather of the replicated tokens' output over heads.
+    """
+    mode = SeqMode(mode)
+    n = len(counts)
+    if n <= 1:
+        return AttentionCost(0, 0, {})
+    n_max = max(counts)
+    row = batch * heads * head_dim * itemsize
+    if mode is SeqMode.GATHERED:
+        piece = 2 * n_max * row
+        counted = {"all_gather": piece * (n + 1)}  # N outputs + the input
+        return AttentionCost(piece * (n - 1), 1, counted)
+    if mode is SeqMode.ULYSSES:
+        qkv = 3 * n_max * row  # this rank's whole send buffer (N pieces of heads/N)
+        out = n_max * row
+        counted = {"all_to_all_single": 2 * (qkv + out)}  # input + output buffers of both calls
+        wire = (qkv + out) * (n - 1) // n
+        messages = 2
+        if replicated:
+            piece = replicated * row // n
+            counted["all_gather"] = piece * (n + 1)
+            wire += piece * (n - 1)
+            messages += 1
+        return AttentionCost(wire, messages, counted)
+    raise ValueError("attention_cost needs a concrete mode (gathered or ulysses), not auto")
+
+
+def choose_mode(counts: Sequence[int], heads: int, head_dim: int, itemsize: int, *, batch: int = 1, replicated: int = 0,
+                kv: PeerExchange = EXACT, link=None) -> SeqMode:
+    """The ``auto`` rule: Ulysses where it is possible and modelled faster on ``link``, else gathered.
+
+    * Gathered when there is one rank, when the heads do not divide by N, or when the K/V strategy is not the exact
+      one (stale/displaced K/V live in the gathered memory).
+    * Otherwise the two modes' modelled times on the link profile ``link`` (a ``topology.links`` profile or its
+      name; default ``pcie4_x16_p2p``), ``messages * latency + wire_bytes / bandwidth``, decide; ties go to
+      gathered (fewer messages). Per layer, gathered sends ``2(N-1) n H D`` and Ulysses ``4(N-1)/N n H D`` (plus the
+      replicated tokens' output), so at N = 2 they move the same bytes and gathered wins on messages; from N = 3
+      Ulysses moves fewer bytes (``N/2`` times fewer) and wins once the band is long enough to hide its extra
+      messages.
+
+    Every input is shared by all ranks (shapes, config, the link profile name), so every rank picks the same mode.
+    """
+    n = len(counts)
+    if n <= 1 or heads % n or not isinstance(kv, ExactExchange):
+        return SeqMode.GATHERED
+    from ..topology.links import get_profile, model_latency_ms
+
+    profile = get_profile(link or "pcie4_x16_p2p")
+    costs = {}
+    for mode in (SeqMode.GATHERED, SeqMode.ULYSSES):
+        c = attention_cost(mode, counts, heads, head_dim, itemsize, batch=batch, replicated=replicated)
+        costs[mode] = model_latency_ms(0.0, c.wire_bytes, c.messages, profile.name)
+    return SeqMode.ULYSSES if costs[SeqMode.ULYSSES] < costs[SeqMode.GATHERED] else SeqMode.GATHERED
+
+
+def _to_blhd(t: torch.Tensor, layout: str, heads: Optional[int]) -> torch.Tensor:
+    if layout == "BLHD":
+        return t
+    if layout == "BHLD":
+        return t.transpose(1, 2)
+    return t.unflatten(-1, (heads, -1))
+
+
+def _from_blhd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "BLHD":
+        return t
+    if layout == "BHLD":
+        return t.transpose(1, 2)
+    return t.flatten(-2)
+
+
+def _mask_id(mask: torch.Tensor) -> Optional[tuple]:
+    if mask.is_inference():  # no version counter (ComfyUI samples under inference_mode): checked on every call
+        return None
+    return (mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask._version)
+
+
+def _key_mask(mask: Optional[torch.Tensor], lk_local: int, lk_full: int, before: int, after: int, n_total: int,
+              order: torch.Tensor, path: str, checked: Optional[dict] = None) -> Optional[torch.Tensor]:
+    """The caller's mask over keys, re-expressed for the keys ``[before, image tokens rank-major, after]``.
+
+    A mask over the full key sequence (global order) has its image columns permuted like the keys. A mask over this
+    rank's local keys (a model that builds it from the local sequence length, as HunyuanVideo does) must treat
+    every image key alike (padding masks only ever mask replicated text tokens): its first image column stands for
+    all of them.
+    """
+    if mask is None:
+        return None
+    cols = mask.shape[-1]
+    if cols == lk_full and lk_full != lk_local:
+        idx = torch.cat([torch.arange(before, device=mask.device), before + order.to(mask.device),
+                         torch.arange(before + n_total, lk_full, device=mask.device)])
+        return mask.index_select(-1, idx)
+    if cols == lk_local:
+        n_local = lk_local - before - after
+        img = mask.narrow(-1, before, n_local)
+        mask_id = _mask_id(mask)
+        if n_local and checked is not None and (mask_id is None or checked.get("mask") != mask_id):
+            uniform = bool((img == img.narrow(-1, 0, 1)).all())
+            if uniform and mask_id is not None:
+                checked["mask"] = mask_id  # models pass one mask tensor to every block: check it once
+        else:
+            uniform = True
+        if not uniform:
+            # backstop: no supported family masks image keys; the check depends on the mask every rank builds alike
+            raise NotImplementedError(f"{path}: an attention mask that differs between image keys is not supported")
+        rep = img.narrow(-1, 0, 1).expand(*img.shape[:-1], n_total) if n_local else img.new_zeros((*img.shape[:-1], n_total))
+        return torch.cat([mask.narrow(-1, 0, before), rep, mask.narrow(-1, before + n_local, after)], dim=-1)
+    if cols == 1:
+        return mask
+    raise NotImplementedError(f"{path}: attention mask with {cols} key columns for {lk_local} local keys ({lk_full} in all)")
+
+
+class SequenceAttention:
+    """Exact sequence-parallel attention of one rank's tokens, bound to a :class:`SequenceState`.
+
+    Args:
+        state: the shared state (context, shard table, step flags, stale memory).
+        mode: :class:`SeqMode` or its name: ``gathered``, ``ulysses`` or ``auto``.
+        kv: the K/V exchange strategy of gathered mode (``exchange.EXACT``, ``STALE``, ``DISPLACED``, or any
+            further :class:`~.exchange.PeerExchange`). Ulysses needs the exact one.
+        link: link profile (name) the ``auto`` rule models (default ``pcie4_x16_p2p``).
+
+    Call it with the local q, k, v as the model would pass them to its attention function; the output is what that
+    function would return for the local queries over the whole sequence.
+
+    Example:
+        >>> state = SequenceState(ctx, Traffic())                       # doctest: +SKIP
+        >>> state.set_grid(frames=1, rows=64, cols=64)                  # doctest: +SKIP
+        >>> attn = SequenceAttention(state, mode="auto")                # doctest: +SKIP
+        >>> sdpa = lambda q, k, v, mask, heads: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        >>> out = attn(q, k, v, sdpa, layout="BHLD", before=512, key="blocks.0.attn")  # doctest: +SKIP
+    """
+
+    def __init__(self, state: SequenceState, mode: Union[str, SeqMode] = SeqMode.AUTO, kv: PeerExchange = EXACT, link=None):
+        self.state = state
+        self.mode = SeqMode(mode)
+        self.kv = kv
+        self.link = link
+        if self.mode is SeqMode.ULYSSES and not isinstance(kv, ExactExchange):
+            raise ValueError(f"Ulysses attention exchanges this step's q/k/v; it cannot use the {type(kv).__name__} "
+                             f"K/V strategy: use mode='gathered' for stale or displaced K/V")
+        #: the mode of the last call (after ``auto`` resolved), for reports and tests
+        self.last_mode: Optional[SeqMode] = None
+        self._checked = state.checked_masks
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_fn: AttentionFn, *, layout: str = "BHLD",
+                 heads: Optional[int] = None, before: int = 0, after: int = 0, cross: bool = False,
+                 mask: Optional[torch.Tensor] = None, key: str = "attn") -> torch.Tensor:
+        """Attention of the local queries over every rank's keys.
+
+        Args:
+            q, k, v: this rank's tensors in ``layout`` (see the module docstring). For self-attention the sequence
+                is ``[before replicated tokens, this rank's image tokens, after replicated tokens]``.
+            attn_fn: ``attn_fn(q, k, v, mask, heads)``, the model's own attention, same layout.
+            layout: ``"BHLD"``, ``"BLHD"`` or ``"BLC"`` (``"BLC"`` needs ``heads``).
+            heads: heads of the call (read from the tensors except in ``"BLC"``).
+            before, after: replicated (text) tokens before and after the image tokens (joint attention: FLUX and
+                Qwen-Image put text first, HunyuanVideo last).
+            cross: keys and values are replicated (cross-attention to text): nothing is exchanged.
+            mask: the caller's attention mask (broadcastable to ``[B, H, Lq, Lk]``): over the local keys or over the
+                full key sequence in global order; see :func:`_key_mask`.
+            key: a name unique per attention layer (the stale memory's slot).
+        """
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS} (got {layout!r})")
+        if layout == "BLC" and not heads:
+            raise ValueError("layout 'BLC' needs heads=")
+        st = self.state
+        ctx = st.ctx
+        if cross or ctx.world_size == 1:
+            return attn_fn(q, k, v, mask, heads or q.shape[1 if layout == "BHLD" else 2])
+        shards = st.require_shards()
+        q4, k4, v4 = (_to_blhd(t, layout, heads) for t in (q, k, v))
+        b, lq, h, d = q4.shape
+        n_me = shards.counts[ctx.rank]
+        if lq - before - after != n_me or k4.shape[1] != lq:
+            raise ValueError(
+                f"{key}: {lq} local tokens ({k4.shape[1]} keys) do not match {before} + {n_me} image tokens of rank "
+                f"{ctx.rank} + {after}; check the shard table and the replicated counts"
+            )
+        mode = self.mode
+        if mode is SeqMode.AUTO:
+            mode = choose_mode(shards.counts, h, d, q4.element_size(), batch=b, replicated=before + after, kv=self.kv, link=self.link)
+        if mode is SeqMode.ULYSSES and h % ctx.world_size:
+            raise ValueError(f"{key}: Ulysses needs the heads ({h}) to divide by the ranks ({ctx.world_size}); use mode='gathered' or 'auto'")
+        self.last_mode = mode
+        lk_full = before + shards.total + after
+        if mode is SeqMode.GATHERED:
+            out = self._gathered(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full)
+        else:
+            out = self._ulysses(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full)
+        return _from_blhd(out, layout)
+
+    # ---------------------------------------------------------------- gathered K/V
+
+    def _gathered(self, q, k, v, attn_fn, layout, before, after, mask, key, lq, lk_full):
+        st, shards = self.state, self.state.shards
+        kb, ki, ka = split_replicated(k, 1, before, after)
+        vb, vi, va = split_replicated(v, 1, before, after)
+        packed = torch.stack([ki, vi], dim=2).contiguous()  # [B, n, 2, H, D]: one exchange for K and V
+        full = self.kv.full_kv(packed, f"{key}.kv", st)  # [B, n_total, 2, H, D], rank-major
+        k_all = torch.cat([kb, full[:, :, 0], ka], dim=1)
+        v_all = torch.cat([vb, full[:, :, 1], va], dim=1)
+        m = _key_mask(mask, lq, lk_full, before, after, shards.total, shards.order(mask.device if mask is not None else None), key, self._checked)
+        h = q.shape[2]
+        return _to_blhd(attn_fn(_from_blhd(q, layout), _from_blhd(k_all, layout), _from_blhd(v_all, layout), m, h), layout, h)
+
+    # ---------------------------------------------------------------- Ulysses
+
+    def _ulysses(self, q, k, v, attn_fn, layout, before, after, mask, key, lq, lk_full):
+        st, shards = self.state, self.state.shards
+        ctx = st.ctx
+        n, me = ctx.world_size, ctx.rank
+        b, _, h, d = q.shape
+        hn = h // n
+        counts = shards.counts
+        n_max = max(counts)
+        parts = [split_replicated(t, 1, before, after) for t in (q, k, v)]
+        img = torch.stack([p[1] for p in parts], dim=0)  # [3, B, n_me, H, D]
+        if img.shape[2] < n_max:
+            img = torch.cat([img, img.new_zeros(3, b, n_max - img.shape[2], h, d)], dim=2)
+        send = img.unflatten(3, (n, hn)).permute(3, 0, 1, 2, 4, 5)  # [N, 3, B, n_max, H/N, D]
+        recv = all_to_all_equal(send, ctx)  # recv[s]: rank s's tokens, my heads
+        es = q.element_size()
+        st.traffic.add("kv", send.numel() * es * (n - 1) // n, collectives=1)
+        img_all = torch.cat([recv[s, :, :, : counts[s]] for s in range(n)], dim=2)  # [3, B, n_total, H/N, D]
+        heads_me = slice(me * hn, (me + 1) * hn)
+        seqs = []
+        for i, (pb, _, pa) in enumerate(parts):
+            seqs.append(torch.cat([pb[:, :, heads_me], img_all[i], pa[:, :, heads_me]], dim=1))
+        qa, ka, va = seqs
+        m = _key_mask(mask, lq, lk_full, before, after, shards.total, shards.order(mask.device if mask is not None else None), key, self._checked)
+        if m is not None and m.dim() >= 2 and m.shape[-2] not in (1,):
+            raise NotImplementedError(f"{key}: Ulysses supports key masks only (a mask that varies per query needs mode='gathered')")
+        if m is not None and m.dim() == 4 and m.shape[1] not in (1,):
+            m = m[:, heads_me]
+        out = _to_blhd(attn_fn(_from_blhd(qa, layout), _from_blhd(ka, layout), _from_blhd(va, layout), m, hn), layout, hn)
+        ob, oi, oa = split_replicated(out, 1, before, after)  # oi: [B, n_total, H/N, D] rank-major
+        back = []
+        for s, piece in enumerate(oi.split(list(counts), dim=1)):
+            if piece.shape[1] < n_max:
+                piece = torch.cat([piece, piece.new_zeros(b, n_max - piece.shape[1], hn, d)], dim=1)
+            back.append(piece)
+        back = torch.stack(back, dim=0)
+        mine = all_to_all_equal(back, ctx)  # mine[s]: my tokens, heads of rank s
+        st.traffic.add("kv", back.numel() * es * (n - 1) // n, collectives=1)
+        mine = mine[:, :, : counts[me]].permute(1, 2, 0, 3, 4).reshape(b, counts[me], h, d)
+        if not before and not after:
+            return mine
+        rep = torch.cat([ob, oa], dim=1).contiguous()
+        st.traffic.add("kv", rep.numel() * es * (n - 1), collectives=1)
+        rep = all_gather_padded(rep, ctx, dim=2, sizes=[hn] * n)  # heads in rank order = head order
+        return torch.cat([rep.narrow(1, 0, before), mine, rep.narrow(1, before, after)], dim=1)

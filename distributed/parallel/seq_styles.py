@@ -1,0 +1,211 @@
+"""Styles that make a host model's DiT sequence-parallel: shard its token sequence and positional embedding, route
+its attention to :class:`~.seq_attention.SequenceAttention`, and gather its output tokens. Plans of these styles are
+data (``sampling/dit.py``'s family table); ``parallel.plan.apply_plan`` applies them and every one comes off again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .exchange import EXACT, PeerExchange
+from .plan import Applied, Style, replace_forward
+from .seq_attention import SequenceAttention
+from .tokens import gather_tokens, shard_tokens
+
+__all__ = ["ShardTokens", "ShardGridRows", "GatherTokens", "SequenceAttentionStyle"]
+
+
+# --------------------------------------------------------------------------------------------------
+# styles for a host model (diffusers' DiT classes): shard inputs, shard positions, gather outputs, attention
+
+
+def _map_items(out: Any, items: Optional[Tuple[int, ...]], fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(fn(o) if (items is None or i in items) and isinstance(o, torch.Tensor) else o for i, o in enumerate(out))
+    raise TypeError(f"expected a tensor or a tuple of tensors, got {type(out).__name__}")
+
+
+def _replicated(extent: int, total: int, text: Optional[str], path: str) -> Tuple[int, int]:
+    extra = extent - total
+    if extra < 0 or (extra and text not in ("before", "after")):
+        raise ValueError(f"{path}: {extent} tokens for {total} image tokens (replicated tokens: {text})")
+    return (extra, 0) if text == "before" else (0, extra)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardTokens(Style):
+    """The module's output (a token sequence, or a positional embedding) is cut to this rank's tokens.
+
+    Args:
+        dim: the sequence dimension of the output.
+        items: for a tuple output, which elements (``None``: every tensor element).
+        text: where replicated tokens sit in that sequence (``"before"``/``"after"``; ``None``: image tokens only).
+            Their count is the extent minus the image tokens of the shard table.
+    """
+
+    dim: int = 1
+    items: Optional[Tuple[int, ...]] = None
+    text: Optional[str] = None
+
+    def _apply(self, module, path, state):
+        def hook(mod, args, out):
+            shards = state.require_shards()
+            if state.ctx.world_size == 1:
+                return out
+
+            def cut(t):
+                before, after = _replicated(t.shape[self.dim], shards.total, self.text, path)
+                return shard_tokens(t, shards, state.ctx.rank, dim=self.dim, before=before, after=after)
+
+            return _map_items(out, self.items, cut)
+
+        return Applied(module.register_forward_hook(hook).remove)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardGridRows(Style):
+    """The module's output is a ``[..., rows, cols]`` grid (a patch embedding before flattening): keep this rank's
+    band of token rows along ``row_dim`` (flattened frame-major afterwards, it is exactly the rank's token index)."""
+
+    row_dim: int = -2
+
+    def _apply(self, module, path, state):
+        def hook(mod, args, out):
+            shards = state.require_shards()
+            if state.ctx.world_size == 1:
+                return out
+            if out.shape[self.row_dim] != shards.rows:
+                raise ValueError(f"{path}: {out.shape[self.row_dim]} token rows, the shard table has {shards.rows}")
+            lo, hi = shards.row_bounds[state.ctx.rank], shards.row_bounds[state.ctx.rank + 1]
+            return out.narrow(self.row_dim, lo, hi - lo)
+
+        return Applied(module.register_forward_hook(hook).remove)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatherTokens(Style):
+    """The module's output (this rank's tokens) is completed to the full sequence in global order (one
+    all-gather): put it on the last per-token layer (the output projection), where tokens are narrowest.
+
+    Inside a step of a state with an ``output_exchange`` (OTIL's block exchange, ``sampling/dit.py``) an output
+    of image tokens only is completed by it instead."""
+
+    dim: int = 1
+    text: Optional[str] = None
+
+    def _apply(self, module, path, state):
+        def hook(mod, args, out):
+            shards = state.require_shards()
+            if state.ctx.world_size == 1:
+                return out
+
+            def full(t):
+                extra = t.shape[self.dim] - shards.counts[state.ctx.rank]
+                before, after = _replicated(shards.total + extra, shards.total, self.text, path)
+                if state.output_exchange is not None and state.active and not before and not after:
+                    return state.output_exchange(t, self.dim % t.dim())
+                res = gather_tokens(t, shards, state.ctx, dim=self.dim, before=before, after=after)
+                state.traffic.add("output", t.numel() * t.element_size() * (state.ctx.world_size - 1), collectives=1)
+                return res
+
+            return _map_items(out, None, full)
+
+        return Applied(module.register_forward_hook(hook).remove)
+
+
+class _SdpaRoute(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` calls made inside one attention module to its
+    :class:`SequenceAttention` (every other torch function runs as is)."""
+
+    def __init__(self, route):
+        super().__init__()
+        self.route = route
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.route(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SequenceAttentionStyle(Style):
+    """A host model's attention module whose processor ends in ``F.scaled_dot_product_attention`` (every
+    diffusers DiT processor on the native backend): that call is routed to a :class:`SequenceAttention`.
+
+    Args:
+        text: where replicated tokens sit in the module's joint sequence (``"before"``: FLUX, Qwen-Image;
+            ``"after"``: HunyuanVideo; ``None``: image tokens only, as Wan's and LTX-Video's self-attention). Their
+            count is derived per call: local length minus this rank's image tokens.
+        mode: :class:`SeqMode` name.
+        kv: the gathered mode's K/V strategy.
+        link: the link profile the ``auto`` rule models.
+
+    The route is a ``TorchFunctionMode`` entered only while this module's forward runs (thread-local, no module
+    global patched); an attention module that calls SDPA more than once, or a processor on another backend, is
+    refused by the shape check of :class:`SequenceAttention`.
+    """
+
+    text: Optional[str] = None
+    mode: str = "auto"
+    kv: PeerExchange = EXACT
+    link: Optional[str] = None
+
+    def _apply(self, module, path, state):
+        attn = SequenceAttention(state, self.mode, self.kv, self.link)
+        text = self.text
+
+        def route(*args, **kwargs):
+            call = dict(zip(_SDPA_ARGS, args))
+            call.update(kwargs)
+            if call.get("is_causal") or call.get("dropout_p", 0.0) or call.get("enable_gqa"):
+                raise NotImplementedError(f"{path}: causal, dropout or GQA attention is not supported in sequence-parallel mode")
+            scale = call.get("scale")
+
+            def sdpa(q, k, v, mask, heads):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+            q, k, v = call["query"], call["key"], call["value"]
+            shards = state.require_shards()
+            lq = q.shape[-2]
+            cross = k.shape[-2] != lq
+            before = after = 0
+            if not cross:
+                before, after = _replicated(lq - shards.counts[state.ctx.rank] + shards.total, shards.total, text, path)
+            return attn(q, k, v, sdpa, layout="BHLD", before=before, after=after, cross=cross, mask=call.get("attn_mask"), key=path)
+
+        routed = [0]
+
+        def counted_route(*args, **kwargs):
+            routed[0] += 1
+            return route(*args, **kwargs)
+
+        def build(prior):
+            def forward(*args, **kwargs):
+                if state.ctx.world_size == 1:
+                    return prior(*args, **kwargs)
+                routed[0] = 0
+                with _SdpaRoute(counted_route):
+                    out = prior(*args, **kwargs)
+                if not routed[0]:
+                    # its tokens would have attended to this rank's keys only: a wrong result, not a slow one
+                    raise NotImplementedError(
+                        f"{path}: {type(module).__name__} computed attention without F.scaled_dot_product_attention "
+                        f"(another attention backend, e.g. flash or sage); sequence parallelism needs diffusers' native "
+                        f"backend for this model"
+                    )
+                return out
+
+            return forward
+
+        return Applied(replace_forward(module, path, build))

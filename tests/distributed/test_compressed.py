@@ -1,0 +1,293 @@
+"""Compressed-residual exchange and the low-traffic DiT modes on real gloo ranks (one spawn per world size, 2 and 3).
+
+What is checked (each rank returns named results; the parent asserts them):
+
+* bookkeeping: on every asynchronous step the halo and K/V bytes the accounting counts equal the packed sizes
+  (codes + one float32 scale per group of 256 elements, computed here from the slot sizes) times the N - 1 peers;
+* the warm-up steps are exact: the compressed run's denoiser outputs on its synchronous steps equal full_sync's;
+* error feedback: after the run every rank's copy of a peer's K/V equals that peer's own reference bit for bit;
+* accuracy: the final latent's error against the single-rank result is no worse than uncompressed displaced mode's
+  by more than the tolerance below (UNet, tiny SDXL-block model; DiT, tiny Wan 2.1 transformer);
+* the DiT presets displaced, balanced, otil and compressed run through ``parallelize_dit(config=...)`` at N = 2, 3.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from patchray.distributed.spawn import run_ranks
+
+H = W = 24
+STEPS = 6
+WARMUP = 2
+UNET_PRESETS = ("full_sync", "displaced", "compressed", "compressed_2bit", "compressed_1bit")
+DIT_PRESETS = ("full_sync", "displaced", "balanced", "otil", "compressed", "otil_compressed")
+DIT_AT_3 = ("full_sync", "displaced", "otil", "compressed")  # N = 3: the modes whose bookkeeping differs, CI time
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _packed(stored: int, bits: int) -> int:
+    # independent of comm_manager.packed_bytes: groups of 256 elements, bits per element, a 4-byte scale per group
+    return math.ceil(stored / 256) * (256 * bits // 8 + 4)
+
+
+def _memory_report(cm, me, world):
+    """Per compressed K/V slot, every rank's stored copy (this rank's own row is its reference)."""
+    out = {}
+    for sid, (key, kind, bits, _) in enumerate(cm.slots):
+        if bits and kind == "kv":
+            out[key] = [cm.view(sid, r).clone() for r in range(world)]
+    return out
+
+
+def _expected_async(cm, peers):
+    return sum(_packed(stored, bits) for _, kind, bits, stored in cm.slots if bits and kind in ("halo", "kv")) * peers
+
+
+def _unet_part(ctx):
+    from patchray.distributed.sampling import sdxl
+    from patchray.distributed.sampling.config import preset
+    from patchray.distributed.sampling.denoiser import PatchParallelDenoiser
+
+    unet = sdxl.build_unet(True)
+    cond = sdxl.synthetic_cond(unet, 1)
+    lat = torch.randn(1, 4, H, W, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = sdxl.sample_euler_cfg(sdxl.unet_denoiser(unet), lat, cond, STEPS)
+    res = {}
+    for name in UNET_PRESETS:
+        den = PatchParallelDenoiser(sdxl.unet_denoiser(unet), ctx, preset(name, split_batch=False, warmup_steps=WARMUP), unet=unet)
+        outs, steps = [], []
+
+        def model(x, t, **c):
+            before = den.traffic.snapshot()
+            out = den(x, t, **c)
+            outs.append(out.clone())
+            d = den.traffic.diff(den.traffic.snapshot(), before)
+            steps.append(d["async_bytes"].get("halo", 0) + d["async_bytes"].get("kv", 0))
+            return out
+
+        with torch.no_grad():
+            x = den.finalize(sdxl.sample_euler_cfg(model, lat, cond, STEPS))
+        cm = den.handle.state.cm
+        cm.wait()
+        entry = {"err": _rel(x, ref), "outs": outs, "async": steps, "agree": torch.equal(x, ref) if name == "full_sync" else None}
+        if name.startswith("compressed"):
+            entry["expected_async"] = _expected_async(cm, ctx.world_size - 1)
+            entry["memory"] = _memory_report(cm, ctx.rank, ctx.world_size)
+            entry["bits"] = sorted({b for _, _, b, _ in cm.slots if b})
+        den.remove()
+        res[name] = entry
+    return res
+
+
+def _wan():
+    from .dit_models import build
+
+    model, inputs = build("wan")
+    inputs = dict(inputs)
+    inputs.pop("timestep")
+    return model, inputs
+
+
+def _flow_loop(model, inputs, x0, steps, before=None, after=None):
+    """Rectified-flow Euler over shifted sigmas (as Wan/FLUX schedulers use): x <- x + (s' - s) v."""
+    sig = torch.linspace(1.0, 0.0, steps + 1)
+    sig = 3.0 * sig / (1 + 2.0 * sig)  # shift 3
+    x = x0.clone()
+    for i in range(steps):
+        if before is not None:
+            before(i)
+        with torch.no_grad():
+            v = model(**dict(inputs, hidden_states=x, timestep=torch.full((x.shape[0],), float(sig[i]) * 1000)), return_dict=False)[0]
+        if after is not None:
+            after(i)
+        x = x + (sig[i + 1] - sig[i]) * v
+    return x
+
+
+def _dit_part(ctx, names=DIT_PRESETS):
+    from patchray.distributed.sampling.config import preset
+    from patchray.distributed.sampling.dit import parallelize_dit
+
+    model, inputs = _wan()
+    x0 = torch.randn(inputs["hidden_states"].shape, generator=torch.Generator().manual_seed(7))
+    ref = _flow_loop(model, inputs, x0, STEPS)
+    res = {}
+    for name in names:
+        cfg = preset(name, split_batch=False, warmup_steps=WARMUP) if name != "full_sync" else preset(name)
+        handle = parallelize_dit(model, ctx, mode="gathered", config=cfg)
+        steps = []
+        snap = {}
+
+        def before(i):
+            snap["t"] = handle.traffic.snapshot()
+            handle.begin_step(i)
+
+        def after(i):
+            handle.end_step()
+            d = handle.traffic.diff(handle.traffic.snapshot(), snap["t"])
+            steps.append(dict(d["async_bytes"]))
+
+        x = handle.finalize_rows(_flow_loop(model, inputs, x0, STEPS, before, after))
+        cm = handle.state.cm
+        entry = {"err": _rel(x, ref), "async": [s.get("kv", 0) for s in steps]}
+        if name in ("compressed", "otil_compressed"):
+            cm.wait()
+            entry["expected_async"] = _expected_async(cm, ctx.world_size - 1)
+            entry["memory"] = _memory_report(cm, ctx.rank, ctx.world_size)
+        handle.remove()
+        res[name] = entry
+    return res
+
+
+def _task(ctx, unet):
+    torch.manual_seed(0)
+    return {"unet": _unet_part(ctx) if unet else None, "dit": _dit_part(ctx, DIT_PRESETS if unet else DIT_AT_3)}
+
+
+@functools.lru_cache(maxsize=None)
+def _results(n):
+    # the UNet part (the slow one on 2 CPU cores) at N = 2 only; the DiT part at N = 2 and 3
+    return run_ranks(_task, n, n == 2)
+
+
+def _cases(n, part):
+    if part == "unet" and n != 2:
+        pytest.skip("the UNet part runs at N = 2 (CI time); N = 3 covers the DiT part")
+    return _results(n)
+
+
+# ------------------------------------------------------------------------------------------- no ranks
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_the_shared_quantiser_packs_and_bounds_its_error(bits):
+    from patchray.distributed.parallel.quantize import code_bytes, dequantize, quantize
+
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.1, 3.0, 5)[:, None]
+    codes, scale = quantize(x, bits)
+    assert codes.dtype == torch.uint8 and codes.shape == (5, code_bytes(300, bits)) == (5, math.ceil(300 * bits / 8))
+    y = dequantize(codes, scale, bits, 300)
+    if bits == 1:
+        # sign codes with the mean-absolute scale: every element keeps its sign, magnitude = the row's mean |x|
+        assert torch.equal(torch.sign(y), torch.where(x >= 0, 1.0, -1.0))
+        assert torch.allclose(y.abs(), x.abs().mean(1, keepdim=True).expand_as(y))
+    elif bits == 2:
+        # Lloyd-Max levels of a Gaussian in units of the row's mean |x|: sign kept, +-0.567 m below 1.230 m, +-1.892 m above
+        m = x.abs().mean(1, keepdim=True)
+        level = torch.where(x.abs() > 1.2302 * m, 1.8925 * m, 0.5675 * m)
+        assert torch.allclose(y, torch.where(x >= 0, 1.0, -1.0) * level, atol=1e-3)
+        # and on a bell-shaped row it beats a 3-level absmax grid (the mid-tread alternative) in squared error
+        mid = torch.round(x / x.abs().amax(1, keepdim=True)) * x.abs().amax(1, keepdim=True)
+        assert ((y - x) ** 2).sum() < ((mid - x) ** 2).sum()
+    else:
+        # mid-tread rounding: at most half a step (absmax / qmax / 2) per element, plus float32 rounding
+        step = x.abs().amax(1, keepdim=True) / ((1 << (bits - 1)) - 1)
+        assert bool(((y - x).abs() <= step / 2 + 1e-6).all())
+
+
+def test_auto_preset_follows_the_link_class():
+    from patchray.distributed.sampling.config import auto_preset
+
+    assert auto_preset("nvlink") == "full_sync"
+    assert auto_preset("pcie4_x16_p2p") == "displaced"
+    assert auto_preset("pcie4_x16_no_p2p") == "compressed"
+    assert auto_preset("10gbe") == "compressed_2bit"
+    assert auto_preset(None) == "full_sync"
+
+
+def test_exchange_bits_need_the_displaced_layer_mode():
+    from patchray.distributed.sampling.config import preset
+
+    with pytest.raises(ValueError, match="layer_mode='displaced'"):
+        preset("balanced", exchange_bits=2)
+    with pytest.raises(ValueError, match="exchange_bits must be"):
+        preset("displaced", exchange_bits=3)
+    assert [preset(p).exchange_bits for p in ("compressed", "compressed_2bit", "compressed_1bit")] == [4, 2, 1]
+
+
+def test_ulysses_with_a_stale_kv_mode_is_refused_in_user_terms():
+    from patchray.distributed.sampling.config import preset
+    from patchray.distributed.sampling.dit import dit_exchange
+
+    with pytest.raises(ValueError, match="gathered"):
+        dit_exchange(preset("displaced"), "ulysses")
+
+
+# ------------------------------------------------------------------------------------------- ranks
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("part", ["unet", "dit"])
+def test_counted_bytes_are_the_packed_sizes(n, part):
+    for res in _cases(n, part):
+        names = ("compressed", "compressed_2bit", "compressed_1bit") if part == "unet" else ("compressed", "otil_compressed")
+        for name in (m for m in names if m in res[part]):
+            e = res[part][name]
+            assert all(a == 0 for a in e["async"][: WARMUP - 1])  # warm-up steps send nothing asynchronously
+            # from the last warm-up step on, every step streams every compressed slot once
+            assert e["expected_async"] > 0
+            assert e["async"][WARMUP:] == [e["expected_async"]] * (STEPS - WARMUP), name
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_warmup_steps_are_exact(n):
+    for res in _cases(n, "unet"):
+        u = res["unet"]
+        assert u["full_sync"]["agree"] is not None
+        for name in ("displaced", "compressed", "compressed_2bit", "compressed_1bit"):
+            for i in range(WARMUP):
+                # the same exact exchanges as full_sync; GroupNorm's synchronous statistics are merged in another
+                # order in corrected_async mode, so equal within fp32 re-association (measured ~1e-7)
+                assert _rel(u[name]["outs"][i], u["full_sync"]["outs"][i]) < 1e-5, (name, i)
+            assert _rel(u[name]["outs"][WARMUP], u["full_sync"]["outs"][WARMUP]) > 1e-4  # then stale: not exact
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("part", ["unet", "dit"])
+def test_every_peer_holds_the_senders_reference_bit_for_bit(n, part):
+    results = _cases(n, part)
+    names = ("compressed", "compressed_2bit", "compressed_1bit") if part == "unet" else ("compressed", "otil_compressed")
+    for name in (m for m in names if m in results[0][part]):
+        keys = results[0][part][name]["memory"].keys()
+        assert keys
+        for key in keys:
+            for sender in range(n):
+                ref = results[sender][part][name]["memory"][key][sender]
+                for holder in range(n):
+                    assert torch.equal(results[holder][part][name]["memory"][key][sender], ref), (name, key, sender, holder)
+
+
+# Tolerance: the compressed modes add quantisation noise to displaced mode's one-step-stale context; error feedback
+# keeps it from accumulating. Measured on these tiny random-weight models (6 steps, 2 exact warm-up steps): 4-bit
+# residuals land within 1% of displaced's final-latent error (UNet N = 2: 3.27e-2 vs 3.25e-2; Wan N = 2: 2.33e-3 vs
+# 2.33e-3), so "no worse" is asserted with a 5% margin for fp32 summation order and seeds; 2-bit and 1-bit codes,
+# coarser, measured +5% and +8% (UNet), are bounded at 1.25x and 1.5x.
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("part", ["unet", "dit"])
+def test_compressed_error_is_no_worse_than_displaced(n, part):
+    for res in _cases(n, part):
+        e = res[part]
+        assert e["full_sync"]["err"] < 1e-5
+        assert e["compressed"]["err"] <= 1.05 * e["displaced"]["err"]
+        if part == "unet":
+            assert e["compressed_2bit"]["err"] <= 1.25 * e["displaced"]["err"]
+            assert e["compressed_1bit"]["err"] <= 1.5 * e["displaced"]["err"]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_dit_low_traffic_presets_run_and_stay_close(n):
+    for res in _cases(n, "dit"):
+        d = res["dit"]
+        for name in (m for m in DIT_PRESETS[1:] if m in d):
+            # stale K/V after 2 exact warm-up steps of 6: a small but nonzero error on this tiny Wan
+            assert 1e-7 < d[name]["err"] < 0.2, (name, d[name]["err"])
+        assert sum(d["displaced"]["async"]) > 0 and sum(d["otil"]["async"]) == 0  # otil's K/V: synchronous refresh only
