@@ -587,6 +587,10 @@ def _gather_comm(ctx: ParallelContext, tally: ShardTally):
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            if output_tensor.dtype in _FLOAT8:
+                # a block whose parameters are all float8 is gathered in that dtype, which gloo refuses ("Invalid
+                # scalar type"): the same bytes travel as uint8
+                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
             tally.calls += 1
             tally.gathered += output_tensor.numel() * output_tensor.element_size()
             tally.received += (output_tensor.numel() - input_tensor.numel()) * output_tensor.element_size()
@@ -605,6 +609,8 @@ def _gather_single(out, inp, **kw):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, **kw)
 
+
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 
 _meshes: Dict[tuple, object] = {}
 

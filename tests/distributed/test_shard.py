@@ -31,10 +31,10 @@ def _rel(a, b):
 class _CastLinear(torch.nn.Module):
     """A Linear holding an fp8 weight and a bf16 bias, cast to the input's dtype per call (ComfyUI's weight casting)."""
 
-    def __init__(self, w, b):
+    def __init__(self, w, b, bias_dtype=torch.bfloat16):
         super().__init__()
         self.weight = torch.nn.Parameter(w.to(torch.float8_e4m3fn), requires_grad=False)
-        self.bias = torch.nn.Parameter(b.to(torch.bfloat16), requires_grad=False)
+        self.bias = torch.nn.Parameter(b.to(bias_dtype), requires_grad=False)
 
     def forward(self, x):
         return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
@@ -48,8 +48,12 @@ class _Fp8Net(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(
             torch.nn.Sequential(_CastLinear(torch.randn(24, 24, generator=g) * 0.3, torch.randn(24, generator=g)),
                                 torch.nn.LayerNorm(24)) for _ in range(3))
+        # a block whose parameters are all fp8 (ComfyUI's fp8 loading can leave no other dtype in a block): FSDP2 then
+        # gathers in float8 itself, which gloo cannot carry; comm sends the bytes as uint8
+        self.blocks.append(torch.nn.Sequential(_CastLinear(torch.randn(24, 24, generator=g) * 0.3, torch.randn(24, generator=g),
+                                                           bias_dtype=torch.float8_e4m3fn)))
         with torch.no_grad():
-            for blk in self.blocks:
+            for blk in self.blocks[:3]:
                 blk[1].weight.copy_(1 + 0.2 * torch.randn(24, generator=g))
                 blk[1].bias.copy_(0.1 * torch.randn(24, generator=g))
             self.inp.weight.copy_(torch.randn(24, 12, generator=g) * 0.3)
@@ -150,7 +154,7 @@ def _fp8_task(ctx):
     x = torch.randn(4, 12, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         ref = net(x)
-    fp8_bytes = sum(b[0].weight.numel() for b in net.blocks)  # one byte each
+    fp8_bytes = sum(b[0].weight.numel() for b in net.blocks) + net.blocks[3][0].bias.numel()  # one byte each
     other = sum(p.numel() * p.element_size() for b in net.blocks for p in b.parameters()) - fp8_bytes
     handle = shard_model(net, ctx, ["blocks.*"])
     dtypes = {name: dt for name, (_, _, dt) in handle.local_shapes().items()}
@@ -212,7 +216,8 @@ def test_fp8_weights_stay_fp8_in_the_shard_and_on_the_wire():
         assert r["equal"], rank  # the gathered fp8 bytes are the original ones: bit-identical output
         fp8 = {k: v for k, v in r["dtypes"].items() if k.endswith("0.weight")}
         assert fp8 and set(fp8.values()) == {"torch.float8_e4m3fn"}, r["dtypes"]
-        assert {v for k, v in r["dtypes"].items() if k.endswith("0.bias")} == {"torch.bfloat16"}
+        assert {v for k, v in r["dtypes"].items() if k.endswith("0.bias")} == {"torch.bfloat16", "torch.float8_e4m3fn"}
+        assert r["dtypes"]["blocks.3.0.bias"] == "torch.float8_e4m3fn"  # the all-fp8 block
         # gathered bytes: one byte per fp8 element (padding aside), far below an upcast
         assert r["expected_min"] <= r["gathered"] < r["fp32_if_upcast"], r
 
