@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ._comfy import interrupt_check, io, progress_callback, sampler_lists
 from .bridge import ksampler as bridge_ksampler
-from .bridge.ksampler import ATTENTION_NAMES, BALANCE_NAMES, PARALLELISM_NAMES, PRESET_HELP, PRESET_NAMES
+from .bridge.ksampler import ATTENTION_NAMES, BALANCE_NAMES, PARALLELISM_NAMES, PRESET_HELP, PRESET_NAMES, SHARDING_NAMES
 from .types import CATEGORY, CLUSTER
 
 __all__ = ["PatchRayKSampler"]
@@ -93,6 +93,18 @@ class PatchRayKSampler(io.ComfyNode):
                         "together. The result is the same either way; cfg and batch splits are unaffected."
                     ),
                 ),
+                io.Combo.Input(
+                    "sharding",
+                    options=SHARDING_NAMES,
+                    default="none",
+                    optional=True,
+                    tooltip=(
+                        "Where the model's weights live. none: every rank holds the whole model. blocks: each rank holds "
+                        "1/N of every transformer/UNet block and gathers a block's weights just before it runs (for models "
+                        "bigger than one card; fp8 stays fp8; costs one gather of the weights per model call over the "
+                        "link). auto: blocks when the model would not leave room for activations on the smallest card."
+                    ),
+                ),
             ],
             outputs=[io.Latent.Output(display_name="LATENT", tooltip="The denoised latent, like the stock KSampler's.")],
         )
@@ -101,14 +113,15 @@ class PatchRayKSampler(io.ComfyNode):
     def execute(
         cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster,
         preset="full_sync", warmup_steps=-1, refresh_every=-1, k_ratio=0.25, block_size=8, parallelism="auto",
-        sequence_attention="auto", balance="equal",
+        sequence_attention="auto", balance="equal", sharding="none",
     ) -> io.NodeOutput:
         link = bridge_ksampler.link_profile(cluster) if preset == "auto" else None
         config = bridge_ksampler.patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size, link=link)
         progress = progress_callback(steps)
         latent = bridge_ksampler.sample(
             model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster, config,
-            parallelism=parallelism, attention=sequence_attention, balance=balance, cancel_check=interrupt_check(), progress=progress,
+            parallelism=parallelism, attention=sequence_attention, balance=balance, sharding=sharding,
+            cancel_check=interrupt_check(), progress=progress,
         )
         if progress is not None:
             progress(steps, steps)

@@ -125,7 +125,7 @@ class _Scopes:
     def hooks(self, dm, attends) -> List[Any]:
         handles = []
         for path, module in dm.named_modules():
-            kind = attends.get(type(module).__name__)
+            kind = attends.get(_comm().base_class(module).__name__)  # a sharded block's class is FSDP2's subclass
             if kind is None:
                 continue
 

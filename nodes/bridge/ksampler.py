@@ -14,11 +14,15 @@ import operator
 from typing import Callable, Optional
 
 from . import model as bridge_model
+from . import shard_models as bridge_shard
 from . import validate
 from .errors import rank_errors_for_user
 from .shim import CANONICAL
 
-__all__ = ["PRESET_NAMES", "PRESET_HELP", "PARALLELISM_NAMES", "ATTENTION_NAMES", "BALANCE_NAMES", "patch_config", "link_profile", "sample"]
+__all__ = [
+    "PRESET_NAMES", "PRESET_HELP", "PARALLELISM_NAMES", "ATTENTION_NAMES", "BALANCE_NAMES", "SHARDING_NAMES", "patch_config",
+    "link_profile", "sample",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ PRESET_HELP = {
 PARALLELISM_NAMES = ["auto", "sequence", "cfg", "cfg+sequence", "batch"]  # dit_layout.MODES, without importing it here
 ATTENTION_NAMES = ["auto", "gathered", "ulysses"]
 BALANCE_NAMES = ["equal", "speed"]  # topology.throughput.BALANCE_MODES, without importing it here
+SHARDING_NAMES = bridge_shard.SHARDING_NAMES
 # samplers whose step control reads the whole latent: with OTIL's approximate remote regions the ranks would take
 # different numbers of steps, and their collectives would not line up
 _ADAPTIVE = {"dpm_adaptive"}
@@ -92,7 +97,7 @@ def patch_config(preset: str, warmup_steps: int = -1, refresh_every: int = -1, k
 
 def sample(
     model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster_config, config,
-    *, parallelism: str = "auto", attention: str = "auto", balance: str = "equal",
+    *, parallelism: str = "auto", attention: str = "auto", balance: str = "equal", sharding: str = "none",
     cancel_check: Optional[Callable[[], None]] = None, progress: Optional[Callable[[int, int], None]] = None,
 ) -> dict:
     """Run the KSampler on the ranks of ``cluster_config``; return the LATENT dict.
@@ -104,6 +109,9 @@ def sample(
             sequence ranks) or ``auto`` (per call, from the modelled link cost).
         balance: the sequence split's bands (UNet row bands, DiT token shards): ``equal``, or ``speed``
             (proportional to each rank's measured throughput, measured once per cluster; the result is the same).
+        sharding: the diffusion model's weights on the ranks: ``none`` (each rank holds all of them), ``blocks``
+            (1/N of each block per rank, FSDP2, gathered per block as it runs; :mod:`.shard_models`) or ``auto``
+            (``blocks`` when the weights would not leave room for activations on the smallest card).
         cancel_check: ComfyUI's interrupt check, polled while the ranks work.
         progress: ``fn(done, total)`` for ComfyUI's progress bar.
 
@@ -113,7 +121,8 @@ def sample(
     """
     from ...distributed.cluster import ClusterConfig, get_cluster
     from ...distributed.sampling.config import LayerMode, OutputMode
-    from ...distributed.sampling.remote import distributed_sample, ship_model
+    from ...distributed.sampling.remote import distributed_sample
+    from ...distributed.sampling.ship import ship_model_in_parts
     from ...distributed.topology.throughput import cluster_band_weights
     from .dit_layout import plan_layout
     from .dit_models import cond_refusal, find_row
@@ -124,6 +133,8 @@ def sample(
         raise ValueError(f"sequence_attention must be one of {ATTENTION_NAMES} (got {attention!r})")
     if balance not in BALANCE_NAMES:
         raise ValueError(f"balance must be one of {BALANCE_NAMES} (got {balance!r})")
+    if sharding not in SHARDING_NAMES:
+        raise ValueError(f"sharding must be one of {SHARDING_NAMES} (got {sharding!r})")
     if sampler_name in _ADAPTIVE and config.output is OutputMode.OTIL:
         raise ValueError(f"sampler {sampler_name!r} adapts its step count to the whole latent, which OTIL leaves approximate on each rank; pick another sampler or preset")
     if not isinstance(cluster_config, ClusterConfig):
@@ -176,7 +187,9 @@ def sample(
                 )
     bridge_model.check_conditioning("positive", positive, layout.mode)
     bridge_model.check_conditioning("negative", negative, layout.mode)
-    key, make_payload = bridge_model.portable_model(model, layout.mode)
+    key, make_skeleton, names, tensor, sizes = bridge_model.portable_parts(model, layout.mode)
+    if sharding == "blocks":
+        bridge_shard.blocks_for(model.model.diffusion_model)  # an uncovered class is refused before the ranks start
 
     inputs = {
         "noise": noise, "latent_image": latent, "noise_mask": latent_image.get("noise_mask"), "seed": int(seed),
@@ -189,7 +202,24 @@ def sample(
         rank_cluster = get_cluster(cluster_config)
         # bands by speed only where the run splits a sequence: CFG/batch layouts give every rank whole work
         weights = cluster_band_weights(rank_cluster, balance) if layout.seq_ranks > 1 else None
-        ship_model(rank_cluster, key, make_payload, f"{_RANK}:build", prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel_check)
+        free_min = total_min = None
+        if sharding == "auto" and n > 1:
+            mem = rank_cluster.run(f"{_RANK}:device_memory", timeout_s=60.0, cancel_check=cancel_check)
+            free_min, total_min = min(m[0] for m in mem), min(m[1] for m in mem)
+        resolved, why = bridge_shard.resolve_sharding(sharding, model.model.diffusion_model, n, free_min, total_min)
+        if sharding == "auto":
+            log.info("PatchRay KSampler: %s", why)
+        key = key + (("sharding", resolved),)  # a sharded model and a whole one are different things on the ranks
+
+        def make_payload(make=make_skeleton, resolved=resolved):
+            return dict(make(), sharding=resolved)
+
+        # the weights travel a part at a time (numpy views of Ray's shared store): beside ComfyUI's own weights the
+        # host holds at most one part in flight (sampling/ship.py)
+        ship_model_in_parts(
+            rank_cluster, key, make_payload, names, tensor, f"{_RANK}:begin_parts", end=f"{_RANK}:end_parts", sizes=sizes,
+            prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel_check,
+        )
         result = distributed_sample(
             rank_cluster, key, f"{_RANK}:sample", inputs, config,
             prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel_check, progress=progress,

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["WRAPPER_KEY", "prepare", "build", "sample", "agreed_batching", "patch_parallel"]
+__all__ = ["WRAPPER_KEY", "prepare", "build", "begin_parts", "end_parts", "device_memory", "sample", "agreed_batching", "patch_parallel"]
 
 WRAPPER_KEY = "patchray.patch_parallel"
 
@@ -57,12 +57,79 @@ def build(ctx, payload: dict):
 
     mm.unload_all_models()  # the previous model (if any) is being replaced: give its memory back first
     mm.soft_empty_cache()
+    from ...distributed.sampling.weights import from_arrays
+    from .shard_models import apply_sharding, blocks_for, local_model_bytes
+
     base = payload["skeleton"]
-    state = payload["state_dict"]
-    for k, dtype in payload.get("views", {}).items():  # float8 weights travel as their bytes (see model.portable_model)
-        state[k] = state[k].view(getattr(torch, dtype))
+    sharding = payload.get("sharding", "none")
+    views = payload.get("views", {})
+    arrays = payload["state_dict"]
+    if sharding == "blocks" and ctx.world_size > 1:
+        # the blocks' weights stay views of Ray's shared store until FSDP2 copies this rank's 1/N out of them; the
+        # rest (embedders, final layer: small) become private copies
+        from ...distributed.parallel.shard import find_units
+
+        units = [p + "." for p, _ in find_units(base.diffusion_model, blocks_for(base.diffusion_model))]
+        in_unit = lambda k: k.startswith("diffusion_model.") and any(k[len("diffusion_model."):].startswith(u) for u in units)
+        state = from_arrays({k: a for k, a in arrays.items() if in_unit(k)}, views, copy=False)
+        state.update(from_arrays({k: a for k, a in arrays.items() if not in_unit(k)}, views, copy=True))
+    else:
+        state = from_arrays(arrays, views, copy=True)
     base.load_state_dict(state, strict=True, assign=True)
-    return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+    del state
+    handle = apply_sharding(ctx, base, sharding)
+    mp = comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+    if handle is not None:
+        base.__dict__["_patchray_shards"] = handle  # the figures (local bytes, gathered bytes) for checks and logs
+        mp.size = local_model_bytes(base)  # ComfyUI sizes a model by its parameters' global shapes: count this rank's
+    return mp
+
+
+def begin_parts(ctx, payload: dict):
+    """Rank side of ``sampling.ship.ship_model_in_parts``: the skeleton, its blocks sharded on the meta device
+    (``sharding=blocks``: each rank allocates only its shards, on its device), every other tensor allocated (on the
+    host for ``none``, as :func:`build` leaves it for ComfyUI's loader). Returns ``(base, base)``: the parts fill the
+    BaseModel by its state-dict names."""
+    import comfy.model_management as mm
+
+    from ...distributed.sampling.ship import materialize_meta
+    from .shard_models import apply_sharding
+
+    mm.unload_all_models()
+    mm.soft_empty_cache()
+    base = payload["skeleton"]
+    sharding = payload.get("sharding", "none")
+    if sharding == "blocks" and ctx.world_size > 1:
+        handle = apply_sharding(ctx, base, sharding, init=lambda dm: materialize_meta(base, ctx.device))
+        base.__dict__["_patchray_shards"] = handle
+    else:
+        materialize_meta(base, torch.device("cpu"))
+    return base, base
+
+
+def end_parts(ctx, base):
+    """The rank's ModelPatcher once every part arrived (its size: what this rank holds)."""
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    from .shard_models import local_model_bytes
+
+    mp = comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+    if base.__dict__.get("_patchray_shards") is not None:
+        mp.size = local_model_bytes(base)
+    return mp
+
+
+def device_memory(ctx) -> tuple:
+    """``(free, total)`` bytes of this rank's device, free counting what PyTorch holds here (a cached model is
+    replaced when the next one ships, so its memory is available to it): the driver's ``sharding=auto`` input."""
+    if ctx.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(ctx.device)
+        return float(free + torch.cuda.memory_reserved(ctx.device)), float(total)
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return float(vm.available), float(vm.total)
 
 
 _NOT_SET = object()
@@ -252,7 +319,10 @@ def _run(model, session, inputs: dict) -> torch.Tensor:
     def callback(step, x0, x, total_steps):
         session.progress(step + 1, total_steps)
 
-    with torch.inference_mode():
+    # FSDP2's sharded parameters are DTensors, which cannot be detached inside inference mode (ComfyUI's loader sizes
+    # modules through state_dict(), which detaches): a sharded model samples under no_grad, which computes the same
+    sharded = model.model.__dict__.get("_patchray_shards") is not None
+    with torch.no_grad() if sharded else torch.inference_mode():
         return comfy.sample.sample(
             model,
             inputs["noise"],

@@ -28,7 +28,7 @@ from typing import Callable, Hashable, Tuple
 
 import torch
 
-__all__ = ["comfy_root", "portable_model", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal"]
+__all__ = ["comfy_root", "portable_model", "portable_parts", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal"]
 
 _UNSUPPORTED_COND_KEYS = {
     "control": "ControlNet conditioning (its residuals are full-image tensors added inside the UNet)",
@@ -241,10 +241,44 @@ def portable_model(mp, mode: str = "sequence") -> Tuple[Hashable, Callable[[], d
                 del live[k]
             if isinstance(original, torch.nn.Module):
                 live.update({prefix + k: v for k, v in original.state_dict(keep_vars=True).items()})
+        from ...distributed.sampling.weights import to_arrays
+
         weights = {k: _patched_weight(mp, k, t) for k, t in live.items()}
-        views = {k: str(t.dtype).replace("torch.", "") for k, t in weights.items() if t.dtype in _FP8}
-        for k in views:  # Ray cannot pickle float8 tensors: they travel as their bytes (uint8), viewed back on the rank
-            weights[k] = weights[k].view(torch.uint8)
-        return {"skeleton": _skeleton(mp, live), "state_dict": weights, "views": views}
+        arrays, views = to_arrays(weights)  # one copy in Ray's shared store, viewed by the ranks (see that module)
+        return {"skeleton": _skeleton(mp, live), "state_dict": arrays, "views": views}
 
     return key, make_payload
+
+
+def _live_state(mp) -> dict:
+    base = mp.model
+    live = base.state_dict(keep_vars=True)
+    for name, original in mp.object_patches_backup.items():
+        # an object patch ComfyUI left applied (e.g. another clone's ModelSamplingDiscrete): the skeleton gets the
+        # original object back, so its state comes from the original too
+        prefix = name + "."
+        for k in [k for k in live if k.startswith(prefix)]:
+            del live[k]
+        if isinstance(original, torch.nn.Module):
+            live.update({prefix + k: v for k, v in original.state_dict(keep_vars=True).items()})
+    return live
+
+
+def portable_parts(mp, mode: str = "sequence"):
+    """The MODEL for ``sampling.ship.ship_model_in_parts``: ``(key, make_skeleton, names, tensor, sizes)``.
+
+    Like :func:`portable_model`, but the weights are produced one at a time (``tensor(name)``: the patched weight on
+    the host), so neither a full patched copy nor a full copy in Ray's store ever exists beside ComfyUI's own weights.
+    """
+    key, _ = portable_model(mp, mode)  # the refusals and the key
+    live = _live_state(mp)
+    names = list(live)
+    sizes = {k: t.numel() * t.element_size() for k, t in live.items()}
+
+    def make_skeleton() -> dict:
+        return {"skeleton": _skeleton(mp, live)}
+
+    def tensor(name: str) -> torch.Tensor:
+        return _patched_weight(mp, name, live[name])
+
+    return key, make_skeleton, names, tensor, sizes

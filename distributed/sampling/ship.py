@@ -1,0 +1,188 @@
+"""Shipping a model to the ranks in parts: at most one part of the weights in flight, beside the driver's own copy.
+
+``remote.ship_model`` puts the whole payload into Ray's object store at once: on the first prompt the host holds the
+driver's model, the store's full copy, and whatever the ranks copy out of it. Here the ranks first receive the
+weightless skeleton (``begin``: build it, shard its blocks on the meta device, allocate what the rank holds), then the
+weights part by part (each a few hundred MB of numpy arrays, ``sampling.weights``): every rank copies its shard of each
+sharded parameter (or the whole tensor of an unsharded one) out of the store's read-only view, and the part is freed
+before the next is put. The peak above the driver's own copy is one part in the store plus what the ranks keep.
+
+Parameters are filled in place: a sharded parameter's local piece (FSDP2's dim-0 chunk of this rank) is copied from
+the matching rows of the full tensor, so a rank never holds a block whole; every other tensor is assigned.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from typing import Any, Callable, Dict, Hashable, Iterable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+from ..cluster import fn_ref, rank_cache, resolve_fn
+from ..context import ParallelContext
+from .remote import _MODEL, _SESSION, _has_model
+from .weights import from_arrays, to_arrays
+
+__all__ = ["ship_model_in_parts", "parts_by_bytes", "materialize_meta", "fill_tensors"]
+
+_PARTIAL = "patchray.sampling.partial_model"  # rank_cache() entry while a model arrives: (key, built, module)
+
+
+def parts_by_bytes(names_and_bytes: Iterable[tuple], part_bytes: int) -> list:
+    """Consecutive groups of names whose bytes add up to at most ``part_bytes`` (a larger tensor is a part alone)."""
+    parts, cur, size = [], [], 0
+    for name, nbytes in names_and_bytes:
+        if cur and size + nbytes > part_bytes:
+            parts.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += nbytes
+    if cur:
+        parts.append(cur)
+    return parts
+
+
+def materialize_meta(module: nn.Module, device: torch.device) -> None:
+    """Allocate (uninitialised) every meta parameter and buffer of ``module`` on ``device``; sharded units through
+    ``to_empty`` (FSDP2 allocates only the local shard), other tensors one by one (real tensors are left alone)."""
+    for m in module.modules():
+        if comm.is_sharded(m):
+            if any(p.is_meta for p in m.parameters()):
+                m.to_empty(device=device)
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.is_meta and not hasattr(p, "to_local"):
+                m._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty_like(b, device=device)
+
+
+def _tensor_at(module: nn.Module, name: str):
+    mod, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(mod) if mod else module
+    if leaf in owner._parameters:
+        return owner, leaf, owner._parameters[leaf], True
+    if leaf in owner._buffers:
+        return owner, leaf, owner._buffers[leaf], False
+    raise KeyError(f"{type(module).__name__} has no parameter or buffer {name!r}")
+
+
+def fill_tensors(module: nn.Module, tensors: Dict[str, torch.Tensor], ctx: ParallelContext) -> int:
+    """Copy ``tensors`` (full tensors by state-dict name) into ``module``'s allocated parameters and buffers; a
+    sharded parameter takes only this rank's rows. Returns the bytes this rank kept."""
+    kept = 0
+    with torch.no_grad():
+        for name, full in tensors.items():
+            owner, leaf, target, is_param = _tensor_at(module, name)
+            if hasattr(target, "to_local"):  # an FSDP2 shard: dim-0 chunks of ceil(d0/N) rows, rank r the r-th
+                local = target.to_local()
+                rows = math.ceil(full.shape[0] / ctx.world_size)
+                start = min(ctx.rank * rows, full.shape[0])
+                local.copy_(full[start : start + local.shape[0]])
+                kept += local.numel() * local.element_size()
+            else:
+                target.copy_(full)
+                kept += target.numel() * target.element_size()
+    return kept
+
+
+def _drop_previous() -> None:
+    cache = rank_cache()
+    old = cache.pop(_MODEL, None)
+    session = cache.pop(_SESSION, None)
+    cache.pop(_PARTIAL, None)
+    if session is not None:
+        session.close()
+    del old
+    gc.collect()
+
+
+def _begin(ctx: ParallelContext, key: Hashable, begin, payload_ref, prepare, prepare_args) -> bool:
+    import ray
+
+    _drop_previous()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    if prepare is not None:
+        resolve_fn(prepare)(ctx, *prepare_args)
+    built, module = resolve_fn(begin)(ctx, ray.get(payload_ref))
+    rank_cache()[_PARTIAL] = (key, built, module)
+    return True
+
+
+def _part(ctx: ParallelContext, key: Hashable, part_ref) -> int:
+    import ray
+
+    entry = rank_cache().get(_PARTIAL)
+    if entry is None or entry[0] != key:  # backstop, not the guard: the driver sends begin first
+        raise RuntimeError(f"a part of model {key!r} arrived before its skeleton")
+    part = ray.get(part_ref)
+    kept = fill_tensors(entry[2], from_arrays(part["arrays"], part["views"], copy=False), ctx)
+    del part
+    return kept
+
+
+def _end(ctx: ParallelContext, key: Hashable, end) -> bool:
+    key_, built, module = rank_cache().pop(_PARTIAL)
+    model = resolve_fn(end)(ctx, built) if end is not None else built
+    rank_cache()[_MODEL] = (key, model)
+    return True
+
+
+def ship_model_in_parts(
+    cluster,
+    key: Hashable,
+    make_skeleton: Callable[[], Any],
+    names: Sequence[str],
+    tensor: Callable[[str], torch.Tensor],
+    begin: Any,
+    *,
+    end: Any = None,
+    part_bytes: int = 256 * 1024**2,
+    sizes: Optional[Dict[str, int]] = None,
+    prepare: Any = None,
+    prepare_args: Sequence[Any] = (),
+    timeout_s: Optional[float] = None,
+    cancel_check: Optional[Callable[[], None]] = None,
+) -> bool:
+    """Make every rank hold model ``key``, the weights sent in parts of at most ``part_bytes``; True when sent.
+
+    Args:
+        cluster: a :class:`~patchray.distributed.cluster.RankCluster`.
+        key: identifies the weights (as for ``remote.ship_model``).
+        make_skeleton: builds the weightless payload ``begin`` receives (called only when some rank lacks ``key``).
+        names: the state-dict names of the weights, in the order to send them.
+        tensor: ``tensor(name)`` -> the weight (a CPU tensor; computed per part, so a patched weight exists on the
+            driver one part at a time).
+        begin: ``begin(ctx, skeleton_payload) -> (built, module)``: the rank's object and the module whose state-dict
+            names ``names`` are, its blocks sharded and every tensor allocated (``materialize_meta``).
+        end: ``end(ctx, built) -> model`` once every part arrived (default: ``built``).
+        sizes: bytes per name (to cut the parts without computing the tensors first); default: computed.
+    """
+    import ray
+
+    have = cluster.run(_has_model, key, timeout_s=timeout_s, cancel_check=cancel_check)
+    if all(have):
+        return False
+    ref = ray.put(make_skeleton())
+    try:
+        cluster.run(_begin, key, fn_ref(begin), ref, fn_ref(prepare) if prepare is not None else None, tuple(prepare_args),
+                    timeout_s=timeout_s, cancel_check=cancel_check)
+    finally:
+        del ref
+    if sizes is None:
+        sizes = {n: tensor(n).numel() * tensor(n).element_size() for n in names}
+    for group in parts_by_bytes(((n, sizes[n]) for n in names), part_bytes):
+        arrays, views = to_arrays({n: tensor(n) for n in group})
+        ref = ray.put({"arrays": arrays, "views": views})
+        del arrays
+        try:
+            cluster.run(_part, key, ref, timeout_s=timeout_s, cancel_check=cancel_check)
+        finally:
+            del ref
+    cluster.run(_end, key, fn_ref(end) if end is not None else None, timeout_s=timeout_s, cancel_check=cancel_check)
+    return True

@@ -1,0 +1,66 @@
+"""Opt-in: the Distributed KSampler with sharding=blocks equals sharding=none and ComfyUI's stock sampling.
+
+Runs ``shard_ranks.py`` with ComfyUI's Python on 2 gloo CPU ranks: ComfyUI's own Flux (sequence), Wan 2.1 (sequence),
+an SD-style UNet (cfg) and Flux with fp8_e4m3fn block weights (ComfyUI's per-layer cast), each built by the node's
+rank code from the node's payload with both shardings.
+
+    COMFYUI_DIR=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/its/python pytest tests/comfyui -k shard_ranks
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
+pytestmark = [
+    pytest.mark.comfyui,
+    pytest.mark.skipif(not COMFYUI_DIR, reason="set COMFYUI_DIR to a ComfyUI checkout to run the real-ComfyUI tests"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
+CASES = ["flux-seq", "wan21-seq", "unet-cfg", "flux-seq-fp8"]
+
+
+@pytest.fixture(scope="module")
+def importable(tmp_path_factory):
+    d = tmp_path_factory.mktemp("imp")
+    os.symlink(ROOT, d / "patchray")
+    return d
+
+
+def test_sharded_blocks_equal_whole_weights(importable, tmp_path):
+    out = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=str(importable), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [PYTHON, str(ROOT / "tests" / "comfyui" / "shard_ranks.py"), "--comfy", COMFYUI_DIR, "--ranks", "2",
+         "--cases", *CASES, "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    report = json.loads(out.read_text())
+    for rank, cases in enumerate(report["per_rank"]):
+        for name in CASES:
+            rec = cases[name]
+            print(f"rank {rank} {name}: blocks vs none {rec['blocks_vs_none']:.2e}, gathered {rec['gathered_bytes']} B")
+            # a gathered weight is the original tensor byte for byte: the same ops on the same values (measured 0.0);
+            # 1e-5 (fp32) is the sequence-parallel bound, a wrong shard or a missed gather gives > 1e-2
+            assert rec["blocks_vs_none"] <= 1e-5, (name, rec)
+            assert rec["calls_none"] == rec["calls_blocks"] == 3, (name, rec)
+            assert rec["units"] >= 2 and rec["dim0_ok"], (name, rec)
+            # each rank holds half of the blocks' bytes (FSDP2 pads dim 0 to even: a little more at most)
+            assert 0.4 * rec["block_bytes"] <= rec["local_block_bytes"] <= 0.55 * rec["block_bytes"], rec
+            # three model calls gathered every block each time (cfg: cond and uncond on different ranks, one call each)
+            assert rec["gathered_bytes"] >= 3 * rec["block_bytes"], (name, rec)
+            if name.endswith("fp8"):
+                assert rec["fp8_local"] == ["torch.float8_e4m3fn"], rec
+                # gathered as bytes: far below the fp32 size of the same weights
+                assert rec["gathered_bytes"] < 3 * rec["block_bytes"] * 1.2, rec
+        if rank == 0:
+            for name in CASES:
+                rec = cases[name]
+                assert rec["blocks_vs_stock"] <= 1e-5 and rec["none_vs_stock"] <= 1e-5, (name, rec)
