@@ -326,7 +326,7 @@ WORKFLOWS.update(DIT_WORKFLOWS)
 WIDGET_DEFAULTS = {
     "PatchRayVAEDecode": {"balance": "equal"},
     "PatchRayVAEEncode": {"balance": "equal"},
-    "PatchRayKSampler": {"balance": "equal"},
+    "PatchRayKSampler": {"balance": "equal", "sharding": "none"},
 }
 
 
