@@ -34,7 +34,6 @@ import gc
 import glob
 import json
 import os
-import resource
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
@@ -219,7 +218,12 @@ def _case(ctx: ParallelContext, name: str, spec: dict, sharding: str, run_blocks
         rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
         rec["memory_fraction_bytes"] = int(min(0.95, 0.97 / n) * torch.cuda.get_device_properties(device).total_memory)
-    rec["host_rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:  # POSIX only; on Windows the field stays empty
+        import resource
+
+        rec["host_rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except ImportError:
+        rec["host_rss_peak_bytes"] = None
     if seq is not None:
         seq.remove()
     del model, handle, seq, inputs

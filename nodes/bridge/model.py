@@ -24,11 +24,11 @@ from __future__ import annotations
 import copy
 import os
 import uuid
-from typing import Callable, Hashable, Tuple
+from typing import Hashable
 
 import torch
 
-__all__ = ["comfy_root", "portable_model", "portable_parts", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal"]
+__all__ = ["comfy_root", "model_key", "portable_parts", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal"]
 
 _UNSUPPORTED_COND_KEYS = {
     "control": "ControlNet conditioning (its residuals are full-image tensors added inside the UNet)",
@@ -216,38 +216,19 @@ def _skeleton(mp, state: dict):
     return skeleton
 
 
-def portable_model(mp, mode: str = "sequence") -> Tuple[Hashable, Callable[[], dict]]:
-    """``(key, make_payload)`` for the MODEL ``mp``.
+def model_key(mp, mode: str = "sequence") -> Hashable:
+    """The key the ranks cache the MODEL ``mp`` under, after the refusals of ``mode`` (the resolved parallelism;
+    see the module docstring).
 
-    The key names the base weights (a token stored on ComfyUI's model object) and the weight-patch set
+    It names the base weights (a token stored on ComfyUI's model object) and the weight-patch set
     (``patches_uuid``, which ComfyUI renews whenever weight patches change): equal keys, equal weights.
-    ``make_payload()`` builds ``{"skeleton", "state_dict"}``; it is called only when a rank lacks the key.
-    ``mode`` (the resolved parallelism) decides what is refused (see the module docstring).
     """
     _check_model(mp, mode)
     base = mp.model
     token = base.__dict__.get("_patchray_token")
     if token is None:
         token = base.__dict__["_patchray_token"] = uuid.uuid4().hex
-    key = ("comfy-model", token, str(mp.patches_uuid))
-
-    def make_payload() -> dict:
-        live = base.state_dict(keep_vars=True)
-        for name, original in mp.object_patches_backup.items():
-            # an object patch ComfyUI left applied (e.g. another clone's ModelSamplingDiscrete): the skeleton gets
-            # the original object back, so its state comes from the original too
-            prefix = name + "."
-            for k in [k for k in live if k.startswith(prefix)]:
-                del live[k]
-            if isinstance(original, torch.nn.Module):
-                live.update({prefix + k: v for k, v in original.state_dict(keep_vars=True).items()})
-        from ...distributed.sampling.weights import to_arrays
-
-        weights = {k: _patched_weight(mp, k, t) for k, t in live.items()}
-        arrays, views = to_arrays(weights)  # one copy in Ray's shared store, viewed by the ranks (see that module)
-        return {"skeleton": _skeleton(mp, live), "state_dict": arrays, "views": views}
-
-    return key, make_payload
+    return ("comfy-model", token, str(mp.patches_uuid))
 
 
 def _live_state(mp) -> dict:
@@ -267,10 +248,10 @@ def _live_state(mp) -> dict:
 def portable_parts(mp, mode: str = "sequence"):
     """The MODEL for ``sampling.ship.ship_model_in_parts``: ``(key, make_skeleton, names, tensor, sizes)``.
 
-    Like :func:`portable_model`, but the weights are produced one at a time (``tensor(name)``: the patched weight on
+    The key is :func:`model_key`; the weights are produced one at a time (``tensor(name)``: the patched weight on
     the host), so neither a full patched copy nor a full copy in Ray's store ever exists beside ComfyUI's own weights.
     """
-    key, _ = portable_model(mp, mode)  # the refusals and the key
+    key = model_key(mp, mode)  # the refusals and the key
     live = _live_state(mp)
     names = list(live)
     sizes = {k: t.numel() * t.element_size() for k, t in live.items()}
