@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["WRAPPER_KEY", "prepare", "build", "begin_parts", "end_parts", "device_memory", "sample", "agreed_batching", "patch_parallel"]
+__all__ = ["WRAPPER_KEY", "prepare", "begin_parts", "end_parts", "device_memory", "sample", "agreed_batching", "patch_parallel"]
 
 WRAPPER_KEY = "patchray.patch_parallel"
 
@@ -46,49 +46,10 @@ def prepare(ctx, comfy_root: str) -> None:
         raise RuntimeError(f"ComfyUI on this rank chose device {dev}, the rank runs on {ctx.device}")
 
 
-def build(ctx, payload: dict):
-    """The rank's ModelPatcher: the shipped skeleton (original objects) filled with the patched weights.
-
-    Object patches are not part of it: ComfyUI changes them without renewing ``patches_uuid``, so they travel with
-    every prompt and go on the per-run clone in :func:`sample`.
-    """
-    import comfy.model_management as mm
-    import comfy.model_patcher
-
-    mm.unload_all_models()  # the previous model (if any) is being replaced: give its memory back first
-    mm.soft_empty_cache()
-    from ...distributed.sampling.weights import from_arrays
-    from .shard_models import apply_sharding, blocks_for, local_model_bytes
-
-    base = payload["skeleton"]
-    sharding = payload.get("sharding", "none")
-    views = payload.get("views", {})
-    arrays = payload["state_dict"]
-    if sharding == "blocks" and ctx.world_size > 1:
-        # the blocks' weights stay views of Ray's shared store until FSDP2 copies this rank's 1/N out of them; the
-        # rest (embedders, final layer: small) become private copies
-        from ...distributed.parallel.shard import find_units
-
-        units = [p + "." for p, _ in find_units(base.diffusion_model, blocks_for(base.diffusion_model))]
-        in_unit = lambda k: k.startswith("diffusion_model.") and any(k[len("diffusion_model."):].startswith(u) for u in units)
-        state = from_arrays({k: a for k, a in arrays.items() if in_unit(k)}, views, copy=False)
-        state.update(from_arrays({k: a for k, a in arrays.items() if not in_unit(k)}, views, copy=True))
-    else:
-        state = from_arrays(arrays, views, copy=True)
-    base.load_state_dict(state, strict=True, assign=True)
-    del state
-    handle = apply_sharding(ctx, base, sharding)
-    mp = comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
-    if handle is not None:
-        base.__dict__["_patchray_shards"] = handle  # the figures (local bytes, gathered bytes) for checks and logs
-        mp.size = local_model_bytes(base)  # ComfyUI sizes a model by its parameters' global shapes: count this rank's
-    return mp
-
-
 def begin_parts(ctx, payload: dict):
     """Rank side of ``sampling.ship.ship_model_in_parts``: the skeleton, its blocks sharded on the meta device
     (``sharding=blocks``: each rank allocates only its shards, on its device), every other tensor allocated (on the
-    host for ``none``, as :func:`build` leaves it for ComfyUI's loader). Returns ``(base, base)``: the parts fill the
+    host for ``none``, where ComfyUI's loader moves it). Returns ``(base, base)``: the parts fill the
     BaseModel by its state-dict names."""
     import comfy.model_management as mm
 
