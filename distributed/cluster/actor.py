@@ -43,6 +43,9 @@ def rank_cache() -> Dict[Any, Any]:
 
 # (done, total) of the call running in this process; read by the driver through _RankActor.progress()
 _PROGRESS: List[int] = [0, 0]
+# the figure the last finished call ended with (_RankActor.last_progress): a call shorter than the driver's poll
+# interval still shows its final figure
+_LAST_PROGRESS: List[int] = [0, 0]
 
 
 def report_progress(done: int, total: int) -> None:
@@ -136,6 +139,7 @@ class _RankActor:
         finally:
             # reset when a call ends (its figure starts at 0 on a new actor): the driver's first poll of the next
             # call may run before that call starts, and must not see this call's figure
+            _LAST_PROGRESS[0], _LAST_PROGRESS[1] = _PROGRESS
             _PROGRESS[0] = _PROGRESS[1] = 0
 
     def ping(self) -> int:
@@ -144,6 +148,10 @@ class _RankActor:
     def progress(self) -> tuple:
         """(done, total) last reported by the running call (answered by the actor's second thread)."""
         return (_PROGRESS[0], _PROGRESS[1])
+
+    def last_progress(self) -> tuple:
+        """(done, total) the last finished call ended with."""
+        return (_LAST_PROGRESS[0], _LAST_PROGRESS[1])
 
     def free_cache(self) -> int:
         """Drop what functions cached on this rank (models, weights); returns how many entries were dropped.

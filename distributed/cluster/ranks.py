@@ -286,6 +286,8 @@ class RankCluster:
                             # peers that raise the same validation error finish at once; peers blocked in a
                             # collective with the failed rank never will: give them a short grace period.
                             grace_deadline = time.monotonic() + _GRACE_S
+            if poll is not None:
+                poll.finish()
         except BaseException as exc:
             if isinstance(exc, RankFailure):
                 raise
@@ -432,10 +434,26 @@ class _ProgressPoll:
             value = tuple(ray.get(self.ref))
         except Exception:  # the rank died: the wait loop reports it
             return
+        self._forward(value)
+        self.ref = self.actor.progress.remote()
+
+    def _forward(self, value: tuple) -> None:
         if value != self.last and value[1] > 0:
             self.last = value
             self.callback(*value)
-        self.ref = self.actor.progress.remote()
+
+    def finish(self, timeout_s: float = 2.0) -> None:
+        """After every rank returned: forward the figure rank 0's call ended with (a call shorter than the poll
+        interval would otherwise show none); bounded, and silent if rank 0 does not answer in time."""
+        import ray
+
+        ref = self.actor.last_progress.remote()
+        ready, _ = ray.wait([ref], timeout=timeout_s)
+        if ready:
+            try:
+                self._forward(tuple(ray.get(ref)))
+            except Exception:
+                return
 
 
 _current: Optional[RankCluster] = None

@@ -184,6 +184,10 @@ def test_progress_reported_by_rank_0_reaches_the_driver():
     # each value stays up 1.2 s; the driver polls rank 0 about twice a second
     assert cluster.run(tasks.report_steps, 3, 1.2, progress=lambda d, t: seen.append((d, t))) == [0, 1]
     assert seen == [(1, 3), (2, 3), (3, 3)], seen
+    # a call shorter than the poll interval still ends with its final figure (fetched once every rank returned)
+    quick = []
+    assert cluster.run(tasks.report_steps, 4, 0.0, progress=lambda d, t: quick.append((d, t))) == [0, 1]
+    assert quick and quick[-1] == (4, 4), quick
 
 
 _RAY_NOISE = ("\x1b[", "RayTaskError", "actor_id", "ray::", "pid=", "patchray-import", "Traceback")
