@@ -111,12 +111,9 @@ _LTX_PLAN = {
 }
 
 
-ROW_PLANS: Dict[str, dict] = {
-    "kl": _KL_PLAN,
-    "flux2": _KL_PLAN,
-    "wan": _wan_like("Wan"),
-    "qwen_image": _wan_like("QwenImage"),
-    "hunyuan_video": {
+def _hunyuan_video_plan(mid_block: str) -> dict:
+    """HunyuanVideo's row plan; ``mid_block``: diffusers' class, or the whole-clip variant's (``variants.py``)."""
+    return {
         **_TORCH_COMMON,
         **_local(
             "HunyuanVideoDecoder3D",
@@ -128,9 +125,17 @@ ROW_PLANS: Dict[str, dict] = {
             "HunyuanVideoDownsampleCausal3D",
         ),
         "HunyuanVideoCausalConv3d": HaloPaddedCausalConv(),
-        "HunyuanVideoMidBlock3D": RecordVideoLayout(),
+        mid_block: RecordVideoLayout(),
         "Attention": GatheredAttention(frame_causal=True),
-    },
+    }
+
+
+ROW_PLANS: Dict[str, dict] = {
+    "kl": _KL_PLAN,
+    "flux2": _KL_PLAN,
+    "wan": _wan_like("Wan"),
+    "qwen_image": _wan_like("QwenImage"),
+    "hunyuan_video": _hunyuan_video_plan("HunyuanVideoMidBlock3D"),
     "hunyuan_video_15": {
         **_TORCH_COMMON,
         **_local(
@@ -210,21 +215,7 @@ ROW_PLANS: Dict[str, dict] = {
     },
     # HunyuanVideo with full mid-block attention: the same layers as "hunyuan_video"; the mid-block calls its
     # attention without a mask, which the gathered attention then computes over every rank's tokens
-    "hunyuan_video_full_attention": {
-        **_TORCH_COMMON,
-        **_local(
-            "HunyuanVideoDecoder3D",
-            "HunyuanVideoEncoder3D",
-            "HunyuanVideoUpBlock3D",
-            "HunyuanVideoDownBlock3D",
-            "HunyuanVideoResnetBlockCausal3D",
-            "HunyuanVideoUpsampleCausal3D",
-            "HunyuanVideoDownsampleCausal3D",
-        ),
-        "HunyuanVideoCausalConv3d": HaloPaddedCausalConv(),
-        "HunyuanVideoMidBlock3DFullAttention": RecordVideoLayout(),
-        "Attention": GatheredAttention(frame_causal=True),
-    },
+    "hunyuan_video_full_attention": _hunyuan_video_plan("HunyuanVideoMidBlock3DFullAttention"),
 }
 
 # backstop, not the guard: an import-time check of the two tables
