@@ -710,8 +710,9 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
 
 # ------------------------------------------------------------------------------------------------ estimate (no device)
 
-#: one rank's full call (batch 1, bf16) measured on the H200: results/h200/dit (FLUX.1, measured alone by this
-#: benchmark) and the single-GPU baselines of 2026-11-29 (Wan 2.1 14B, Qwen-Image; /shared/reference/baselines-h200.md)
+#: one rank's full call (batch 1, bf16) on an H200: FLUX.1 measured alone by this benchmark (results/h200/dit);
+#: Wan 2.1 14B and Qwen-Image from plain single-GPU diffusers runs of the same configurations on an H200 (2026-11-29;
+#: Wan later measured alone by this benchmark at 3,289 ms, results/h200/dit/dit_wan.json)
 BASELINE_CALL_MS = {"flux1_1024": 172.3, "wan21_14b_480x832x81": 3230.0, "qwen_image_1328": 347.0}
 
 
