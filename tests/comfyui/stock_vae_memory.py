@@ -29,9 +29,11 @@ CASES = {
     "wan22": ("wan2.2_vae.safetensors", (1, 48, 31, 44, 80), "704x1280x121"),
     # HunyuanVideo: 1280x720, 129 frames -> 33 latent frames of 90x160 (8x)
     "hunyuan_video": ("hunyuan_video_vae_bf16.safetensors", (1, 16, 33, 90, 160), "720x1280x129"),
-    # HunyuanVideo at its 540p size: 960x544, 129 frames -> 33 latent frames of 68x120 (the largest size PatchRay's
-    # row mode could be measured at with N = 2 and 4 ranks sharing one H200)
+    # HunyuanVideo at its 540p size: 960x544, 129 frames -> 33 latent frames of 68x120
     "hunyuan_video_540p": ("hunyuan_video_vae_bf16.safetensors", (1, 16, 33, 68, 120), "544x960x129"),
+    # HunyuanVideo 540p with half the frames: 65 frames -> 17 latent frames (whole-clip row bands of N = 2 and 4
+    # ranks fit one shared H200 at this size; at 129 frames they do not)
+    "hunyuan_video_540p_65": ("hunyuan_video_vae_bf16.safetensors", (1, 16, 17, 68, 120), "544x960x65"),
     # LTX-Video 0.9.5+: 1216x704, 121 frames -> 16 latent frames of 22x38 (32x)
     "ltx_video": ("ltxv_095_vae.safetensors", (1, 128, 16, 22, 38), "704x1216x121"),
 }
