@@ -115,8 +115,8 @@ class PatchRayKSampler(io.ComfyNode):
         preset="full_sync", warmup_steps=-1, refresh_every=-1, k_ratio=0.25, block_size=8, parallelism="auto",
         sequence_attention="auto", balance="equal", sharding="none",
     ) -> io.NodeOutput:
-        link = bridge_ksampler.link_profile(cluster) if preset == "auto" else None
-        config = bridge_ksampler.patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size, link=link)
+        auto = bridge_ksampler.auto_inputs(model, cluster, parallelism) if preset == "auto" else {}
+        config = bridge_ksampler.patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size, **auto)
         progress = progress_callback(steps)
         latent = bridge_ksampler.sample(
             model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster, config,
