@@ -76,10 +76,13 @@ def link_profile(cluster_config) -> Optional[str]:
 
 def auto_inputs(model, cluster_config, parallelism: str = "auto") -> dict:
     """What ``preset=auto`` decides from, as :func:`patch_config`'s keywords: the link profile (:func:`link_profile`),
-    the ranks that share the latent (half the cluster's under ``cfg+sequence``, else all of them: ``auto``
-    parallelism counts all, which errs towards less traffic) and the model kind (``unet`` / ``dit``)."""
+    the ranks that share the latent and the model kind (``unet`` / ``dit``).
+
+    The ranks that share the latent: one under ``cfg`` and ``batch`` (every rank holds whole latents, so ``auto``
+    gives the exact preset), half the cluster's under ``cfg+sequence``, all of them under ``sequence`` and ``auto``
+    parallelism (decided later, per call; counting all errs towards less traffic)."""
     n = int(getattr(cluster_config, "num_ranks", 1) or 1)
-    ranks = max(1, n // 2) if parallelism == "cfg+sequence" else n
+    ranks = {"cfg": 1, "batch": 1, "cfg+sequence": max(1, n // 2)}.get(parallelism, n)
     try:
         kind = bridge_model.diffusion_kind(model)
     except Exception as exc:  # refused later, in the user's terms, by sample()'s own checks

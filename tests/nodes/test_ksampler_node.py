@@ -76,6 +76,9 @@ def test_auto_counts_the_ranks_that_share_the_latent(ks):
     assert bridge_ksampler.auto_inputs(None, cpu4, "cfg+sequence")["ranks"] == 2
     assert bridge_ksampler.auto_inputs(None, cpu4, "sequence")["ranks"] == 4
     assert bridge_ksampler.auto_inputs(None, cpu4, "sequence")["link"] is None
+    # cfg and batch: every rank holds whole latents, nothing of a latent travels between ranks -> exact
+    assert bridge_ksampler.auto_inputs(None, cpu4, "batch")["ranks"] == 1
+    assert ks.patch_config("auto", link="pcie4_x16_no_p2p", ranks=1) == PRESETS["full_sync"].replace(split_batch=False)
 
 
 def test_bad_widgets_are_refused_with_the_fix(ks):
