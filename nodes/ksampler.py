@@ -31,7 +31,7 @@ class PatchRayKSampler(io.ComfyNode):
                 "MODEL as loaded. parallelism: a band of latent rows per rank (sequence; UNets SD 1.x/2.x/SDXL and the "
                 "DiTs FLUX.1, Chroma, Wan 2.1/2.2), cond and uncond on different ranks (cfg; every model), or the "
                 "batch split (batch; every model). Exact (equal to the stock KSampler) with preset full_sync; "
-                "displaced/compressed/otil/balanced trade exactness for less traffic (UNets and DiTs); auto picks by link."
+                "displaced/compressed/otil/balanced trade exactness for less traffic (UNets and DiTs); auto picks from the link and the number of ranks."
             ),
             inputs=[
                 io.Model.Input("model", tooltip="The model (from a checkpoint loader; LoRAs and model patches applied)."),
