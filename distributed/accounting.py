@@ -1,8 +1,8 @@
 """The accounting records of PatchRay's communication: what was called, how often, with how many bytes.
 
-Design decision: these are plain data and arithmetic (no ``torch.distributed``), split from :mod:`.comm` so the
-module that talks to ``torch.distributed`` holds only the calls and the one interception layer that fills these
-records. The counting rules (which operations count, what a *batched* call is, which bytes count) are written
+Design decision: these are plain data and arithmetic (no ``torch.distributed``), split from the comm modules so
+those that talk to ``torch.distributed`` hold only the calls (:mod:`.comm`) and the one interception layer that fills
+these records (:mod:`.comm_intercept`). The counting rules (which operations count, what a *batched* call is, which bytes count) are written
 down in ``docs/benchmark.md``; :mod:`.comm` re-exports every name here.
 """
 

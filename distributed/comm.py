@@ -1,165 +1,49 @@
-"""Communication: the few collectives PatchRay uses, the process-group plumbing, and one interception layer.
+"""Communication: the few collectives PatchRay uses and the process-group plumbing; the door to the comm modules.
 
 Design decisions:
 
 * **One place talks to torch.distributed.** Adapters, the runtime and the benchmark call the helpers here
   (``all_reduce``, ``all_gather_padded``, ``exchange_halo``, ``gather_to``, ``barrier``, ...), never ``dist.*``
-  directly, so the gloo host-staging rule, padding for transport and one-rank short cuts live in one file. A
-  structure test (tests/distributed/test_structure.py) keeps every other module off ``torch.distributed``.
+  directly, so the gloo host-staging rule, padding for transport and one-rank short cuts live in one place. That
+  place is three modules with one job each, and every other module imports them through this one (it re-exports
+  their names): this file (collectives, process groups, stores, barriers), :mod:`.comm_intercept` (the one
+  interception layer: count / throttle / time) and :mod:`.comm_fsdp` (weight sharding's FSDP2 wrappers). A
+  structure test (tests/distributed/test_structure.py) keeps every other module off ``torch.distributed`` and off
+  the two siblings.
 * **Halo sizes come from shared data, never from a metadata collective.** Every caller passes the
   per-rank sizes it derived from global shapes, so a halo exchange is one ``batch_isend_irecv``.
 * **gloo cannot send CUDA tensors point-to-point** ('writev: Bad address', measured on an H200), so under
   gloo a CUDA tensor is staged through host memory for send/recv; collectives run on CUDA tensors as is.
-* **One interception layer.** Counting (:func:`log_comm`), the benchmark's link throttle and its timer of
-  communication are *hooks* on one patcher (:func:`intercept`): while at least one hook is installed, the public
-  ``torch.distributed`` operations in :data:`COUNTED_OPS` are replaced by one wrapper that hands each call, as a
-  :class:`CommCall`, through the hooks (the first installed runs innermost, next to the real call); when none
-  is installed nothing is wrapped, so interception costs nothing when off. A call made from inside PyTorch's
-  ``distributed_c10d`` module (the sends inside ``batch_isend_irecv``, the tensor collectives inside
-  ``all_gather_object``) is marked *batched*: counting adds its tensor bytes but not a call, and the throttle
-  and the timer leave it to the top-level call that contains it. The records themselves (:class:`CommLog`,
-  :class:`CommCall`) are plain data in :mod:`.accounting`; the counting rules are written down in
-  ``docs/benchmark.md``.
-* **Why not ``torch.distributed.tensor.debug.CommDebugMode``.** It was tried (torch 2.13, two gloo ranks): it
-  is a ``TorchDispatchMode``, so it sees ``c10d.allreduce_``, ``c10d.allgather_`` and ``c10d.gather_`` at the
-  dispatcher, but not ``batch_isend_irecv``'s sends and receives nor ``barrier``, and it cannot tell the user's
-  ``all_gather`` from the ones ``all_gather_object`` makes inside (it counted three where the rules count one
-  call and two batched). Every aten operation would also pass through Python while it is on, which would bill
-  the timed compute for the dispatch. The counting rules need the public API call and its caller, so the
-  layer wraps the public functions.
+* **One interception layer** (:func:`intercept`, :func:`log_comm`): see :mod:`.comm_intercept`. The records
+  (:class:`CommLog`, :class:`CommCall`) are plain data in :mod:`.accounting`; the counting rules are written down
+  in ``docs/benchmark.md``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import sys
-import threading
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from .accounting import _C10D_MODULE, COUNTED_OPS, CommCall, CommHook, CommLog, tensor_bytes
+from .accounting import COUNTED_OPS, CommCall, CommHook, CommLog, tensor_bytes
+from .comm_fsdp import ShardTally, base_class, fully_shard, is_sharded, local_shard, set_forward_prefetch
+from .comm_intercept import intercept, log_comm, unwrapped
 from .context import ParallelContext
 
 __all__ = [
-    "COUNTED_OPS",
-    "CommLog",
-    "CommCall",
-    "CommHook",
-    "intercept",
-    "log_comm",
-    "bounded_barrier",
-    "all_gather_into",
-    "context_for_group",
-    "all_reduce",
-    "all_gather_padded",
-    "exchange_halo",
-    "gather_to",
-    "broadcast",
-    "Halo",
-    "tensor_bytes",
-    "exchange_pieces",
-    "all_to_all_equal",
-    "REDUCE_OPS",
-    "init_process_group",
-    "file_store",
-    "tcp_store",
-    "is_initialized",
-    "nccl_available",
-    "destroy_process_group",
-    "barrier",
-    "new_group",
-    "all_gather_object",
+    # collectives (this file)
+    "all_reduce", "REDUCE_OPS", "all_gather_into", "broadcast", "all_gather_padded", "gather_to", "all_to_all_equal",
+    "Halo", "exchange_halo", "exchange_pieces",
+    # process groups, stores and barriers (this file)
+    "init_process_group", "file_store", "tcp_store", "context_for_group", "nccl_available", "is_initialized",
+    "destroy_process_group", "barrier", "bounded_barrier", "uncounted_barrier", "new_group", "all_gather_object",
     "comm_error_types",
-    "uncounted_barrier",
-    "ShardTally",
-    "fully_shard",
-    "is_sharded",
-    "base_class",
-    "set_forward_prefetch",
-    "local_shard",
+    # the interception layer (comm_intercept) and its records (accounting)
+    "intercept", "log_comm", "COUNTED_OPS", "CommLog", "CommCall", "CommHook", "tensor_bytes",
+    # weight sharding's FSDP2 wrappers (comm_fsdp)
+    "ShardTally", "fully_shard", "is_sharded", "base_class", "set_forward_prefetch", "local_shard",
 ]
-
-_hooks: List[CommHook] = []
-_patch_lock = threading.Lock()
-_originals: Dict[str, object] = {}
-
-
-def _make_wrapper(op: str, original):
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        call = CommCall(op, args, kwargs, caller == _C10D_MODULE)
-        proceed = functools.partial(original, *args, **kwargs)
-        for hook in tuple(_hooks):  # the first installed is innermost
-            proceed = functools.partial(hook, call, proceed)
-        return proceed()
-
-    wrapper.__patchray_wrapped__ = original
-    return wrapper
-
-
-def _install():
-    import torch.distributed.distributed_c10d as c10d
-
-    for op in COUNTED_OPS:
-        original = getattr(c10d, op)
-        _originals[op] = original
-        wrapped = _make_wrapper(op, original)
-        setattr(c10d, op, wrapped)
-        setattr(dist, op, wrapped)
-
-
-def _uninstall():
-    import torch.distributed.distributed_c10d as c10d
-
-    for op, original in _originals.items():
-        setattr(c10d, op, original)
-        setattr(dist, op, original)
-    _originals.clear()
-
-
-@contextlib.contextmanager
-def intercept(hook: CommHook) -> Iterator[None]:
-    """Pass every call of :data:`COUNTED_OPS` made in this process through ``hook`` while the block runs.
-
-    Hooks nest: one installed inside another's block runs outside it (it sees the inner hook's effect, e.g. a
-    timer installed after the throttle bills the throttle's sleep to communication).
-    """
-    with _patch_lock:
-        if not _hooks:
-            _install()
-        _hooks.append(hook)
-    try:
-        yield
-    finally:
-        with _patch_lock:
-            _hooks.remove(hook)
-            if not _hooks:
-                _uninstall()
-
-
-@contextlib.contextmanager
-def log_comm() -> Iterator[CommLog]:
-    """Count ``torch.distributed`` calls and bytes made inside the block (this process only).
-
-    Example:
-        >>> with log_comm() as log:
-        ...     pass  # run one decode
-        >>> log.total_calls
-        0
-    """
-    log = CommLog()
-
-    def count(call: CommCall, proceed):
-        log.record(call.op, call.nbytes, call.batched)
-        return proceed()
-
-    with intercept(count):
-        yield log
-
 
 # --------------------------------------------------------------------------------------------------
 # primitives
@@ -547,131 +431,8 @@ def uncounted_barrier(ctx: ParallelContext) -> None:
     """
     if ctx.world_size == 1:
         return
-    fn = getattr(dist.barrier, "__patchray_wrapped__", dist.barrier)
+    fn = unwrapped(dist.barrier)
     if ctx.backend == "nccl" and ctx.device.type == "cuda":
         fn(group=ctx.group, device_ids=[ctx.device.index or 0])
     else:
         fn(group=ctx.group)
-
-
-# --------------------------------------------------------------------------------------------------
-# weight sharding: thin wrappers over PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``)
-
-
-class ShardTally:
-    """Bytes and calls of the weight all-gathers FSDP2 made on this rank (``sharded``'s traffic; comm's own
-    accounting does not see them: FSDP2 calls ``all_gather_single``, which is not one of :data:`COUNTED_OPS`)."""
-
-    def __init__(self):
-        self.calls = 0
-        self.received = 0  # bytes that arrived from the peers (the gathered buffer less this rank's own piece)
-        self.gathered = 0  # bytes of the gathered (unsharded) buffers
-
-    def reset(self) -> None:
-        self.calls = self.received = self.gathered = 0
-
-
-def _gather_comm(ctx: ParallelContext, tally: ShardTally):
-    """FSDP2's all-gather, routed through this module: counted, and staged on the host for gloo on CUDA tensors.
-
-    FSDP2 packs a block's sharded parameters into one flat buffer (as ``uint8`` bytes when the block mixes dtypes,
-    so float8 weights travel as their own bytes) and calls this once per block. Under NCCL it runs asynchronously
-    on FSDP2's all-gather stream; under gloo with CUDA tensors it copies through host memory and blocks.
-    """
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-
-    stage = ctx.backend == "gloo" and ctx.device.type == "cuda"
-
-    class _Gather(AllGather):
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            if output_tensor.dtype in _FLOAT8:
-                # a block whose parameters are all float8 is gathered in that dtype, which gloo refuses ("Invalid
-                # scalar type"): the same bytes travel as uint8
-                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
-            tally.calls += 1
-            tally.gathered += output_tensor.numel() * output_tensor.element_size()
-            tally.received += (output_tensor.numel() - input_tensor.numel()) * output_tensor.element_size()
-            if stage:
-                host = torch.empty(output_tensor.shape, dtype=output_tensor.dtype, device="cpu")
-                _gather_single(host, input_tensor.cpu(), group=group)
-                output_tensor.copy_(host)
-                return None
-            return _gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-
-    return _Gather()
-
-
-def _gather_single(out, inp, **kw):
-    # torch 2.13 names the flat all-gather all_gather_single (all_gather_into_tensor is its deprecated alias)
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, **kw)
-
-
-_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
-
-_meshes: Dict[tuple, object] = {}
-
-
-def _mesh(ctx: ParallelContext):
-    from torch.distributed.device_mesh import DeviceMesh
-
-    key = (id(ctx.group), ctx.global_ranks, ctx.device.type)
-    mesh = _meshes.get(key)
-    if mesh is None:
-        mesh = _meshes[key] = DeviceMesh.from_group(ctx.group, ctx.device.type)
-    return mesh
-
-
-def fully_shard(module: torch.nn.Module, ctx: ParallelContext, tally: ShardTally, *, offload: bool = False) -> torch.nn.Module:
-    """Shard ``module``'s parameters over ``ctx``'s ranks with FSDP2 (dim-0 shards; gathered before its forward and
-    freed after it); ``offload`` keeps the shards in host memory (FSDP2's ``CPUOffloadPolicy``, unpinned).
-
-    No dtype cast is asked for (no ``MixedPrecisionPolicy`` dtype): every parameter keeps its own dtype in memory
-    and on the wire. Returns ``module`` (its class becomes FSDP2's subclass of the original; see :func:`base_class`).
-    """
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-    from torch.distributed.fsdp import fully_shard as _fully_shard
-
-    policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
-    _fully_shard(module, mesh=_mesh(ctx), reshard_after_forward=True, offload_policy=policy)
-    module.set_custom_all_gather(_gather_comm(ctx, tally))
-    return module
-
-
-def is_sharded(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is an FSDP2 module (its parameters sharded by :func:`fully_shard`)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
-def base_class(module: torch.nn.Module) -> type:
-    """``module``'s own class: the original one under FSDP2's subclass (``FSDPDoubleStreamBlock`` -> ``DoubleStreamBlock``)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = type(module)
-    if issubclass(cls, FSDPModule):
-        return next(c for c in cls.__mro__[1:] if c is not FSDPModule and not issubclass(c, FSDPModule))
-    return cls
-
-
-def set_forward_prefetch(order: Sequence[torch.nn.Module], depth: int = 1) -> None:
-    """Each sharded module of ``order`` (the forward order) starts the all-gather of the next ``depth`` ones when its
-    own forward begins, so their weights arrive while it computes (FSDP2's explicit forward prefetch)."""
-    for m in order:
-        # Each unit is its own FSDP2 root (the model around them stays unwrapped, so hosts still see its class).
-        # A root is set up at its first forward; the one a prefetch targets runs later, so set every unit up now.
-        m._get_fsdp_state()._lazy_init()
-    for i, m in enumerate(order if depth else ()):
-        nxt = list(order[i + 1 : i + 1 + depth])
-        if nxt:
-            m.set_modules_to_forward_prefetch(nxt)
-
-
-def local_shard(param: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a sharded parameter (the ``DTensor``'s local tensor); the tensor itself otherwise."""
-    to_local = getattr(param, "to_local", None)
-    return to_local() if callable(to_local) else param

@@ -31,7 +31,7 @@ class PatchRayKSampler(io.ComfyNode):
                 "MODEL as loaded. parallelism: a band of latent rows per rank (sequence; UNets SD 1.x/2.x/SDXL and the "
                 "DiTs FLUX.1, Chroma, Wan 2.1/2.2), cond and uncond on different ranks (cfg; every model), or the "
                 "batch split (batch; every model). Exact (equal to the stock KSampler) with preset full_sync; "
-                "displaced/compressed/otil/balanced trade exactness for less traffic (UNets and DiTs); auto picks by link."
+                "displaced/compressed/otil/balanced trade exactness for less traffic (UNets and DiTs); auto picks from the link and the number of ranks."
             ),
             inputs=[
                 io.Model.Input("model", tooltip="The model (from a checkpoint loader; LoRAs and model patches applied)."),
@@ -115,8 +115,8 @@ class PatchRayKSampler(io.ComfyNode):
         preset="full_sync", warmup_steps=-1, refresh_every=-1, k_ratio=0.25, block_size=8, parallelism="auto",
         sequence_attention="auto", balance="equal", sharding="none",
     ) -> io.NodeOutput:
-        link = bridge_ksampler.link_profile(cluster) if preset == "auto" else None
-        config = bridge_ksampler.patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size, link=link)
+        auto = bridge_ksampler.auto_inputs(model, cluster, parallelism) if preset == "auto" else {}
+        config = bridge_ksampler.patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size, **auto)
         progress = progress_callback(steps)
         latent = bridge_ksampler.sample(
             model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster, config,

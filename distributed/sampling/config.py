@@ -35,9 +35,11 @@ Presets (what each trades is in docs/sampling.md, "Presets"):
 * ``otil_compressed``: ``otil``'s latent blocks as 4-bit residuals (``compress_bits``) on top of ``compressed``
   halos and K/V.
 
-:func:`auto_preset` picks one from a link profile (the probe's link class; none known -> ``full_sync``): NVLink-class -> ``full_sync`` (exact;
-the exchange is nearly free), PCIe with peer-to-peer -> ``displaced``, PCIe without peer-to-peer or slower ->
-``compressed``, Ethernet-class (< 2 GB/s) -> ``compressed_2bit``.
+:func:`auto_preset` picks one from a link profile (the probe's nearest profile; none known -> ``full_sync``) and the
+rank count: the fastest by the modelled step time (``topology/preset_cost.py``: a rank's compute share 1/N against
+the (N-1)/N of the exchange it sends), ``full_sync`` when within 10% of it. Without a rank count, the link class
+alone: NVLink-class -> ``full_sync``, PCIe with peer-to-peer -> ``displaced``, PCIe without peer-to-peer or slower
+-> ``compressed``, Ethernet-class (< 2 GB/s) -> ``compressed_2bit``.
 
 Every preset keeps ``cfg_repair`` on (with ``split_batch``, a rank would otherwise combine a fresh CFG half with
 the other half as of the last synchronous step); turn it off only to reproduce that error.
@@ -264,31 +266,61 @@ PRESETS: Dict[str, PatchConfig] = {
                                    exchange_bits=4, compress_bits=4),
 }
 
-#: the presets :func:`auto_preset` chooses from, fastest link first
+#: the presets :func:`auto_preset` chooses from, fastest link first (least lossy first: ties go to the earlier)
 AUTO_CHOICES = ("full_sync", "displaced", "compressed", "compressed_2bit")
-#: at or above this effective bandwidth (GB/s, one copy, no host staging) the exact exchange is nearly free
+#: without a rank count: at or above this effective bandwidth (GB/s, one copy, no host staging) the exact exchange is
+#: nearly free
 AUTO_EXACT_GBPS = 100.0
-#: below this effective bandwidth (GB/s) 2-bit residuals (Ethernet between machines)
+#: without a rank count: below this effective bandwidth (GB/s) 2-bit residuals (Ethernet between machines)
 AUTO_TWO_BIT_GBPS = 2.0
 
 
-def auto_preset(profile) -> str:
-    """The preset for a link (a ``topology.links`` profile or its name, e.g. the probe's nearest profile).
+def auto_preset(profile, world_size: Optional[int] = None, *, kind: str = "unet", exchange_gbps: Optional[float] = None) -> str:
+    """The preset for a link (a ``topology.links`` profile or its name, e.g. the probe's nearest profile) and a rank count.
 
-    NVLink-class (>= 100 GB/s, peer-to-peer) -> ``full_sync``: exact, and the exchange is nearly free.
-    PCIe with peer-to-peer -> ``displaced``. Staged through host memory (PCIe without P2P) or slower -> ``compressed``
-    (4-bit residuals). Below 2 GB/s (10 GbE between machines) -> ``compressed_2bit``. ``None`` (no GPU link known,
-    e.g. CPU ranks) -> ``full_sync`` (nothing to save: keep the exact result).
+    With ``world_size`` (the ranks that share the latent): the fastest of :data:`AUTO_CHOICES` by the modelled step
+    time (:mod:`..topology.preset_cost`: a rank's compute share ``1/N`` against the ``(N-1)/N`` of the exchange it
+    sends, over the link), ``full_sync`` when it is within 10% of the fastest (exact is worth that much). The stream
+    of displaced hides behind compute while ``(N - 1) x exchange rate <= the link's effective bandwidth``, so more
+    ranks tip a link towards the compressed presets: PCIe 4.0 without P2P (13.8 GB/s effective) at the UNet default
+    (13.3 GB/s) gives ``displaced`` at 2 ranks and ``compressed`` at 4; NVLink gives ``full_sync`` up to 3 ranks and
+    ``displaced`` from 4 (the exact exchange then costs over 10% of a step).
+
+    Without ``world_size`` (rank count unknown) the link class alone: NVLink-class (>= 100 GB/s, peer-to-peer) ->
+    ``full_sync``; PCIe with peer-to-peer -> ``displaced``; staged through host memory (PCIe without P2P) or slower
+    -> ``compressed`` (4-bit residuals); below 2 GB/s (10 GbE between machines) -> ``compressed_2bit``.
+
+    ``None`` (no GPU link known, e.g. CPU ranks) -> ``full_sync`` (nothing to save: keep the exact result).
+
+    Args:
+        profile: the link profile or its name, or ``None``.
+        world_size: the ranks that share the latent (the sequence ranks), or ``None``.
+        kind: ``"unet"`` or ``"dit"``: picks the default exchange rate (``topology.preset_cost.EXCHANGE_GBPS``).
+        exchange_gbps: the workload's exchange rate instead of the kind's default (GB/s of displaced's whole-latent
+            exchange per second of one rank's compute).
 
     Example:
         >>> auto_preset("nvlink"), auto_preset("pcie4_x16_no_p2p"), auto_preset("10gbe")
         ('full_sync', 'compressed', 'compressed_2bit')
+        >>> auto_preset("pcie4_x16_no_p2p", 2), auto_preset("pcie4_x16_no_p2p", 4)
+        ('displaced', 'compressed')
     """
     if profile is None:
         return "full_sync"
     from ..topology.links import effective_gbps, get_profile
 
     p = get_profile(profile)
+    if world_size is not None:
+        from ..topology.preset_cost import EXCHANGE_GBPS, PresetTraffic, choose_preset
+
+        if kind not in EXCHANGE_GBPS:
+            raise ValueError(f"kind must be one of {', '.join(EXCHANGE_GBPS)} (got {kind!r})")
+        rate = EXCHANGE_GBPS[kind] if exchange_gbps is None else float(exchange_gbps)
+        candidates = [
+            PresetTraffic(name, PRESETS[name].layer_mode is LayerMode.FULL_SYNC, PRESETS[name].exchange_bits)
+            for name in AUTO_CHOICES
+        ]
+        return choose_preset(candidates, int(world_size), p, rate).preset
     gbps = effective_gbps(p)
     if gbps < AUTO_TWO_BIT_GBPS:
         return "compressed_2bit"

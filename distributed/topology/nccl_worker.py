@@ -4,8 +4,8 @@ Design decision: this file is run as a *script in a new process* by :func:`..mea
 imported into a running PatchRay process. NCCL reads ``NCCL_P2P_DISABLE`` and friends once, when it first
 initialises in a process, so the only reliable way to compare "P2P allowed" with "P2P disabled" is two fresh
 processes with two environments. It talks to ``torch.distributed`` through ``comm.py`` like every other module,
-but loads it *by path* (:func:`_comm`: ``comm.py`` and ``context.py`` under a private package name, without the
-package's ``__init__``), so it runs the same whether PatchRay was pip-installed or loaded by ComfyUI from a folder
+but loads it *by path* (:func:`_comm`: ``comm.py``, the comm modules and ``context.py`` it imports, under a private package name,
+without the package's ``__init__``), so it runs the same whether PatchRay was pip-installed or loaded by ComfyUI from a folder
 with any name. Ranks meet through a ``FileStore`` in a temporary folder: no ports, so no free-port race.
 
 Bus bandwidth follows nccl-tests: ``algbw = bytes / time`` and ``busbw = algbw * 2 (n - 1) / n`` for all_reduce,

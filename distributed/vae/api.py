@@ -23,12 +23,19 @@ Design decisions:
   left waiting on it is rebuilt, so the retry starts from empty ranks.
 * **Progress per stage** (``progress=``): rank 0 counts the VAE's top-level blocks as they finish (``stages.py``)
   and the cluster relays the figure; no collective is added.
+* **Options are values.** What a decode or an encode does is one frozen dataclass (:class:`DecodeOptions`,
+  :class:`EncodeOptions`, validated on construction) and how the call is watched is another (:class:`RunControls`:
+  cancel check, time limit, progress), so the entry points share one parameter list instead of repeating it. The
+  fields are also accepted as keywords (``distributed_decode(cluster, spec, z, mode="row")``), which is how the
+  nodes and the tests call them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Callable, Dict, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -37,7 +44,7 @@ from .rank_tasks import NeedWeights, decode_task, encode_task
 from .spec import VaeSpec, latent_channels, latent_frames_hw, resolve_dtype, spec_for_family, spec_from_diffusers
 
 __all__ = [
-    "VaeSpec", "DecodeReport", "spec_for_family", "spec_from_diffusers", "distributed_decode", "decode_report",
+    "VaeSpec", "DecodeReport", "DecodeOptions", "EncodeOptions", "RunControls", "spec_for_family", "spec_from_diffusers", "distributed_decode", "decode_report",
     "distributed_encode", "check_decode_input", "latent_channels", "tile_plan_for", "choose_mode", "MODES", "OOM_POLICIES",
     "BALANCE_MODES",
 ]
@@ -67,11 +74,34 @@ def _cluster_topology(cluster) -> Any:
         return None
 
 
-def _run_with_weights(cluster, task: Callable, spec: VaeSpec, *args, cancel_check=None, timeout_s=None, progress=None):
+@dataclass(frozen=True)
+class RunControls:
+    """How a call on the ranks is watched (the same for decode and encode).
+
+    Args:
+        cancel_check: polled while the ranks work; raise from it to stop every rank.
+        timeout_s: the call's time limit in seconds (default: the cluster's).
+        progress: ``progress(done, total)`` with rank 0's stages (the VAE's top-level blocks) as they finish.
+    """
+
+    cancel_check: Optional[Callable[[], None]] = None
+    timeout_s: Optional[float] = None
+    progress: Optional[Callable[[int, int], None]] = None
+
+    def as_fields(self) -> dict:
+        """The fields by name, the callables as they are (``dataclasses.asdict`` would deep-copy a callable object)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def run_kwargs(self, progress: Optional[Callable[[int, int], None]] = None) -> dict:
+        """Keywords of ``cluster.run`` (``progress`` replaces this one's, e.g. a relay across retries)."""
+        return dict(cancel_check=self.cancel_check, timeout_s=self.timeout_s, progress=progress or self.progress)
+
+
+def _run_with_weights(cluster, task: Callable, spec: VaeSpec, *args, controls: RunControls = RunControls(), progress=None):
     loaded = cluster.__dict__.setdefault("_patchray_weights_on_ranks", set())
     send = spec.state_dict is not None and spec.key not in loaded
     meta = spec._replace(state_dict=None)
-    kw = dict(cancel_check=cancel_check, timeout_s=timeout_s, progress=progress)
+    kw = controls.run_kwargs(progress)
     try:
         results = cluster.run(task, meta, spec.state_dict if send else None, *args, **kw)
     except Exception as exc:
@@ -154,42 +184,95 @@ def _band_weights(cluster, balance: str):
     return cluster_band_weights(cluster, balance)
 
 
-def decode_report(
-    cluster,
-    spec: VaeSpec,
-    z: torch.Tensor,
-    mode: str = "auto",
-    plan: Optional[dict] = None,
-    dtype="fp32",
-    gn_sync: bool = False,
-    topology: Any = None,
-    cancel_check: Optional[Callable[[], None]] = None,
-    timeout_s: Optional[float] = None,
-    progress: Optional[Callable[[int, int], None]] = None,
-    on_oom: str = "row-tiled",
-    balance: str = "equal",
-) -> DecodeReport:
+@dataclass(frozen=True)
+class DecodeOptions:
+    """What a decode does (:func:`decode_report`, :func:`distributed_decode`); validated on construction.
+
+    Args:
+        mode: ``"auto"``, ``"row"`` (exact) or ``"tile-runs"`` (whole tiles, blended).
+        plan: a ``TilePlan.to_dict()`` for tile-runs (default: the planner's balanced plan, else coarse).
+        dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` or a torch dtype for the VAE's weights and activations.
+        gn_sync: tile-runs only: normalise every tile with image-wide GroupNorm statistics.
+        topology: a ``topology.TopologyReport`` for ``auto`` (default: probed once per cluster on GPU clusters).
+        on_oom: ``"raise"`` or ``"row-tiled"``: when a rank runs out of memory, decode again in row-tiled mode with
+            2, 4, 8 full-width tiles until it fits. ``None``: the entry point's default (:func:`decode_report`:
+            ``"row-tiled"``; :func:`distributed_decode`: ``"raise"``).
+        balance: row mode's bands: ``"equal"`` or ``"speed"`` (proportional to each rank's measured throughput,
+            ``topology.throughput``, so mixed GPUs finish together; the output is the same).
+    """
+
+    mode: str = "auto"
+    plan: Optional[dict] = None
+    dtype: Any = "fp32"
+    gn_sync: bool = False
+    topology: Any = None
+    on_oom: Optional[str] = None
+    balance: str = "equal"
+
+    def __post_init__(self):
+        if self.on_oom is not None and self.on_oom not in OOM_POLICIES:
+            raise ValueError(f"on_oom must be one of {OOM_POLICIES} (got {self.on_oom!r})")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} (got {self.mode!r})")
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(f"balance must be one of {BALANCE_MODES} (got {self.balance!r})")
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    """What an encode does (:func:`distributed_encode`); validated on construction.
+
+    Args:
+        dtype: as :class:`DecodeOptions`.
+        balance: ``"equal"`` or ``"speed"``: bands proportional to each rank's measured throughput.
+    """
+
+    dtype: Any = "fp32"
+    balance: str = "equal"
+
+    def __post_init__(self):
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(f"balance must be one of {BALANCE_MODES} (got {self.balance!r})")
+
+
+_CONTROL_FIELDS = tuple(f.name for f in dataclasses.fields(RunControls))
+
+
+def _options(cls, options, fields: dict, entry: str) -> Tuple[Any, RunControls]:
+    """``options`` (default ``cls()``) with the keyword ``fields`` that name its fields applied, and the
+    :class:`RunControls` made of the rest; an unknown keyword is a ``TypeError`` naming the accepted ones."""
+    if options is not None and not isinstance(options, cls):
+        raise TypeError(f"{entry}: options must be a {cls.__name__} (got {type(options).__name__}); pass the other "
+                        f"settings by keyword")
+    own = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - own - set(_CONTROL_FIELDS))
+    if unknown:
+        raise TypeError(f"{entry}() got unexpected keyword(s) {', '.join(unknown)}; accepted: "
+                        f"{', '.join(sorted(own) + list(_CONTROL_FIELDS))}")
+    controls = RunControls(**{k: fields[k] for k in _CONTROL_FIELDS if k in fields})
+    picked = {k: v for k, v in fields.items() if k in own}
+    options = options if options is not None else cls()
+    return (dataclasses.replace(options, **picked) if picked else options), controls
+
+
+def decode_report(cluster, spec: VaeSpec, z: torch.Tensor, options: Optional[DecodeOptions] = None, **fields) -> DecodeReport:
     """:func:`distributed_decode`, reporting the mode used and what happened (see :class:`DecodeReport`).
 
     Args:
-        on_oom: ``"row-tiled"`` (default): when a rank runs out of memory, decode again in row-tiled mode with
-            2, 4, 8 full-width tiles until it fits; ``"raise"``: let the failure propagate.
-        progress: ``progress(done, total)`` with rank 0's stages (the VAE's top-level blocks) as they finish.
-        balance: row mode's bands: ``"equal"`` (default) or ``"speed"`` (proportional to each rank's measured
-            throughput; the output is the same).
+        options: a :class:`DecodeOptions`; its ``on_oom=None`` means ``"row-tiled"`` here (when a rank runs out of
+            memory, decode again in row-tiled mode with 2, 4, 8 full-width tiles until it fits).
+        **fields: any field of :class:`DecodeOptions` or :class:`RunControls` by keyword (applied over ``options``).
 
     Raises:
         as :func:`distributed_decode`; ``torch.OutOfMemoryError`` when the smallest row-tiled decode still does not fit.
     """
     from ..cluster import get_cluster
 
-    if on_oom not in OOM_POLICIES:
-        raise ValueError(f"on_oom must be one of {OOM_POLICIES} (got {on_oom!r})")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
-    if balance not in BALANCE_MODES:
-        raise ValueError(f"balance must be one of {BALANCE_MODES} (got {balance!r})")
-    dt = resolve_dtype(dtype)
+    opts, controls = _options(DecodeOptions, options, fields, "decode_report")
+    mode, plan, gn_sync, balance = opts.mode, opts.plan, opts.gn_sync, opts.balance
+    on_oom = opts.on_oom if opts.on_oom is not None else "row-tiled"
+    topology = opts.topology
+    dt = resolve_dtype(opts.dtype)
     n = cluster.config.num_ranks
     check_latent(spec, z, n, "any")
     height, width, frames = latent_frames_hw(spec.family, z)
@@ -208,11 +291,11 @@ def decode_report(
     earlier = _FITS.get(fits_key) if on_oom != "raise" else None
     if earlier is not None:  # this decode ran out of memory before: start where it fitted
         mode, plan, tiles, failures = "row-tiled", earlier[0], earlier[1], list(earlier[2])
-    relay = _Monotonic(progress)
+    relay = _Monotonic(controls.progress)
     while True:
         try:
             results = _run_with_weights(cluster, decode_task, spec, z, mode, plan, dt, gn_sync,
-                                        weights if mode == "row" else None, cancel_check=cancel_check, timeout_s=timeout_s, progress=relay.sink if relay else None)
+                                        weights if mode == "row" else None, controls=controls, progress=relay.sink if relay else None)
             break
         except Exception as exc:
             if on_oom == "raise" or not _is_oom(exc):
@@ -244,37 +327,17 @@ def decode_report(
     return DecodeReport(results[0], mode, note)
 
 
-def distributed_decode(
-    cluster,
-    spec: VaeSpec,
-    z: torch.Tensor,
-    mode: str = "auto",
-    plan: Optional[dict] = None,
-    dtype="fp32",
-    gn_sync: bool = False,
-    topology: Any = None,
-    cancel_check: Optional[Callable[[], None]] = None,
-    timeout_s: Optional[float] = None,
-    progress: Optional[Callable[[int, int], None]] = None,
-    on_oom: str = "raise",
-    balance: str = "equal",
-) -> torch.Tensor:
+def distributed_decode(cluster, spec: VaeSpec, z: torch.Tensor, options: Optional[DecodeOptions] = None, **fields) -> torch.Tensor:
     """Decode ``z`` on every rank of ``cluster``; return the sample (in about [-1, 1]) on the CPU.
 
     Args:
         cluster: a :class:`~patchray.distributed.cluster.RankCluster`.
         spec: which VAE (:func:`spec_from_diffusers`, :func:`spec_for_family`).
         z: the latent, ``[B, C, h, w]`` (images) or ``[B, C, T, h, w]`` (video).
-        mode: ``"auto"``, ``"row"`` (exact) or ``"tile-runs"`` (whole tiles, blended).
-        plan: a ``TilePlan.to_dict()`` for tile-runs (default: the planner's balanced plan, else coarse).
-        dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` or a torch dtype for the VAE's weights and activations.
-        gn_sync: tile-runs only: normalise every tile with image-wide GroupNorm statistics.
-        topology: a ``topology.TopologyReport`` for ``auto`` (default: probed once per cluster on GPU clusters).
-        cancel_check: polled while the ranks work; raise from it to stop every rank.
-        progress: ``progress(done, total)`` with rank 0's stages as they finish.
-        on_oom: ``"raise"`` (default) or ``"row-tiled"`` (see :func:`decode_report`).
-        balance: ``"equal"`` (default) or ``"speed"``: row-mode bands proportional to each rank's measured
-            throughput (``topology.throughput``), so mixed GPUs finish together; the output is the same.
+        options: a :class:`DecodeOptions` (mode, plan, dtype, gn_sync, topology, on_oom, balance); its
+            ``on_oom=None`` means ``"raise"`` here.
+        **fields: any field of :class:`DecodeOptions` or :class:`RunControls` (cancel_check, timeout_s, progress)
+            by keyword, applied over ``options``: ``distributed_decode(cluster, spec, z, mode="row")``.
 
     Returns:
         ``[B, 3, H, W]`` or ``[B, 3, F, H, W]`` float32 on the CPU.
@@ -283,34 +346,28 @@ def distributed_decode(
         ValueError: a bad mode or dtype, a latent whose rank or channels do not fit the VAE, too few rows for the
             ranks in row mode, a plan for another rank count (all before anything is shipped).
     """
-    return decode_report(cluster, spec, z, mode, plan, dtype, gn_sync, topology, cancel_check, timeout_s, progress, on_oom,
-                         balance).sample
+    opts, controls = _options(DecodeOptions, options, fields, "distributed_decode")
+    if opts.on_oom is None:
+        opts = dataclasses.replace(opts, on_oom="raise")
+    return decode_report(cluster, spec, z, opts, **controls.as_fields()).sample
 
 
-def distributed_encode(
-    cluster,
-    spec: VaeSpec,
-    x: torch.Tensor,
-    dtype="fp32",
-    cancel_check: Optional[Callable[[], None]] = None,
-    timeout_s: Optional[float] = None,
-    progress: Optional[Callable[[int, int], None]] = None,
-    balance: str = "equal",
-) -> torch.Tensor:
+def distributed_encode(cluster, spec: VaeSpec, x: torch.Tensor, options: Optional[EncodeOptions] = None, **fields) -> torch.Tensor:
     """Row-sharded encode of ``x`` (in [-1, 1], ``[B, 3, H, W]`` or ``[B, 3, F, H, W]``); returns the latent mean on the CPU.
 
     Args:
-        balance: ``"equal"`` (default) or ``"speed"``: bands proportional to each rank's measured throughput.
+        options: an :class:`EncodeOptions` (dtype, balance).
+        **fields: any field of :class:`EncodeOptions` or :class:`RunControls` by keyword, applied over ``options``.
 
     Raises:
         ValueError: an input whose rank, channels or size do not fit the VAE, or too few rows for the ranks
             (before anything is shipped).
     """
-    dt = resolve_dtype(dtype)
+    opts, controls = _options(EncodeOptions, options, fields, "distributed_encode")
+    dt = resolve_dtype(opts.dtype)
     check_input(spec, x, cluster.config.num_ranks)
-    weights = _band_weights(cluster, balance)
+    weights = _band_weights(cluster, opts.balance)
     if weights is not None:
         check_input(spec, x, cluster.config.num_ranks, weights)
-    results = _run_with_weights(cluster, encode_task, spec, x.detach().cpu(), dt, weights, cancel_check=cancel_check, timeout_s=timeout_s,
-                                progress=progress)
+    results = _run_with_weights(cluster, encode_task, spec, x.detach().cpu(), dt, weights, controls=controls)
     return results[0]

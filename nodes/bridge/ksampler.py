@@ -21,6 +21,7 @@ from .shim import CANONICAL
 
 __all__ = [
     "PRESET_NAMES", "PRESET_HELP", "PARALLELISM_NAMES", "ATTENTION_NAMES", "BALANCE_NAMES", "SHARDING_NAMES", "patch_config",
+    "auto_inputs",
     "link_profile", "sample",
 ]
 
@@ -32,8 +33,11 @@ PRESET_NAMES = ["full_sync", "auto", "displaced", "compressed", "compressed_2bit
 #: the node's help text for each preset (the widget's tooltip is built from it)
 PRESET_HELP = {
     "full_sync": "exact (equal to the stock KSampler): every layer exchanges every step",
-    "auto": "picked from the GPUs' link: NVLink -> full_sync, PCIe with P2P -> displaced, PCIe without P2P -> compressed, "
-            "Ethernet-class -> compressed_2bit (CPU ranks or no GPU link measured: full_sync)",
+    "auto": "picked from the GPUs' link and the number of ranks sharing the latent, by the modelled step time: "
+            "displaced while its stream hides behind compute ((ranks - 1) x the model's exchange rate fits the link), "
+            "compressed (or compressed_2bit on Ethernet) once it does not, full_sync when exact costs under 10% more "
+            "(e.g. PCIe without P2P: displaced at 2 ranks, compressed at 4; NVLink: full_sync up to 3 ranks, "
+            "displaced from 4; CPU ranks or no GPU link measured: full_sync)",
     "displaced": "DistriFusion/PipeFusion: the neighbours' halos and K/V of the previous step, sent asynchronously behind "
                  "compute; 4 exact warm-up steps",
     "compressed": "displaced, but the per-step refresh travels as 4-bit residuals with error feedback (CompactFusion): "
@@ -70,19 +74,39 @@ def link_profile(cluster_config) -> Optional[str]:
         return None
 
 
+def auto_inputs(model, cluster_config, parallelism: str = "auto") -> dict:
+    """What ``preset=auto`` decides from, as :func:`patch_config`'s keywords: the link profile (:func:`link_profile`),
+    the ranks that share the latent and the model kind (``unet`` / ``dit``).
+
+    The ranks that share the latent: one under ``cfg`` and ``batch`` (every rank holds whole latents, so ``auto``
+    gives the exact preset), half the cluster's under ``cfg+sequence``, all of them under ``sequence`` and ``auto``
+    parallelism (decided later, per call; counting all errs towards less traffic)."""
+    n = int(getattr(cluster_config, "num_ranks", 1) or 1)
+    ranks = {"cfg": 1, "batch": 1, "cfg+sequence": max(1, n // 2)}.get(parallelism, n)
+    try:
+        kind = bridge_model.diffusion_kind(model)
+    except Exception as exc:  # refused later, in the user's terms, by sample()'s own checks
+        log.debug("model kind unknown for preset auto: %s", exc)
+        kind = "unet"
+    return {"link": link_profile(cluster_config), "ranks": ranks, "kind": kind}
+
+
 def patch_config(preset: str, warmup_steps: int = -1, refresh_every: int = -1, k_ratio: float = 0.25, block_size: int = 8,
-                 link: Optional[str] = None):
+                 link: Optional[str] = None, ranks: Optional[int] = None, kind: str = "unet"):
     """The PatchConfig for the node's widgets (-1: the preset's own value). CFG is not split across ranks.
 
-    ``preset="auto"`` picks one from ``link`` (a link profile name, :func:`link_profile`): see :data:`PRESET_HELP`.
+    ``preset="auto"`` picks one from ``link`` (a link profile name, :func:`link_profile`), ``ranks`` (the ranks that
+    share the latent; ``None``: the link class alone) and ``kind`` (``unet`` / ``dit``): see :data:`PRESET_HELP` and
+    :func:`auto_inputs`.
     """
     from ...distributed.sampling.config import OutputMode, auto_preset, preset as make
 
     if preset not in PRESET_NAMES:
         raise ValueError(f"preset must be one of {PRESET_NAMES} (got {preset!r})")
     if preset == "auto":
-        preset = auto_preset(link)
-        log.info("PatchRay KSampler: preset auto -> %s (link %s)", preset, link or "unknown")
+        preset = auto_preset(link, ranks, kind=kind)
+        log.info("PatchRay KSampler: preset auto -> %s (link %s, %s ranks, %s)", preset, link or "unknown",
+                 ranks if ranks is not None else "?", kind)
     over = {"split_batch": False}  # ComfyUI may evaluate cond and uncond in separate calls: every rank takes both
     if preset != "full_sync":
         if int(warmup_steps) >= 0:

@@ -112,3 +112,58 @@ def test_choose_k_follows_bandwidth():
     slow = choose_k(128, block_bytes, 1, bandwidth_gbps=0.05, budget_ms=0.5)
     fast = choose_k(128, block_bytes, 1, bandwidth_gbps=25.0, budget_ms=0.5)
     assert 1 <= slow < fast == 128
+
+
+# --------------------------------------------------------------------------------------------------
+# preset=auto: the link and the rank count, through the modelled step (topology/preset_cost.py)
+#
+# Hand arithmetic, in units of one rank's whole step: compute share 1/N; a rank sends (N-1)/N x E of exchange (E the
+# exchange rate, GB/s per second of one-rank compute: UNet 13.3, DiT 16.7) over the link's effective bandwidth b
+# (PCIe 4.0 x16 = round(31.5 x 55.3 / 63, 1) = 27.6 GB/s, halved without P2P: 13.8; NVLink 360; 10 GbE 1.18);
+# packing 1 / 0.2578 (4-bit) / 0.1328 (2-bit); codec 5 x (N-1)/N x E / 2000 added to compute of the compressed ones.
+# full_sync = 1/N + t; stale = c + max(0, t - c); full_sync wins within 10% of the fastest.
+
+
+def test_auto_preset_depends_on_the_rank_count_where_the_arithmetic_says_so():
+    from patchray.distributed.sampling.config import auto_preset
+
+    # PCIe 4.0 without P2P, UNet. N = 2: t = 0.5 x 13.3 / 13.8 = 0.482 < c = 0.5, displaced's stream hides: 0.500;
+    # compressed 0.5 + 5 x 6.65 / 2000 = 0.517; full_sync 0.982 -> displaced
+    assert auto_preset("pcie4_x16_no_p2p", 2) == "displaced"
+    # N = 4: displaced t = 0.75 x 13.3 / 13.8 = 0.723 (stream uncovered); compressed c = 0.25 + 0.025 = 0.275 >
+    # t = 0.186: 0.275 (2-bit ties at 0.275; the less lossy wins) -> compressed
+    assert auto_preset("pcie4_x16_no_p2p", 4) == "compressed"
+    # NVLink, UNet. N = 2: full_sync 0.5 + 6.65 / 360 = 0.518, 3.7% over displaced's 0.5 -> full_sync (exact)
+    assert auto_preset("nvlink", 2) == "full_sync"
+    assert auto_preset("nvlink", 3) == "full_sync"  # 2 x 13.3 / 360 = 7.4% over 1/3
+    # N = 4: full_sync 0.25 + 9.975 / 360 = 0.2777, 11.1% over displaced's 0.25 -> displaced
+    assert auto_preset("nvlink", 4) == "displaced"
+    # PCIe 4.0 with P2P (27.6 GB/s, one copy): the stream hides while (N - 1) x 13.3 <= 27.6, i.e. up to N = 3
+    assert auto_preset("pcie4_x16_p2p", 3) == "displaced"  # t = 2/3 x 13.3 / 27.6 = 0.321 < 0.333
+    assert auto_preset("pcie4_x16_p2p", 4) == "compressed"  # displaced 0.361; compressed 0.275 (t = 0.093)
+    # a DiT's higher rate (16.7) at N = 2 without P2P: t = 0.5 x 16.7 / 13.8 = 0.605 > 0.5; compressed 0.5 + 0.021
+    assert auto_preset("pcie4_x16_no_p2p", 2, kind="dit") == "compressed"
+    # a measured rate overrides the kind's: Wan 2.1 14B's 8.3 GB/s hides at N = 2 (t = 0.301)
+    assert auto_preset("pcie4_x16_no_p2p", 2, kind="dit", exchange_gbps=8.3) == "displaced"
+    # 10 GbE, N = 2: displaced 6.65 / 1.18 = 5.64; compressed 6.65 x 0.2578 / 1.18 = 1.45; 2-bit 0.75 -> 2-bit
+    assert auto_preset("10gbe", 2) == "compressed_2bit"
+    # one rank: nothing travels, every preset costs one step -> the exact one
+    assert auto_preset("pcie4_x16_no_p2p", 1) == "full_sync"
+    assert auto_preset(None, 4) == "full_sync"  # no GPU link known (CPU ranks)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        auto_preset("nvlink", 2, kind="vae")
+
+
+def test_modelled_preset_steps_match_the_hand_arithmetic():
+    from patchray.distributed.topology.preset_cost import PresetTraffic, choose_preset, packing, preset_step
+
+    assert packing(4) == pytest.approx(132 / 512) and packing(2) == pytest.approx(68 / 512) and packing(0) == 1.0
+    full, disp, c4 = PresetTraffic("full_sync", True), PresetTraffic("displaced", False), PresetTraffic("compressed", False, 4)
+    assert preset_step(full, 2, "pcie4_x16_no_p2p", 13.3) == pytest.approx(0.5 + 6.65 / 13.8)
+    assert preset_step(disp, 2, "pcie4_x16_no_p2p", 13.3) == pytest.approx(0.5)
+    assert preset_step(disp, 4, "pcie4_x16_no_p2p", 13.3) == pytest.approx(9.975 / 13.8)
+    assert preset_step(c4, 4, "pcie4_x16_no_p2p", 13.3) == pytest.approx(0.25 + 5 * 9.975 / 2000)
+    choice = choose_preset([full, disp, c4], 4, "nvlink", 13.3)
+    assert choice.preset == "displaced" and choice.steps["full_sync"] == pytest.approx(0.25 + 9.975 / 360)
+    # the margin is the rule: with 12% instead of 10%, NVLink at N = 4 keeps the exact preset
+    assert choose_preset([full, disp, c4], 4, "nvlink", 13.3, exact_margin=0.12).preset == "full_sync"

@@ -84,6 +84,10 @@ def test_pack_imports_without_comfyui():
 # layering: one torch.distributed caller, a runtime that never needs the benchmark, no import circles
 
 COMM = DISTRIBUTED / "comm.py"
+#: the comm modules, each with one job: collectives and process groups (the door every other module imports),
+#: the interception layer, and weight sharding's FSDP2 wrappers. Only these use torch.distributed, and only
+#: comm.py imports the two siblings, so the rest of the pack still has one place to go through.
+COMM_MODULES = {COMM, DISTRIBUTED / "comm_intercept.py", DISTRIBUTED / "comm_fsdp.py"}
 
 
 def _module_name(path: Path) -> str:
@@ -129,11 +133,32 @@ def _dist_offences(path: Path):
 def test_only_comm_talks_to_torch_distributed():
     offenders = []
     for path in sorted(DISTRIBUTED.rglob("*.py")) + sorted((ROOT / "nodes").rglob("*.py")):
-        if path == COMM:
+        if path in COMM_MODULES:
             continue
         for line, what in _dist_offences(path):
             offenders.append(f"{path.relative_to(ROOT)}:{line} {what}")
-    assert not offenders, "only distributed/comm.py may use torch.distributed (call the helpers in comm):\n" + "\n".join(offenders)
+    assert not offenders, "only distributed/comm*.py may use torch.distributed (call the helpers in comm):\n" + "\n".join(offenders)
+
+
+def test_comm_siblings_are_reached_only_through_comm():
+    siblings = {_module_name(p) for p in COMM_MODULES - {COMM}}
+    assert siblings == {"distributed.comm_intercept", "distributed.comm_fsdp"}  # the checker sees them
+    offenders = []
+    files = sorted(DISTRIBUTED.rglob("*.py")) + sorted((ROOT / "nodes").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
+    for path in files:
+        if path == COMM or path == Path(__file__).resolve():
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(path, node.module or "", node.level)
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [_resolve(path, a.name, 0) for a in node.names]
+            else:
+                continue
+            if any(t in siblings for t in targets):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, "import the comm helpers from distributed.comm, not from its sibling modules:\n" + "\n".join(offenders)
 
 
 def _runtime_files():

@@ -38,6 +38,9 @@ def test_row_decode_and_encode_equal_single_process_and_weights_travel_once():
     # second call: only the key travels; the ranks answer from their cache
     out2 = api.distributed_decode(cluster, spec._replace(state_dict=None), z, mode="row")
     assert torch.equal(out2, out)
+    # the same settings as an options value: the same call
+    out3 = api.distributed_decode(cluster, spec._replace(state_dict=None), z, api.DecodeOptions(mode="row"))
+    assert torch.equal(out3, out)
 
     x = torch.rand(1, 3, 19 * 8, 13 * 8) * 2 - 1
     lat = api.distributed_encode(cluster, spec, x)
@@ -93,6 +96,14 @@ def test_bad_requests_are_refused_with_the_fix():
         api.distributed_decode(cluster, spec, torch.randn(1, 7, 16, 16), mode="row")
     with pytest.raises(ValueError, match="unknown family|known families"):
         api.spec_for_family("sd35")
+    with pytest.raises(TypeError, match="unexpected keyword.*colour.*accepted: .*balance"):
+        api.distributed_decode(cluster, spec, torch.randn(1, 4, 16, 16), colour="red")
+    with pytest.raises(TypeError, match="unexpected keyword.*gn_sync"):  # a decode-only setting
+        api.distributed_encode(cluster, spec, torch.rand(1, 3, 64, 64), gn_sync=True)
+    with pytest.raises(ValueError, match="on_oom must be one of"):
+        api.DecodeOptions(on_oom="retry")
+    with pytest.raises(TypeError, match="options must be a DecodeOptions"):
+        api.decode_report(cluster, spec, torch.randn(1, 4, 16, 16), "row")
 
 
 def test_latents_and_inputs_that_cannot_fit_are_refused_on_the_driver():

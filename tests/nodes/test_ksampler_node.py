@@ -59,6 +59,28 @@ def test_auto_picks_the_preset_from_the_link(ks):
     assert ks.patch_config("auto") == PRESETS["full_sync"].replace(split_batch=False)  # no GPU link known: exact
 
 
+def test_auto_counts_the_ranks_that_share_the_latent(ks):
+    from patchray.distributed.cluster import ClusterConfig
+    from patchray.nodes.bridge import ksampler as bridge_ksampler
+
+    # PCIe without P2P: displaced's stream hides behind compute at 2 ranks, not at 4 (the arithmetic is in
+    # tests/distributed/test_sampling_config.py)
+    two = ks.patch_config("auto", link="pcie4_x16_no_p2p", ranks=2)
+    four = ks.patch_config("auto", link="pcie4_x16_no_p2p", ranks=4)
+    assert (two.layer_mode, two.exchange_bits) == (PRESETS["displaced"].layer_mode, 0)
+    assert four.exchange_bits == 4
+    # the widgets still apply to the chosen preset
+    assert ks.patch_config("auto", warmup_steps=2, link="pcie4_x16_no_p2p", ranks=2).warmup_steps == 2
+    # cfg+sequence: two CFG groups, each of half the ranks, share a latent; CPU ranks: no GPU link
+    cpu4 = ClusterConfig(num_ranks=4, device="cpu")
+    assert bridge_ksampler.auto_inputs(None, cpu4, "cfg+sequence")["ranks"] == 2
+    assert bridge_ksampler.auto_inputs(None, cpu4, "sequence")["ranks"] == 4
+    assert bridge_ksampler.auto_inputs(None, cpu4, "sequence")["link"] is None
+    # cfg and batch: every rank holds whole latents, nothing of a latent travels between ranks -> exact
+    assert bridge_ksampler.auto_inputs(None, cpu4, "batch")["ranks"] == 1
+    assert ks.patch_config("auto", link="pcie4_x16_no_p2p", ranks=1) == PRESETS["full_sync"].replace(split_batch=False)
+
+
 def test_bad_widgets_are_refused_with_the_fix(ks):
     with pytest.raises(ValueError, match="preset must be one of"):
         ks.patch_config("fast")

@@ -1,0 +1,128 @@
+"""Modelled step time of the patch-parallel sampling presets on a link and a rank count: what ``preset=auto`` uses.
+
+Design decisions:
+
+* **The sampling benchmark's step model, per rank, after the warm-up.** A step is the rank's compute ``c``, plus a
+  blocking exchange in full, plus the part of an asynchronous stream that does not hide behind compute:
+  ``step = c + blocking * k + max(0, stream * k - c)`` with ``k`` the link's milliseconds per byte (doubled when
+  staged through host memory, :func:`.links.effective_gbps`). The compressed presets add their codec to ``c`` and
+  shrink the stream by their packing. It is the formula of ``bench/compressed_model.step_ms``, which produced the
+  MODELLED figures of ``results/compressed/``; it is written here because the runtime never imports the benchmark.
+  Message latencies are left out (every preset makes about the same calls) and so are the warm-up steps (the same
+  synchronous steps for every stale preset; the step count is not known when the preset is chosen).
+* **One number describes the workload: its exchange rate** ``E`` (GB/s): the K/V and halo bytes of the *whole*
+  latent that displaced mode streams per step, divided by one rank's compute time for that step. Over N sequence
+  ranks a rank computes ``C / N`` (the ideal share) and puts ``(N - 1) / N`` of the whole on its link (its 1/N piece
+  to each of N - 1 peers; counted for SDXL on an H200: 436 MB per rank at N = 2, 679 MB at N = 4, 1.56x where
+  (3/4) / (1/2) = 1.5). Relative to the one-rank step, the stream then takes ``(N - 1) / N * E / b`` against a
+  compute share of ``1 / N``: the stream hides behind compute while ``(N - 1) * E <= b`` (``b`` the link's effective
+  bandwidth). That is how the rank count enters: N - 1 peers' worth of traffic against 1/N of the compute.
+* **Measured exchange rates** (counted bytes per step over the one-rank step, on an H200): SDXL 1024x1024 872 MB /
+  65.8 ms = 13.3 GB/s; FLUX.1 1024x1024 2,870 MB / 172.3 ms = 16.7 GB/s; Qwen-Image 1328x1328 10,282 MB / 694 ms
+  = 14.8 GB/s; Wan 2.1 14B 480x832x81 53,682 MB / 6,460 ms = 8.3 GB/s (results/compressed/README.md). The defaults
+  are SDXL's for UNets and the highest DiT figure (FLUX.1) for DiTs: where a DiT's real rate is lower, the choice errs
+  towards compression, whose cost is its codec (about 3% of a step), not towards an uncovered stream (FLUX.1 at
+  N = 2 without P2P: displaced is modelled 11% slower than compressed). A slower GPU computes longer per byte, so
+  its rate is lower and the stream hides more easily: on consumer cards the defaults lean towards less traffic.
+* **Exactness is worth a margin.** ``full_sync`` (exact) is chosen when its modelled step is within
+  :data:`EXACT_MARGIN` of the fastest preset's; otherwise the fastest wins, ties going to the earlier (less lossy)
+  candidate.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional, Sequence
+
+from .links import effective_gbps, get_profile
+
+__all__ = [
+    "EXCHANGE_GBPS",
+    "EXACT_MARGIN",
+    "CODEC_GBPS",
+    "CODEC_PASSES",
+    "PresetTraffic",
+    "PresetChoice",
+    "packing",
+    "preset_step",
+    "choose_preset",
+]
+
+#: default exchange rate per model kind, GB/s of displaced's whole-latent K/V and halo bytes per second of one rank's
+#: compute (measured on an H200, see the module docstring)
+EXCHANGE_GBPS: Dict[str, float] = {"unet": 13.3, "dit": 16.7}
+#: full_sync (exact) is chosen when its modelled step is at most this much slower than the fastest preset's
+EXACT_MARGIN = 0.10
+#: ASSUMED effective memory rate of the elementwise codec (an H200's HBM: 4.8 TB/s peak), as in bench/compressed_model
+CODEC_GBPS = 2000.0
+#: passes over the streamed bytes per step: read fresh and reference, write reference, read codes and reference
+CODEC_PASSES = 5
+
+
+class PresetTraffic(NamedTuple):
+    """What the model needs to know about a preset.
+
+    Args:
+        name: the preset's name.
+        blocking: its exchange waits every step (``full_sync``); else it streams behind the next step's compute.
+        bits: 0 (values as they are) or the width of its packed residuals (``exchange_bits``).
+    """
+
+    name: str
+    blocking: bool
+    bits: int = 0
+
+
+class PresetChoice(NamedTuple):
+    """The chosen preset and every candidate's modelled step, in units of one rank's whole step (1 / speed-up)."""
+
+    preset: str
+    steps: Dict[str, float]
+
+
+def packing(bits: int, itemsize: int = 2, group: int = 256) -> float:
+    """Bytes sent per byte of ``itemsize``-byte values: 1 for ``bits=0``, else ``bits``-bit codes plus one float32
+    scale per ``group`` values (the compressed exchange's layout: 4-bit 0.258, 2-bit 0.133, 1-bit 0.070 of fp16)."""
+    if not bits:
+        return 1.0
+    return (group * bits / 8 + 4) / (group * itemsize)
+
+
+def preset_step(traffic: PresetTraffic, world_size: int, profile, exchange_gbps: float) -> float:
+    """The modelled step of one rank, in units of one rank's whole step (so ``1 / result`` is the speed-up).
+
+    Args:
+        traffic: the preset (:class:`PresetTraffic`).
+        world_size: the ranks that share the latent (N).
+        profile: a link profile or its name (:mod:`.links`).
+        exchange_gbps: the workload's exchange rate ``E`` (:data:`EXCHANGE_GBPS`).
+
+    Example:
+        >>> round(preset_step(PresetTraffic("displaced", False), 2, "nvlink", 13.3), 3)  # the stream hides
+        0.5
+    """
+    n = int(world_size)
+    if n < 1:
+        raise ValueError(f"world_size must be >= 1 (got {world_size})")
+    compute = 1.0 / n
+    whole = (n - 1) / n * float(exchange_gbps)  # GB per one-rank step-second this rank exchanges, uncompressed
+    transfer = whole * packing(traffic.bits) / effective_gbps(get_profile(profile))
+    if traffic.blocking:
+        return compute + transfer
+    if traffic.bits:
+        compute += CODEC_PASSES * whole / CODEC_GBPS
+    return compute + max(0.0, transfer - compute)
+
+
+def choose_preset(candidates: Sequence[PresetTraffic], world_size: int, profile, exchange_gbps: float,
+                  exact_margin: Optional[float] = None) -> PresetChoice:
+    """The fastest candidate on ``profile`` at ``world_size`` ranks, or the blocking (exact) one when it is within
+    ``exact_margin`` (default :data:`EXACT_MARGIN`) of the fastest. Ties go to the earlier candidate."""
+    if not candidates:
+        raise ValueError("choose_preset needs at least one candidate")
+    margin = EXACT_MARGIN if exact_margin is None else float(exact_margin)
+    steps = {c.name: preset_step(c, world_size, profile, exchange_gbps) for c in candidates}
+    best = min(candidates, key=lambda c: steps[c.name])  # min keeps the first of equal ones
+    for c in candidates:
+        if c.blocking and not c.bits and steps[c.name] <= (1.0 + margin) * steps[best.name]:
+            return PresetChoice(c.name, steps)
+    return PresetChoice(best.name, steps)
