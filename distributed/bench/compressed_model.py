@@ -29,14 +29,9 @@ from typing import Dict, Optional
 
 __all__ = ["model_run", "sdxl_rows", "dit_rows", "main"]
 
+from ..topology.preset_cost import CODEC_GBPS, CODEC_PASSES, packing  # the runtime's preset=auto uses the same codec cost
+
 PROFILES = ("pcie4_x16_no_p2p", "10gbe", "nvlink")
-CODEC_GBPS = 2000.0  # ASSUMED effective HBM rate of the elementwise codec on an H200 (4.8 TB/s peak)
-CODEC_PASSES = 5  # read fresh + reference, write reference, read codes + reference on the peers' side (per byte)
-
-
-def packing(bits: int, itemsize: int = 2, group: int = 256) -> float:
-    """Packed bytes per byte of ``itemsize``-byte values."""
-    return (group * bits / 8 + 4) / (group * itemsize)
 
 
 def step_ms(compute: float, sync_bytes: float, async_bytes: float, messages: float, profile: str) -> float:

@@ -6,7 +6,7 @@ Design decisions:
   blocking exchange in full, plus the part of an asynchronous stream that does not hide behind compute:
   ``step = c + blocking * k + max(0, stream * k - c)`` with ``k`` the link's milliseconds per byte (doubled when
   staged through host memory, :func:`.links.effective_gbps`). The compressed presets add their codec to ``c`` and
-  shrink the stream by their packing. It is the formula of ``bench/compressed_model.step_ms``, which produced the
+  shrink the stream by their packing. It is the formula of ``bench/compressed_model.step_ms`` (which imports the codec constants from here), which produced the
   MODELLED figures of ``results/compressed/``; it is written here because the runtime never imports the benchmark.
   Message latencies are left out (every preset makes about the same calls) and so are the warm-up steps (the same
   synchronous steps for every stale preset; the step count is not known when the preset is chosen).
