@@ -108,22 +108,29 @@ def host_memory(ctx) -> tuple:
 
     import psutil
 
-    from ...distributed import comm
     from ...distributed.cluster import rank_cache
     from ...distributed.sampling.remote import _MODEL
 
-    held = 0
     entry = rank_cache().get(_MODEL)
-    model = getattr(entry[1], "model", entry[1]) if entry is not None else None
-    if isinstance(model, torch.nn.Module):
-        seen = set()
-        for t in list(model.parameters()) + list(model.buffers()):
-            local = comm.local_shard(t)
-            if local.device.type == "cpu" and id(local) not in seen:
-                seen.add(id(local))
-                held += local.numel() * local.element_size()
+    held = host_bytes(getattr(entry[1], "model", entry[1])) if entry is not None else 0
     vm = psutil.virtual_memory()
     return socket.gethostname(), float(vm.available + held), float(vm.total)
+
+
+def host_bytes(model) -> int:
+    """Bytes of ``model``'s parameters and buffers (this rank's shards of sharded ones) in host memory; 0 for anything
+    that is not a module."""
+    from ...distributed import comm
+
+    if not isinstance(model, torch.nn.Module):
+        return 0
+    held, seen = 0, set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        local = comm.local_shard(t)
+        if local.device.type == "cpu" and local.data_ptr() not in seen:
+            seen.add(local.data_ptr())
+            held += local.numel() * local.element_size()
+    return held
 
 
 _NOT_SET = object()

@@ -90,3 +90,20 @@ def test_offload_advice_states_the_copy_and_the_verdict():
     # f = 192/224 > 2/3: over PCIe without peer-to-peer an offloaded sharded step moves more than one card's copy
     assert cost.slower is True and "SLOWER" in cost.text and "host -> device per model call" in cost.text
     assert bs.offload_advice(WanModel(), 2, "nvlink").slower is False
+
+
+def test_host_memory_counts_what_the_cached_model_holds_on_the_host():
+    import socket
+
+    import psutil
+
+    from patchray.nodes.bridge.ksampler_rank import host_bytes, host_memory
+
+    lin = torch.nn.Linear(1000, 1000)  # 1000 x 1000 + 1000 floats = 4,004,000 B
+    lin.register_buffer("steps", torch.zeros(10, dtype=torch.int64))  # + 80 B
+    assert host_bytes(lin) == 4_004_080
+    with torch.device("meta"):
+        meta = torch.nn.Linear(1000, 1000)
+    assert host_bytes(meta) == 0 and host_bytes(object()) == 0  # nothing on the host; not a module
+    machine, available, total = host_memory(None)
+    assert machine == socket.gethostname() and total == psutil.virtual_memory().total and 0 < available <= total
