@@ -179,7 +179,7 @@ def host_fits(pinned_bytes: float, available_bytes: float, total_bytes: float) -
 
 def choose_sharding(weight_bytes: float, free_bytes_min: float, world_size: int, *, total_bytes_min: Optional[float] = None,
                     link=None, compute_ms_one_card: Optional[float] = None, block_fraction: float = 0.97,
-                    largest_block_bytes: Optional[float] = None, prefetch: int = 1) -> ShardChoice:
+                    largest_block_bytes: Optional[float] = None, prefetch: int = 1, offload: bool = True) -> ShardChoice:
     """``auto`` sharding, from the smallest card's free memory ``F`` and the activation reserve ``R``
     (:func:`activation_reserve`), escalating ``none`` -> ``blocks`` -> ``blocks+offload``:
 
@@ -198,6 +198,8 @@ def choose_sharding(weight_bytes: float, free_bytes_min: float, world_size: int,
         block_fraction: share ``f`` of the weights in the blocks (the rest stays whole on every rank).
         largest_block_bytes: the largest block's bytes (the gathered blocks in flight with ``blocks+offload``).
         prefetch: blocks gathered ahead of the running one.
+        offload: whether ``blocks+offload`` is a choice (not on ranks whose device is the host: CPU ranks' "device
+            memory" is host memory already, so offloading frees nothing); without it ``blocks`` is the last step.
     """
     reserve = activation_reserve(total_bytes_min if total_bytes_min is not None else free_bytes_min)
     need = float(weight_bytes) + reserve
@@ -216,6 +218,8 @@ def choose_sharding(weight_bytes: float, free_bytes_min: float, world_size: int,
         f"smallest card's {free_bytes_min / GIB:.1f} GiB free; sharded over {world_size} ranks each holds about "
         f"{per_rank / GIB:.1f} GiB" + ("" if fits else " and still does not fit")
     )
+    if not fits and not offload:
+        return ShardChoice("blocks", reason + ": add ranks or use fp8 weights")
     if not fits:
         resident = offload_resident_bytes(weight_bytes, block_fraction=block_fraction,
                                           largest_block_bytes=largest_block_bytes, prefetch=prefetch)

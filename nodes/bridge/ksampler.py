@@ -206,12 +206,14 @@ def sample(
         # bands by speed only where the run splits a sequence: CFG/batch layouts give every rank whole work
         weights = cluster_band_weights(rank_cluster, balance) if layout.seq_ranks > 1 else None
         free_min = total_min = None
+        host_ranks = False
         if sharding == "auto" and n > 1:
             mem = rank_cluster.run(f"{_RANK}:device_memory", timeout_s=60.0, cancel_check=cancel_check)
             free_min, total_min = min(m[0] for m in mem), min(m[1] for m in mem)
+            host_ranks = all(len(m) > 2 and m[2] == "cpu" for m in mem)
         # the link only words the advice (is an offloaded sharded step slower than one card with ComfyUI's offload?)
         link = link_profile(cluster_config) if sharding in ("auto", "blocks+offload") and n > 1 else None
-        resolved, why = bridge_shard.resolve_sharding(sharding, dm, n, free_min, total_min, link=link)
+        resolved, why = bridge_shard.resolve_sharding(sharding, dm, n, free_min, total_min, link=link, host_ranks=host_ranks)
         cost = bridge_shard.offload_advice(dm, n, link) if resolved == "blocks+offload" and n > 1 else None
         # said plainly where the user looks: a warning when the offloaded sharded step is modelled slower than one
         # card with ComfyUI's own offload

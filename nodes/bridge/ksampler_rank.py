@@ -87,15 +87,15 @@ def end_parts(ctx, base):
 
 
 def device_memory(ctx) -> tuple:
-    """``(free, total)`` bytes of this rank's device, free counting what PyTorch holds here (a cached model is
+    """``(free, total, device type)`` of this rank's device, free counting what PyTorch holds here (a cached model is
     replaced when the next one ships, so its memory is available to it): the driver's ``sharding=auto`` input."""
     if ctx.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(ctx.device)
-        return float(free + torch.cuda.memory_reserved(ctx.device)), float(total)
+        return float(free + torch.cuda.memory_reserved(ctx.device)), float(total), "cuda"
     import psutil
 
     vm = psutil.virtual_memory()
-    return float(vm.available), float(vm.total)
+    return float(vm.available), float(vm.total), ctx.device.type
 
 
 def host_memory(ctx) -> tuple:

@@ -203,9 +203,11 @@ def check_host_memory(dm, num_ranks: int, hosts: Sequence[Tuple[str, float, floa
 
 
 def resolve_sharding(sharding: str, dm, num_ranks: int, free_bytes_min: Optional[float], total_bytes_min: Optional[float] = None,
-                     link: Optional[str] = None):
+                     link: Optional[str] = None, host_ranks: bool = False):
     """The widget's value for this run (``auto`` -> ``none``, ``blocks`` or ``blocks+offload``) and the reason, decided
-    on the driver from the smallest free memory the cluster reports (the same figure for every rank)."""
+    on the driver from the smallest free memory the cluster reports (the same figure for every rank). ``host_ranks``:
+    the ranks compute on the host (CPU ranks), where ``auto`` stops at ``blocks`` (offloading to the host frees
+    nothing there)."""
     if sharding not in SHARDING_NAMES:
         raise ValueError(f"sharding must be one of {SHARDING_NAMES} (got {sharding!r})")
     if sharding in SHARDED:
@@ -220,7 +222,8 @@ def resolve_sharding(sharding: str, dm, num_ranks: int, free_bytes_min: Optional
     bb = block_bytes(dm, num_ranks)
     extra = {} if bb is None or not bb.weights else {
         "block_fraction": bb.total / bb.weights, "largest_block_bytes": float(bb.largest)}
-    choice = choose_sharding(weight_bytes(dm), free_bytes_min, num_ranks, total_bytes_min=total_bytes_min, link=link, **extra)
+    choice = choose_sharding(weight_bytes(dm), free_bytes_min, num_ranks, total_bytes_min=total_bytes_min, link=link,
+                             offload=not host_ranks, **extra)
     if choice.sharding in SHARDED and bb is None:
         return "none", f"sharding=auto: {choice.reason}, but {type(dm).__name__} has no block table; each rank holds the whole model"
     return choice.sharding, f"sharding=auto: {choice.reason}"

@@ -90,6 +90,9 @@ def test_auto_escalates_none_blocks_offload_at_the_hand_computed_thresholds(free
         assert "still does not fit" in c.reason  # blocks alone did not
         assert ("and still does not fit: add ranks" in c.reason) is still  # offload neither
         assert "host -> device per model call" in c.reason
+    # ranks computing on the host (CPU ranks): offloading to the host frees nothing, blocks is the last step
+    capped = choose_sharding(16 * GIB, free_gib * GIB, offload=False, **_ESCALATION)
+    assert capped.sharding == ("blocks" if want == "blocks+offload" else want), (free_gib, capped)
     assert offload_resident_bytes(16 * GIB, block_fraction=0.75, largest_block_bytes=1 * GIB) == 6 * GIB
     assert offload_resident_bytes(16 * GIB, block_fraction=0.75, largest_block_bytes=1 * GIB, prefetch=0) == 5 * GIB
 

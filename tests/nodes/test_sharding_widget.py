@@ -65,6 +65,9 @@ def test_auto_escalates_from_the_smallest_cards_free_memory():
     resolved, why = bs.resolve_sharding("auto", dm, 2, r + 127, 8 * GIB)
     assert resolved == "blocks+offload" and "still does not fit: add ranks" in why
     assert "host -> device per model call" in why
+    # CPU ranks: their "device" memory is the host's; auto stops at blocks and says it does not fit
+    resolved, why = bs.resolve_sharding("auto", dm, 2, r + 127, 8 * GIB, host_ranks=True)
+    assert resolved == "blocks" and "still does not fit: add ranks" in why
     assert bs.resolve_sharding("auto", dm, 1, 0.0, 8 * GIB)[0] == "none"  # one rank: nothing to shard over
     assert bs.resolve_sharding("auto", Unknown(), 2, 1.0, 8 * GIB)[0] == "none"  # no table: whole, with the reason
 
@@ -105,5 +108,11 @@ def test_host_memory_counts_what_the_cached_model_holds_on_the_host():
     with torch.device("meta"):
         meta = torch.nn.Linear(1000, 1000)
     assert host_bytes(meta) == 0 and host_bytes(object()) == 0  # nothing on the host; not a module
+    from types import SimpleNamespace
+
+    from patchray.nodes.bridge.ksampler_rank import device_memory
+
+    free, total_dev, kind = device_memory(SimpleNamespace(device=torch.device("cpu")))
+    assert kind == "cpu" and 0 < free <= total_dev  # CPU ranks: the host's memory, and the driver learns they are CPU
     machine, available, total = host_memory(None)
     assert machine == socket.gethostname() and total == psutil.virtual_memory().total and 0 < available <= total
