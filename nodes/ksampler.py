@@ -102,7 +102,13 @@ class PatchRayKSampler(io.ComfyNode):
                         "Where the model's weights live. none: every rank holds the whole model. blocks: each rank holds "
                         "1/N of every transformer/UNet block and gathers a block's weights just before it runs (for models "
                         "bigger than one card; fp8 stays fp8; costs one gather of the weights per model call over the "
-                        "link). auto: blocks when the model would not leave room for activations on the smallest card."
+                        "link). blocks+offload: blocks with each rank's 1/N in pinned host RAM, copied to the card per "
+                        "block (for ranks that still do not fit; each rank also copies 1/N of the blocks host -> card per "
+                        "model call: on PCIe 4.0 x16 about 36 ms per GB, and on PCIe without peer-to-peer a step is then "
+                        "slower than one card with ComfyUI's own offload; refused, before loading, if the ranks' shards "
+                        "would not leave 10% (at least 4 GiB) of a machine's RAM free). auto, from the smallest card's free "
+                        "memory F and a reserve R (20% of the card, at least 3 GiB): none if the weights + R fit F, else "
+                        "blocks if 1/N of the blocks + the rest + R fit, else blocks+offload."
                     ),
                 ),
             ],

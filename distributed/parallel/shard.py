@@ -25,8 +25,9 @@ Design decisions:
   same values, so a sharded run equals the unsharded one up to what sequence parallelism itself changes.
 * **A load-time property, not an adapter.** Sharding replaces the parameters (each rank keeps 1/N of them), so it
   is undone by loading the weights again, not by a ``remove``; :func:`shard_model` refuses an already sharded
-  model. Host memory offload of the shards (FSDP2's ``CPUOffloadPolicy``) is the fallback for ranks that still do
-  not fit: every gather then crosses host -> device as well.
+  model. Host memory offload of the shards (FSDP2's ``CPUOffloadPolicy``, ``offload=True``; the node's
+  ``blocks+offload``) is the fallback for ranks that still do not fit: every gather then crosses host -> device as
+  well (``topology/shard_advice.offload_cost`` models it).
 """
 
 from __future__ import annotations
@@ -155,7 +156,10 @@ def shard_model(
         ctx: the ranks (the sequence-parallel group when composed with :func:`~patchray.distributed.sampling.dit.parallelize_dit`).
         blocks: globs of the units; default: the row of :data:`SHARD_FAMILIES` for the model's class.
         prefetch: how many next blocks' gathers start when a block's forward begins (0: none; 1 is FSDP2's usual).
-        offload: keep the shards in host memory (FSDP2 CPU offload), gathered to the device per block.
+        offload: keep the shards in host memory (FSDP2's ``CPUOffloadPolicy``): before a block's all-gather each rank
+            copies its shard to ``ctx.device``. FSDP2 requires the shards on the host when it sets up, so with ``init``
+            allocate the sharded units on the host (``materialize_meta(model, ctx.device, shard_device=cpu)``); on CPU
+            ranks the copy is a no-op but the offload path runs (FSDP2 accepts the policy on a CPU mesh under gloo).
         init: for a model built on the meta device: ``init(model)`` runs after the blocks are sharded and before
             the first forward, so each rank allocates only its shards (e.g. ``model.to_empty(device=...)`` and
             loading or drawing each local tensor; see :func:`~patchray.distributed.comm.local_shard`).

@@ -45,13 +45,15 @@ def parts_by_bytes(names_and_bytes: Iterable[tuple], part_bytes: int) -> list:
     return parts
 
 
-def materialize_meta(module: nn.Module, device: torch.device) -> None:
+def materialize_meta(module: nn.Module, device: torch.device, shard_device: Optional[torch.device] = None) -> None:
     """Allocate (uninitialised) every meta parameter and buffer of ``module`` on ``device``; sharded units through
-    ``to_empty`` (FSDP2 allocates only the local shard), other tensors one by one (real tensors are left alone)."""
+    ``to_empty`` (FSDP2 allocates only the local shard) on ``shard_device`` (default ``device``; the host for shards
+    offloaded to host memory, where FSDP2's CPU offload requires them), other tensors one by one (real tensors are
+    left alone)."""
     for m in module.modules():
         if comm.is_sharded(m):
             if any(p.is_meta for p in m.parameters()):
-                m.to_empty(device=device)
+                m.to_empty(device=shard_device if shard_device is not None else device)
     for m in module.modules():
         for name, p in list(m._parameters.items()):
             if p is not None and p.is_meta and not hasattr(p, "to_local"):

@@ -134,8 +134,10 @@ def sample(
         balance: the sequence split's bands (UNet row bands, DiT token shards): ``equal``, or ``speed``
             (proportional to each rank's measured throughput, measured once per cluster; the result is the same).
         sharding: the diffusion model's weights on the ranks: ``none`` (each rank holds all of them), ``blocks``
-            (1/N of each block per rank, FSDP2, gathered per block as it runs; :mod:`.shard_models`) or ``auto``
-            (``blocks`` when the weights would not leave room for activations on the smallest card).
+            (1/N of each block per rank, FSDP2, gathered per block as it runs; :mod:`.shard_models`),
+            ``blocks+offload`` (``blocks`` with the shards in the host's pinned memory, copied to the card per block;
+            refused before anything ships when a machine's available memory cannot hold its ranks' shards) or
+            ``auto`` (none -> blocks -> blocks+offload, from the smallest card's free memory).
         cancel_check: ComfyUI's interrupt check, polled while the ranks work.
         progress: ``fn(done, total)`` for ComfyUI's progress bar.
 
@@ -212,8 +214,9 @@ def sample(
     bridge_model.check_conditioning("positive", positive, layout.mode)
     bridge_model.check_conditioning("negative", negative, layout.mode)
     key, make_skeleton, names, tensor, sizes = bridge_model.portable_parts(model, layout.mode)
-    if sharding == "blocks":
-        bridge_shard.blocks_for(model.model.diffusion_model)  # an uncovered class is refused before the ranks start
+    dm = model.model.diffusion_model
+    if sharding in bridge_shard.SHARDED:
+        bridge_shard.blocks_for(dm, sharding)  # an uncovered class is refused before the ranks start
 
     inputs = {
         "noise": noise, "latent_image": latent, "noise_mask": latent_image.get("noise_mask"), "seed": int(seed),
@@ -227,12 +230,27 @@ def sample(
         # bands by speed only where the run splits a sequence: CFG/batch layouts give every rank whole work
         weights = cluster_band_weights(rank_cluster, balance) if layout.seq_ranks > 1 else None
         free_min = total_min = None
+        host_ranks = False
         if sharding == "auto" and n > 1:
             mem = rank_cluster.run(f"{_RANK}:device_memory", timeout_s=60.0, cancel_check=cancel_check)
             free_min, total_min = min(m[0] for m in mem), min(m[1] for m in mem)
-        resolved, why = bridge_shard.resolve_sharding(sharding, model.model.diffusion_model, n, free_min, total_min)
+            host_ranks = all(len(m) > 2 and m[2] == "cpu" for m in mem)
+        # the link only words the advice (is an offloaded sharded step slower than one card with ComfyUI's offload?)
+        link = link_profile(cluster_config) if sharding in ("auto", "blocks+offload") and n > 1 else None
+        resolved, why = bridge_shard.resolve_sharding(sharding, dm, n, free_min, total_min, link=link, host_ranks=host_ranks)
+        cost = bridge_shard.offload_advice(dm, n, link) if resolved == "blocks+offload" and n > 1 else None
+        # said plainly where the user looks: a warning when the offloaded sharded step is modelled slower than one
+        # card with ComfyUI's own offload
+        level = logging.WARNING if cost is not None and cost.slower else logging.INFO
         if sharding == "auto":
-            log.info("PatchRay KSampler: %s", why)
+            log.log(level, "PatchRay KSampler: %s", why)
+        elif cost is not None:
+            log.log(level, "PatchRay KSampler: sharding=blocks+offload: %s", cost.text)
+        if cost is not None:
+            # the shards go to pinned host memory: refuse, in the node's terms and before any weight ships, a machine
+            # whose available memory cannot hold its ranks' shards
+            hosts = rank_cluster.run(f"{_RANK}:host_memory", timeout_s=60.0, cancel_check=cancel_check)
+            log.info("PatchRay KSampler: sharding=blocks+offload: %s", bridge_shard.check_host_memory(dm, n, hosts))
         key = key + (("sharding", resolved),)  # a sharded model and a whole one are different things on the ranks
 
         def make_payload(make=make_skeleton, resolved=resolved):

@@ -25,7 +25,10 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["WRAPPER_KEY", "prepare", "begin_parts", "end_parts", "device_memory", "sample", "agreed_batching", "patch_parallel"]
+__all__ = [
+    "WRAPPER_KEY", "prepare", "begin_parts", "end_parts", "device_memory", "host_memory", "sample", "agreed_batching",
+    "patch_parallel",
+]
 
 WRAPPER_KEY = "patchray.patch_parallel"
 
@@ -48,20 +51,21 @@ def prepare(ctx, comfy_root: str) -> None:
 
 def begin_parts(ctx, payload: dict):
     """Rank side of ``sampling.ship.ship_model_in_parts``: the skeleton, its blocks sharded on the meta device
-    (``sharding=blocks``: each rank allocates only its shards, on its device), every other tensor allocated (on the
-    host for ``none``, where ComfyUI's loader moves it). Returns ``(base, base)``: the parts fill the
-    BaseModel by its state-dict names."""
+    (``sharding=blocks``: each rank allocates only its shards, on its device; ``blocks+offload``: in host memory, where
+    FSDP2's CPU offload keeps them), every other tensor allocated (on the host for ``none``, where ComfyUI's loader
+    moves it). Returns ``(base, base)``: the parts fill the BaseModel by its state-dict names."""
     import comfy.model_management as mm
 
     from ...distributed.sampling.ship import materialize_meta
-    from .shard_models import apply_sharding
+    from .shard_models import SHARDED, apply_sharding
 
     mm.unload_all_models()
     mm.soft_empty_cache()
     base = payload["skeleton"]
     sharding = payload.get("sharding", "none")
-    if sharding == "blocks" and ctx.world_size > 1:
-        handle = apply_sharding(ctx, base, sharding, init=lambda dm: materialize_meta(base, ctx.device))
+    if sharding in SHARDED and ctx.world_size > 1:
+        shard_device = torch.device("cpu") if sharding == "blocks+offload" else ctx.device
+        handle = apply_sharding(ctx, base, sharding, init=lambda dm: materialize_meta(base, ctx.device, shard_device))
         base.__dict__["_patchray_shards"] = handle
     else:
         materialize_meta(base, torch.device("cpu"))
@@ -76,21 +80,57 @@ def end_parts(ctx, base):
     from .shard_models import local_model_bytes
 
     mp = comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
-    if base.__dict__.get("_patchray_shards") is not None:
-        mp.size = local_model_bytes(base)
+    handle = base.__dict__.get("_patchray_shards")
+    if handle is not None:
+        mp.size = local_model_bytes(base, handle)
     return mp
 
 
 def device_memory(ctx) -> tuple:
-    """``(free, total)`` bytes of this rank's device, free counting what PyTorch holds here (a cached model is
+    """``(free, total, device type)`` of this rank's device, free counting what PyTorch holds here (a cached model is
     replaced when the next one ships, so its memory is available to it): the driver's ``sharding=auto`` input."""
     if ctx.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(ctx.device)
-        return float(free + torch.cuda.memory_reserved(ctx.device)), float(total)
+        return float(free + torch.cuda.memory_reserved(ctx.device)), float(total), "cuda"
     import psutil
 
     vm = psutil.virtual_memory()
-    return float(vm.available), float(vm.total)
+    return float(vm.available), float(vm.total), ctx.device.type
+
+
+def host_memory(ctx) -> tuple:
+    """``(machine, available, total)`` bytes of this rank's host memory: the driver's ``sharding=blocks+offload`` check.
+
+    ``available`` is ``psutil``'s figure plus what the model this rank caches holds in host memory (a new model
+    replaces it, so its memory is available to the next one; the same model is not shipped again). Ranks on one
+    machine report the same ``machine`` name, so the driver adds up the shards each machine would pin."""
+    import socket
+
+    import psutil
+
+    from ...distributed.cluster import rank_cache
+    from ...distributed.sampling.remote import _MODEL
+
+    entry = rank_cache().get(_MODEL)
+    held = host_bytes(getattr(entry[1], "model", entry[1])) if entry is not None else 0
+    vm = psutil.virtual_memory()
+    return socket.gethostname(), float(vm.available + held), float(vm.total)
+
+
+def host_bytes(model) -> int:
+    """Bytes of ``model``'s parameters and buffers (this rank's shards of sharded ones) in host memory; 0 for anything
+    that is not a module."""
+    from ...distributed import comm
+
+    if not isinstance(model, torch.nn.Module):
+        return 0
+    held, seen = 0, set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        local = comm.local_shard(t)
+        if local.device.type == "cpu" and local.data_ptr() not in seen:
+            seen.add(local.data_ptr())
+            held += local.numel() * local.element_size()
+    return held
 
 
 _NOT_SET = object()

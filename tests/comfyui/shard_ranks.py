@@ -1,10 +1,11 @@
-"""The Distributed KSampler's rank side with sharding=blocks vs sharding=none and ComfyUI's stock sampling.
+"""The Distributed KSampler's rank side with sharding=blocks and blocks+offload vs none and ComfyUI's stock sampling.
 
 Each rank builds the model exactly as the node's ranks do — ``ksampler_rank.begin_parts`` on the skeleton the driver
 makes (``model.portable_parts``), then the weights part by part as numpy arrays (``sampling.ship.fill_tensors``; here
 handed over in-process instead of through Ray's store), then ``ksampler_rank.end_parts`` — with ``sharding`` none or
-blocks — and runs ``ksampler_rank.sample`` (ComfyUI's ``comfy.sample.sample`` with PatchRay's
-wrappers). The final latents of both shardings are compared with each other and with ``comfy.sample.sample`` on the
+blocks or blocks+offload (FSDP2's CPU offload: on CPU ranks a no-op copy, but FSDP2's offload path) — and runs
+``ksampler_rank.sample`` (ComfyUI's ``comfy.sample.sample`` with PatchRay's
+wrappers). The final latents of the shardings are compared with each other and with ``comfy.sample.sample`` on the
 unsharded ModelPatcher on rank 0. ComfyUI's own classes at small widths (``dit_ranks._model``): FLUX.1, Wan 2.1 and
 an SD-style UNet (cfg parallelism: the whole model per rank, its blocks still sharded over both ranks); one case
 with fp8_e4m3fn weights cast per layer by ComfyUI (manual cast) checks fp8 stays fp8 in the shards.
@@ -78,7 +79,7 @@ def _rank(ctx, opts):
         _, make_skeleton, names, tensor, sizes = portable_parts(mp, layout.mode)
         rec = {"layout": layout.mode}
         finals = {}
-        for sharding in ("none", "blocks"):
+        for sharding in ("none", "blocks", "blocks+offload"):
             # what ship_model_in_parts does, without Ray: the skeleton, then the weights in parts (numpy, viewed)
             built, module = kr.begin_parts(ctx, dict(make_skeleton(), sharding=sharding))
             for group in parts_by_bytes(((n, sizes[n]) for n in names), 64 * 1024):
@@ -87,7 +88,19 @@ def _rank(ctx, opts):
             rank_mp = kr.end_parts(ctx, built)
             handle = rank_mp.model.__dict__.get("_patchray_shards")
             dm = rank_mp.model.diffusion_model
-            if handle is not None:
+            if handle is not None and handle.offload:
+                group = handle.units[0][1]._get_fsdp_state()._fsdp_param_group
+                rec["offload_policy"] = type(group.offload_policy).__name__
+                rec["offload_shard_devices"] = sorted({comm.local_shard(p).device.type for _, u in handle.units
+                                                       for p in u.parameters()})
+                rec["offload_mp_size"] = rank_mp.size
+                in_units = {id(p) for _, u in handle.units for p in u.parameters()}
+                rec["offload_rest_bytes"] = sum(p.numel() * p.element_size() for p in rank_mp.model.parameters()
+                                                if id(p) not in in_units)
+                rec["offload_largest_block"] = max(sum(p.numel() * p.element_size() for p in u.parameters())
+                                                   for _, u in handle.units)
+                rec["offload_units"] = len(handle.units)
+            elif handle is not None:
                 shapes = handle.local_shapes()
                 rec["units"] = len(handle.units)
                 rec["local_block_bytes"] = sum(comm.local_shard(p).numel() * comm.local_shard(p).element_size()
@@ -103,10 +116,11 @@ def _rank(ctx, opts):
             finals[sharding] = session.finalize(latent).float().cpu()
             rec[f"calls_{sharding}"] = session.calls
             if handle is not None:
-                rec["gathered_bytes"] = handle.tally.gathered
+                rec["gathered_bytes" if not handle.offload else "offload_gathered_bytes"] = handle.tally.gathered
             session.close()
             del rank_mp, dm, handle
         rec["blocks_vs_none"] = ((finals["blocks"] - finals["none"]).norm() / finals["none"].norm()).item()
+        rec["offload_vs_none"] = ((finals["blocks+offload"] - finals["none"]).norm() / finals["none"].norm()).item()
         if ref is not None:
             rec["none_vs_stock"] = ((finals["none"] - ref).norm() / ref.norm()).item()
             rec["blocks_vs_stock"] = ((finals["blocks"] - ref).norm() / ref.norm()).item()

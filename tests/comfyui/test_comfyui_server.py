@@ -561,6 +561,8 @@ def _dit_prompt(model_file, parallelism, ranks, batch, steps, sampler="euler", a
     ("wan2.2_ti2v_5B_fp16.safetensors", "sequence", 2, 1, 3, "none"),
     ("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 3, "none"),
     ("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 3, "blocks"),
+    # the shards in host memory (FSDP2's CPU offload), the node's host-memory check before anything ships
+    ("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 3, "blocks+offload"),
     ("wan2.1_t2v_1.3B_fp16.safetensors", "cfg", 2, 1, 3, "none"),
     ("wan2.1_t2v_1.3B_fp16.safetensors", "batch", 2, 2, 3, "none"),
     ("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 3, 1, 3, "none"),

@@ -1,8 +1,9 @@
-"""Opt-in: the Distributed KSampler with sharding=blocks equals sharding=none and ComfyUI's stock sampling.
+"""Opt-in: the Distributed KSampler with sharding=blocks and blocks+offload equals sharding=none and ComfyUI's stock sampling.
 
 Runs ``shard_ranks.py`` with ComfyUI's Python on 2 gloo CPU ranks: ComfyUI's own Flux (sequence), Wan 2.1 (sequence),
 an SD-style UNet (cfg) and Flux with fp8_e4m3fn block weights (ComfyUI's per-layer cast), each built by the node's
-rank code from the node's payload with both shardings.
+rank code from the node's payload with each sharding (blocks+offload: FSDP2's CPUOffloadPolicy; on CPU ranks the
+copy to the device is a no-op, the offload path itself runs).
 
     COMFYUI_DIR=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/its/python pytest tests/comfyui -k shard_ranks
 """
@@ -56,6 +57,16 @@ def test_sharded_blocks_equal_whole_weights(importable, tmp_path):
             assert 0.4 * rec["block_bytes"] <= rec["local_block_bytes"] <= 0.55 * rec["block_bytes"], rec
             # three model calls gathered every block each time (cfg: cond and uncond on different ranks, one call each)
             assert rec["gathered_bytes"] >= 3 * rec["block_bytes"], (name, rec)
+            # blocks+offload: FSDP2's CPU offload on every block, the shards on the host, each block gathered per call;
+            # the same bytes as blocks, so the same latent (measured 0.0; 1e-5 as above)
+            print(f"rank {rank} {name}: blocks+offload vs none {rec['offload_vs_none']:.2e}")
+            assert rec["offload_vs_none"] <= 1e-5, (name, rec)
+            assert rec["calls_blocks+offload"] == 3, (name, rec)
+            assert rec["offload_policy"] == "CPUOffloadPolicy" and rec["offload_shard_devices"] == ["cpu"], rec
+            assert rec["offload_units"] == rec["units"] and rec["offload_gathered_bytes"] == rec["gathered_bytes"], rec
+            # ComfyUI's loader counts what the card holds: the parameters outside the blocks and two blocks in flight
+            # (the running one and the prefetched next), not the shards (in host memory)
+            assert rec["offload_mp_size"] == rec["offload_rest_bytes"] + 2 * rec["offload_largest_block"], rec
             if name.endswith("fp8"):
                 assert rec["fp8_local"] == ["torch.float8_e4m3fn"], rec
                 # gathered as bytes: far below the fp32 size of the same weights

@@ -119,8 +119,53 @@ def _task(ctx, families, modes, fp8=False, ulysses=()):
             }
     if fp8:
         res["fp8"] = _fp8_task(ctx)
+        res["offload"] = _offload_task(ctx)
     res["parts"] = _parts_task(ctx)
     return res
+
+
+def _offload_task(ctx):
+    """``blocks+offload``: FSDP2's CPUOffloadPolicy (shards in host memory, copied to the device per block). On CPU ranks
+    the copy to the device is a no-op transfer, but the offload path runs: FSDP2 checks the shards are on the host,
+    keeps them there, and gathers from them."""
+    from patchray.distributed.parallel.shard import shard_model
+    from patchray.distributed.sampling.dit import parallelize_dit
+    from patchray.distributed.sampling.ship import fill_tensors, materialize_meta, parts_by_bytes
+
+    torch.manual_seed(0)
+    model, inputs = build("flux")
+    with torch.no_grad():
+        ref = model(**inputs, return_dict=False)[0]
+    state = model.state_dict()
+    handle = shard_model(model, ctx, offload=True)
+    seq = parallelize_dit(model, ctx, mode="gathered")
+    handle.tally.reset()
+    with torch.no_grad():
+        out = model(**inputs, return_dict=False)[0]
+    seq.remove()
+    policies = set()
+    for _, unit in handle.units:
+        group = unit._get_fsdp_state()._fsdp_param_group
+        policies.add(type(group.offload_policy).__name__)
+        policies.update(f"offload_to_cpu={fp.offload_to_cpu}" for fp in group.fsdp_params)
+    # the node's rank path: a meta skeleton, shards allocated on the host, the rest on the device, weights in parts
+    with torch.device("meta"):
+        skeleton = type(model)(**model.config)
+    sk = shard_model(skeleton, ctx, offload=True, init=lambda m: materialize_meta(m, ctx.device, torch.device("cpu")))
+    for group in parts_by_bytes(((k, v.numel() * v.element_size()) for k, v in state.items()), 20_000):
+        fill_tensors(skeleton, {k: state[k] for k in group}, ctx)
+    with torch.no_grad():
+        parts_out = skeleton(**inputs, return_dict=False)[0]
+    return {
+        "err": _rel(out, ref),
+        "policies": sorted(policies),
+        "shard_devices": sorted({p.to_local().device.type for _, u in handle.units for p in u.parameters()}),
+        "gathered": handle.tally.gathered,
+        "unit_bytes": handle.sharded_bytes,
+        "offload": handle.offload and sk.offload,
+        "parts_equal": torch.equal(parts_out, ref),
+        "parts_policy": type(sk.units[0][1]._get_fsdp_state()._fsdp_param_group.offload_policy).__name__,
+    }
 
 
 def _parts_task(ctx):
@@ -179,7 +224,7 @@ def _results(n):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_sharded_sequence_parallel_equals_the_unsharded_forward(n):
     for rank, res in enumerate(_results(n)):
-        for (fam, mode), r in ((k, v) for k, v in res.items() if k not in ("fp8", "parts")):
+        for (fam, mode), r in ((k, v) for k, v in res.items() if k not in ("fp8", "parts", "offload")):
             assert r["shape_ok"] and r["err"] <= TOL, (n, rank, fam, mode, r["err"])
             assert r["again_equal"], (n, rank, fam, mode)
 
@@ -187,7 +232,7 @@ def test_sharded_sequence_parallel_equals_the_unsharded_forward(n):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_each_rank_holds_its_share_of_every_block(n):
     for rank, res in enumerate(_results(n)):
-        for key, r in ((k, v) for k, v in res.items() if k not in ("fp8", "parts")):
+        for key, r in ((k, v) for k, v in res.items() if k not in ("fp8", "parts", "offload")):
             assert r["units"] > 0
             assert not r["wrong_shards"], (n, rank, key, r["wrong_shards"][:3])
             # a rank keeps 1/N of the block bytes (FSDP2 pads dim 0 to a multiple of N: at most one row per param)
@@ -198,7 +243,7 @@ def test_each_rank_holds_its_share_of_every_block(n):
             # one forward gathers every block once: N padded shards of each unit
             assert r["unit_bytes"] <= r["gathered"] <= r["unit_bytes"] * 1.25, (n, rank, key, r["gathered"])
     # the shards of the ranks add up to the blocks
-    for key in (k for k in _results(n)[0] if k not in ("fp8", "parts")):
+    for key in (k for k in _results(n)[0] if k not in ("fp8", "parts", "offload")):
         assert sum(res[key]["unit_local"] for res in _results(n)) == _results(n)[0][key]["unit_bytes"], key
 
 
@@ -234,3 +279,15 @@ def test_refusals():
         shard_model(model, ParallelContext.single(), ["nope.*"])
     with pytest.raises(ValueError, match="prefetch"):
         shard_model(model, ParallelContext.single(), prefetch=-1)
+
+
+def test_blocks_offload_equals_the_unsharded_forward_on_cpu_ranks():
+    # FSDP2 (torch 2.13) accepts CPUOffloadPolicy on a CPU device mesh under gloo: the offload path runs on CI's ranks
+    for rank, res in enumerate(_results(2)):
+        r = res["offload"]
+        assert r["offload"] and r["policies"] == ["CPUOffloadPolicy", "offload_to_cpu=True"], (rank, r)
+        assert r["parts_policy"] == "CPUOffloadPolicy" and r["shard_devices"] == ["cpu"], (rank, r)
+        # fp32, gathered K/V: the same bound and reason as the on-device shards (module docstring)
+        assert r["err"] <= TOL, (rank, r["err"])
+        assert r["unit_bytes"] <= r["gathered"] <= r["unit_bytes"] * 1.25, (rank, r)  # every block gathered once
+        assert r["parts_equal"], rank  # no sequence split: bit-identical to the stock forward

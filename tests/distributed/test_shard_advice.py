@@ -1,4 +1,7 @@
-"""The sharding advice (``auto``), its cost model, and the weights' transport (numpy views, dtypes viewed back)."""
+"""The sharding advice (``auto``), its cost model, and the weights' transport (numpy views, dtypes viewed back).
+
+The thresholds and costs below are worked out by hand from the rules in docs/sharding.md (figures chosen to be exact in
+binary floating point, so the boundary cases test ``<=`` itself)."""
 
 import pytest
 import torch
@@ -8,6 +11,10 @@ from patchray.distributed.topology.shard_advice import (
     GIB,
     activation_reserve,
     choose_sharding,
+    host_fits,
+    host_headroom,
+    offload_cost,
+    offload_resident_bytes,
     offloaded_step_ms,
     sharded_step_ms,
 )
@@ -21,8 +28,9 @@ def test_auto_shards_only_when_the_whole_model_does_not_fit():
     assert choose_sharding(26.6 * GIB, 79 * GIB, 2, total_bytes_min=80 * GIB).sharding == "none"
     # one rank: nothing to shard over
     assert choose_sharding(26.6 * GIB, 10 * GIB, 1).sharding == "none"
-    # too big even sharded: blocks, and the reason says what else is needed
-    assert "still does not fit" in choose_sharding(80 * GIB, 23.5 * GIB, 2, total_bytes_min=24 * GIB).reason
+    # too big even sharded: the shards go to host memory, and the reason says blocks alone did not fit
+    big = choose_sharding(80 * GIB, 23.5 * GIB, 2, total_bytes_min=24 * GIB)
+    assert big.sharding == "blocks+offload" and "still does not fit" in big.reason
     # the reserve: 20 % of the card, at least 3 GiB
     assert activation_reserve(8 * GIB) == 3 * GIB and activation_reserve(80 * GIB) == pytest.approx(16 * GIB)
 
@@ -62,3 +70,61 @@ def test_weights_travel_as_numpy_and_come_back_bit_for_bit():
         for k, t in w.items():
             assert back[k].dtype == t.dtype and torch.equal(back[k].view(torch.uint8), t.view(torch.uint8)), k
         assert (back["a"].data_ptr() == w["a"].data_ptr()) is (not copy)
+
+
+# W = 16 GiB, f = 0.75 in the blocks, N = 2, largest block 1 GiB, a 10 GiB card: reserve R = max(2, 3) = 3 GiB.
+#   none:           W + R = 19 GiB
+#   blocks:         W (f/N + 1 - f) + R = 16 x 0.625 + 3 = 13 GiB
+#   blocks+offload: W (1 - f) + 2 x largest + R = 4 + 2 + 3 = 9 GiB
+_ESCALATION = dict(world_size=2, total_bytes_min=10 * GIB, block_fraction=0.75, largest_block_bytes=1 * GIB)
+
+
+@pytest.mark.parametrize("free_gib, want, still", [
+    (19.0, "none", False), (18.99, "blocks", False), (13.0, "blocks", False), (12.99, "blocks+offload", False),
+    (9.0, "blocks+offload", False), (8.99, "blocks+offload", True),
+])
+def test_auto_escalates_none_blocks_offload_at_the_hand_computed_thresholds(free_gib, want, still):
+    c = choose_sharding(16 * GIB, free_gib * GIB, **_ESCALATION)
+    assert c.sharding == want, (free_gib, c)
+    if want == "blocks+offload":
+        assert "still does not fit" in c.reason  # blocks alone did not
+        assert ("and still does not fit: add ranks" in c.reason) is still  # offload neither
+        assert "host -> device per model call" in c.reason
+    # ranks computing on the host (CPU ranks): offloading to the host frees nothing, blocks is the last step
+    capped = choose_sharding(16 * GIB, free_gib * GIB, offload=False, **_ESCALATION)
+    assert capped.sharding == ("blocks" if want == "blocks+offload" else want), (free_gib, capped)
+    assert offload_resident_bytes(16 * GIB, block_fraction=0.75, largest_block_bytes=1 * GIB) == 6 * GIB
+    assert offload_resident_bytes(16 * GIB, block_fraction=0.75, largest_block_bytes=1 * GIB, prefetch=0) == 5 * GIB
+
+
+def test_offload_cost_hand_computed_on_pcie4():
+    # W = 27.6 GB: exactly one second over one PCIe 4.0 x16 host -> device copy (27.6 GB/s); all of it in blocks
+    w = 27.6e9
+    # no P2P, N = 2: each rank copies 13.8 GB (500 ms) and receives 13.8 GB staged through the host (2 x 500 ms)
+    c = offload_cost(w, 2, "pcie4_x16_no_p2p", block_fraction=1.0)
+    assert c.h2d_bytes == pytest.approx(13.8e9) and c.h2d_ms == pytest.approx(500.0)
+    assert c.gather_ms == pytest.approx(1000.0) and c.step_ms == pytest.approx(1500.0) and c.one_card_ms == pytest.approx(1000.0)
+    assert c.slower is True and "SLOWER than one card with ComfyUI's offload" in c.text
+    # no P2P, N = 4: 250 ms copy + 2 x 0.75 x 1000 ms gather = 1750 ms, slower still (f W (2N-1) / (N B))
+    c4 = offload_cost(w, 4, "pcie4_x16_no_p2p", block_fraction=1.0)
+    assert c4.step_ms == pytest.approx(1750.0) and c4.slower
+    # P2P with 97 % in the blocks: 0.97 x (500 + 500) = 970 ms < 1000 ms
+    p2p = offload_cost(w, 2, "pcie4_x16_p2p", block_fraction=0.97)
+    assert p2p.step_ms == pytest.approx(970.0) and p2p.slower is False and "faster than one card" in p2p.text
+    # NVLink: 485 ms copy + 13.38 GB / 360 GB/s = 37.17 ms
+    nv = offload_cost(w, 2, "nvlink", block_fraction=0.97)
+    assert nv.gather_ms == pytest.approx(13.386e9 / 360e9 * 1e3) and nv.slower is False
+    # compute-bound: 4 s on one card -> 2 s per rank hides the 1.5 s of transfers; one card: max(4 s, 1 s)
+    cb = offload_cost(w, 2, "pcie4_x16_no_p2p", block_fraction=1.0, compute_ms_one_card=4000.0)
+    assert (cb.step_ms, cb.one_card_ms, cb.slower) == (pytest.approx(2000.0), pytest.approx(4000.0), False)
+    # link unknown: the copy is stated, no verdict
+    un = offload_cost(w, 2, None, block_fraction=1.0)
+    assert un.slower is None and un.gather_ms is None and "500 ms on PCIe 4.0 x16" in un.text
+
+
+def test_host_memory_rule_keeps_a_headroom():
+    # 10 % of the machine or 4 GiB, whichever is more
+    assert host_headroom(24 * GIB) == 4 * GIB and host_headroom(128 * GIB) == pytest.approx(12.8 * GIB)
+    assert host_fits(10 * GIB, 14 * GIB, 24 * GIB)  # 10 + 4 <= 14
+    assert not host_fits(10 * GIB, 13.99 * GIB, 24 * GIB)
+    assert host_fits(100 * GIB, 112.8 * GIB, 128 * GIB) and not host_fits(100 * GIB, 112.7 * GIB, 128 * GIB)
