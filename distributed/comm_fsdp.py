@@ -93,7 +93,7 @@ def _mesh(ctx: ParallelContext):
 
 def fully_shard(module: torch.nn.Module, ctx: ParallelContext, tally: ShardTally, *, offload: bool = False) -> torch.nn.Module:
     """Shard ``module``'s parameters over ``ctx``'s ranks with FSDP2 (dim-0 shards; gathered before its forward and
-    freed after it); ``offload`` keeps the shards in host memory (FSDP2's ``CPUOffloadPolicy``, unpinned).
+    freed after it); ``offload`` keeps the shards in host memory (FSDP2's ``CPUOffloadPolicy``), pinned on CUDA ranks.
 
     No dtype cast is asked for (no ``MixedPrecisionPolicy`` dtype): every parameter keeps its own dtype in memory
     and on the wire. Returns ``module`` (its class becomes FSDP2's subclass of the original; see :func:`base_class`).
@@ -101,7 +101,9 @@ def fully_shard(module: torch.nn.Module, ctx: ParallelContext, tally: ShardTally
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
     from torch.distributed.fsdp import fully_shard as _fully_shard
 
-    policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
+    # pinned pages make FSDP2's per-block host -> device copy (non_blocking) asynchronous at the full PCIe rate; torch
+    # pins only with a CUDA host allocator, so CPU ranks (whose copy is a no-op) keep ordinary pages
+    policy = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else OffloadPolicy()
     _fully_shard(module, mesh=_mesh(ctx), reshard_after_forward=True, offload_policy=policy)
     module.set_custom_all_gather(_gather_comm(ctx, tally))
     return module
