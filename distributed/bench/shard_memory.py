@@ -1,7 +1,7 @@
 """Per-rank memory and cost of weight sharding at full size: Wan 2.1 14B and FLUX.1 12B, random bf16 weights.
 
 For each model, rank count N and sharding (``none``: every rank holds the whole model; ``blocks``: FSDP2 per block,
-``parallel/shard.py``) the ranks run sequence-parallel (gathered K/V, full_sync) on one shared GPU under gloo, each
+``parallel/shard.py``; ``blocks+offload``: the same with each rank's shards in host memory, FSDP2's CPU offload) the ranks run sequence-parallel (gathered K/V, full_sync) on one shared GPU under gloo, each
 limited to 1/N of the card (``torch.cuda.set_per_process_memory_fraction``), and report their peak GPU memory, the
 weights they hold, the bytes they gather, their host RSS and their time. A one-rank run of the whole model gives the
 one-card compute the link model starts from.
@@ -108,26 +108,38 @@ def _build(spec: dict, device: torch.device, dtype: torch.dtype, ctx: ParallelCo
         model = cls(**spec["config"]).to(dtype)
     buffers = _buffers(spec)
 
+    offload = sharding == "blocks+offload"
+
     def materialize(m):
-        m.to_empty(device=device)
         from .. import comm
 
+        if offload:  # FSDP2's CPU offload wants the shards on the host; the rest on the device
+            from ..sampling.ship import materialize_meta
+
+            materialize_meta(m, device, torch.device("cpu"))
+        else:
+            m.to_empty(device=device)
         with torch.no_grad():
             for i, (name, p) in enumerate(m.named_parameters()):
-                local = comm.local_shard(p)
+                held = comm.local_shard(p)
+                # host shards (offload) are drawn on the device and copied: a CPU generator is ~100x slower
+                local = torch.empty_like(held, device=device) if held.device != device else held
                 g = torch.Generator(device=device).manual_seed(1000 + i)
                 if p.dim() == 1 and "norm" in name and "bias" not in name:
                     local.normal_(1.0, 0.1, generator=g)
                 else:
                     fan_in = p.shape[-1] if p.dim() > 1 else 64
                     local.normal_(0.0, 0.5 / fan_in**0.5, generator=g)
+                if local is not held:
+                    held.copy_(local)
+                    del local
             for name, b in m.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name].to(b.dtype))
 
     handle = None
-    if sharding == "blocks":
-        handle = shard_model(model, ctx, init=materialize)
+    if sharding in ("blocks", "blocks+offload"):
+        handle = shard_model(model, ctx, offload=offload, init=materialize)
     else:
         materialize(model)
     return model.eval(), handle
@@ -299,6 +311,7 @@ def run(models: Sequence[str], ranks: Sequence[int], shardings: Sequence[str], *
 
     # blocks first (the figures the goal is about), then the one-card reference, then every rank holding everything
     cases = [(m, n, "blocks") for m in models for n in ranks if "blocks" in shardings]
+    cases += [(m, n, "blocks+offload") for m in models for n in ranks if "blocks+offload" in shardings]
     cases += [(m, 1, "none") for m in models]
     cases += [(m, n, "none") for m in models for n in ranks if "none" in shardings]
     world = max(ranks)
@@ -322,7 +335,7 @@ def _chart(result: dict, path: str) -> None:
     for ax, m in zip(axes[0], models):
         labels, vals, errs = [], [], []
         for n in sorted({r["world_size"] for r in recs if r["model"] == m}):
-            for s in ("none", "blocks"):
+            for s in ("none", "blocks", "blocks+offload"):
                 rs = [r for r in recs if r["model"] == m and r["world_size"] == n and r["sharding"] == s]
                 if not rs:
                     continue
@@ -375,7 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m patchray.distributed.bench.shard_memory", description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="wan21_14b,flux1_12b")
     ap.add_argument("--ranks", default="2,4")
-    ap.add_argument("--sharding", default="none,blocks")
+    ap.add_argument("--sharding", default="none,blocks", help="comma-separated: none, blocks, blocks+offload")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="small stand-ins of the same classes (a CPU check, not figures)")
     ap.add_argument("--run-blocks", type=int, default=2, help="blocks of each stack the forward runs through")
