@@ -198,6 +198,8 @@ def _case(ctx: ParallelContext, name: str, spec: dict, sharding: str, run_blocks
     from .. import comm
 
     rec["resident_weight_bytes"] = sum(comm.local_shard(p).numel() * comm.local_shard(p).element_size() for p in model.parameters())
+    rec["host_weight_bytes"] = sum(comm.local_shard(p).numel() * comm.local_shard(p).element_size() for p in model.parameters()
+                                   if comm.local_shard(p).device.type == "cpu" and device.type != "cpu")  # offloaded shards
     rec["model_weight_bytes"] = sum(int(torch.Size(p.shape).numel()) * p.element_size() for p in model.parameters())
     if handle is not None:
         rec["block_bytes"] = handle.sharded_bytes
