@@ -43,8 +43,10 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch
 class SequenceState(StepState):
     """What the sequence-parallel adapters of one model share: context, shard table, step flags, stale memory.
 
-    A :class:`~.exchange.StepState` whose band table is the token-row table: the exchange strategies
-    (``EXACT``/``STALE``/``DISPLACED``) work on it unchanged (a rank's K/V extent is proportional to its rows).
+    A :class:`~.exchange.StepState` whose band table (``rows``) is the number of tokens each rank contributes to a
+    self/joint attention's K/V (:attr:`TokenShards.seq_counts`: its image band, plus its text slice when the text
+    is sharded): the exchange strategies (``EXACT``/``STALE``/``DISPLACED``/compressed) and the stale memory work on
+    it unchanged (a rank's K/V extent is proportional to that entry: equal to it).
 
     Args:
         ctx: the sequence group.
@@ -83,10 +85,10 @@ class SequenceState(StepState):
                 cm.wait()
         self._held.clear()
         self.shards = shards
-        self.rows = shards.row_sizes
+        self.rows = shards.seq_counts  # the K/V extents of the exchanges and the stale memory
         self.bounds = self.latent_bounds = shards.row_bounds
         self.height, self.width = shards.rows, shards.cols
-        self.cm = self._memory(self.ctx, shards.row_sizes, self.traffic) if self._memory is not None else None
+        self.cm = self._memory(self.ctx, self.rows, self.traffic) if self._memory is not None else None
         self.steps_in_memory = 0
         return True
 
@@ -100,11 +102,14 @@ class SequenceState(StepState):
         self.stream = stream
         self.cm, self.steps_in_memory = self._held.pop(stream, (None, 0))
         if self.cm is None and self.shards is not None and self._memory is not None:
-            self.cm = self._memory(self.ctx, self.shards.row_sizes, self.traffic)
+            self.cm = self._memory(self.ctx, self.shards.seq_counts, self.traffic)
 
-    def set_grid(self, frames: int, rows: int, cols: int, row_sizes: Optional[Sequence[int]] = None) -> bool:
-        """:meth:`set_shards` for a token grid with equal bands (or ``row_sizes``)."""
-        return self.set_shards(TokenShards.split(frames, rows, cols, self.ctx.world_size, row_sizes, weights=self.ctx.band_weights))
+    def set_grid(self, frames: int, rows: int, cols: int, row_sizes: Optional[Sequence[int]] = None, *, text: int = 0,
+                 text_side: str = "before") -> bool:
+        """:meth:`set_shards` for a token grid with equal bands (or ``row_sizes``); ``text > 0``: the joint
+        sequence's ``text`` tokens are sharded too (on ``text_side`` of the image tokens)."""
+        return self.set_shards(TokenShards.split(frames, rows, cols, self.ctx.world_size, row_sizes, weights=self.ctx.band_weights,
+                                                 text=text, text_side=text_side))
 
     def require_shards(self) -> TokenShards:
         if self.shards is None:
@@ -171,10 +176,11 @@ def attention_cost(mode: Union[str, SeqMode], counts: Sequence[int], heads: int,
 
     Args:
         mode: ``gathered`` or ``ulysses``.
-        counts: image tokens per rank (:attr:`TokenShards.counts`).
+        counts: sharded tokens per rank (:attr:`TokenShards.seq_counts`: the image band, plus the text slice when
+            the text is sharded).
         heads, head_dim, itemsize: of q/k/v.
         batch: batch size of the call.
-        replicated: replicated (text) tokens in the joint sequence.
+        replicated: replicated (text) tokens in the joint sequence (0 when the text is sharded).
 
     Gathered: one all-gather of K and V packed, padded to the largest band: each rank sends ``2 * n_max * H * D``
     to N-1 peers. Ulysses: an all-to-all of q, k and v packed (``3 * n_max * H * D``, N-1 of N pieces leave) and one
@@ -262,7 +268,9 @@ def _key_mask(mask: Optional[torch.Tensor], lk_local: int, lk_full: int, before:
     A mask over the full key sequence (global order) has its image columns permuted like the keys. A mask over this
     rank's local keys (a model that builds it from the local sequence length, as HunyuanVideo does) must treat
     every image key alike (padding masks only ever mask replicated text tokens): its first image column stands for
-    all of them.
+    all of them. With sharded text the "image tokens" here are the rank's whole joint sequence (``n_total`` and
+    ``order`` of the joint part): a local mask must then treat every local key alike, which holds because a text
+    padding mask keeps the text replicated (the callers decide that from the model's inputs, on every rank alike).
     """
     if mask is None:
         return None
@@ -331,7 +339,9 @@ class SequenceAttention:
 
         Args:
             q, k, v: this rank's tensors in ``layout`` (see the module docstring). For self-attention the sequence
-                is ``[before replicated tokens, this rank's image tokens, after replicated tokens]``.
+                is ``[before replicated tokens, this rank's image tokens, after replicated tokens]``; with a shard
+                table whose text is sharded it is the rank's joint sequence (text slice and image band in the
+                model's order, :attr:`TokenShards.seq_counts`) and ``before``/``after`` are 0.
             attn_fn: ``attn_fn(q, k, v, mask, heads)``, the model's own attention, same layout.
             layout: ``"BHLD"``, ``"BLHD"`` or ``"BLC"`` (``"BLC"`` needs ``heads``).
             heads: heads of the call (read from the tensors except in ``"BLC"``).
@@ -353,19 +363,22 @@ class SequenceAttention:
         shards = st.require_shards()
         q4, k4, v4 = (_to_blhd(t, layout, heads) for t in (q, k, v))
         b, lq, h, d = q4.shape
-        n_me = shards.counts[ctx.rank]
+        if shards.text_sharded and (before or after):
+            raise ValueError(f"{key}: the shard table shards the text; a joint sequence has no replicated tokens "
+                             f"(got before={before}, after={after})")
+        n_me = shards.seq_counts[ctx.rank]
         if lq - before - after != n_me or k4.shape[1] != lq:
             raise ValueError(
-                f"{key}: {lq} local tokens ({k4.shape[1]} keys) do not match {before} + {n_me} image tokens of rank "
+                f"{key}: {lq} local tokens ({k4.shape[1]} keys) do not match {before} + {n_me} sharded tokens of rank "
                 f"{ctx.rank} + {after}; check the shard table and the replicated counts"
             )
         mode = self.mode
         if mode is SeqMode.AUTO:
-            mode = choose_mode(shards.counts, h, d, q4.element_size(), batch=b, replicated=before + after, kv=self.kv, link=self.link)
+            mode = choose_mode(shards.seq_counts, h, d, q4.element_size(), batch=b, replicated=before + after, kv=self.kv, link=self.link)
         if mode is SeqMode.ULYSSES and h % ctx.world_size:
             raise ValueError(f"{key}: Ulysses needs the heads ({h}) to divide by the ranks ({ctx.world_size}); use mode='gathered' or 'auto'")
         self.last_mode = mode
-        lk_full = before + shards.total + after
+        lk_full = before + shards.seq_total + after
         if mode is SeqMode.GATHERED:
             out = self._gathered(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full)
         else:
@@ -382,7 +395,7 @@ class SequenceAttention:
         full = self.kv.full_kv(packed, f"{key}.kv", st)  # [B, n_total, 2, H, D], rank-major
         k_all = torch.cat([kb, full[:, :, 0], ka], dim=1)
         v_all = torch.cat([vb, full[:, :, 1], va], dim=1)
-        m = _key_mask(mask, lq, lk_full, before, after, shards.total, shards.order(mask.device if mask is not None else None), key, self._checked)
+        m = _key_mask(mask, lq, lk_full, before, after, shards.seq_total, shards.part_order("joint", mask.device if mask is not None else None), key, self._checked)
         h = q.shape[2]
         return _to_blhd(attn_fn(_from_blhd(q, layout), _from_blhd(k_all, layout), _from_blhd(v_all, layout), m, h), layout, h)
 
@@ -394,7 +407,7 @@ class SequenceAttention:
         n, me = ctx.world_size, ctx.rank
         b, _, h, d = q.shape
         hn = h // n
-        counts = shards.counts
+        counts = shards.seq_counts
         n_max = max(counts)
         parts = [split_replicated(t, 1, before, after) for t in (q, k, v)]
         img = torch.stack([p[1] for p in parts], dim=0)  # [3, B, n_me, H, D]
@@ -410,7 +423,7 @@ class SequenceAttention:
         for i, (pb, _, pa) in enumerate(parts):
             seqs.append(torch.cat([pb[:, :, heads_me], img_all[i], pa[:, :, heads_me]], dim=1))
         qa, ka, va = seqs
-        m = _key_mask(mask, lq, lk_full, before, after, shards.total, shards.order(mask.device if mask is not None else None), key, self._checked)
+        m = _key_mask(mask, lq, lk_full, before, after, shards.seq_total, shards.part_order("joint", mask.device if mask is not None else None), key, self._checked)
         if m is not None and m.dim() >= 2 and m.shape[-2] not in (1,):
             raise NotImplementedError(f"{key}: Ulysses supports key masks only (a mask that varies per query needs mode='gathered')")
         if m is not None and m.dim() == 4 and m.shape[1] not in (1,):

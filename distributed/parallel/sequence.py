@@ -68,7 +68,7 @@ from .seq_attention import (
     choose_mode,
 )
 from .seq_styles import GatherTokens, SequenceAttentionStyle, ShardGridRows, ShardTokens
-from .tokens import TokenShards, gather_tokens, shard_positions, shard_tokens, split_replicated
+from .tokens import PARTS, TokenShards, gather_tokens, shard_positions, shard_tokens, split_replicated, text_split
 
 __all__ = [
     "TokenShards",
@@ -80,6 +80,8 @@ __all__ = [
     "ShardGridRows",
     "GatherTokens",
     "shard_tokens",
+    "text_split",
+    "PARTS",
     "gather_tokens",
     "shard_positions",
     "split_replicated",
