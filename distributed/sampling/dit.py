@@ -18,8 +18,8 @@ Design decisions:
   the execution (shards by latent rows, text replicated, attention exchange) is PatchRay's, through ``comm``.
 * **The grid is read from the call, on every rank alike** (the latent's shape, ``img_shapes``, ``img_ids`` or the
   ``num_frames/height/width`` arguments), so every rank derives the same shard table without a collective.
-* **Text is sharded too** (joint-attention families: FLUX.1, Qwen-Image, HunyuanVideo; ``shard_text=True``, the
-  default): each rank owns a contiguous slice of the text tokens (:func:`~..parallel.tokens.text_split`), cut where
+* **Text is sharded too** (joint-attention families: FLUX.1, Qwen-Image, HunyuanVideo; ``shard_text``, the
+  default in the exact modes): each rank owns a contiguous slice of the text tokens (:func:`~..parallel.tokens.text_split`), cut where
   the text stream is embedded, so every per-token op of the text stream runs on 1/N of it too; the attentions
   exchange text and image K/V as one sharded set. The text length, and whether a call must keep its text whole
   (a padding mask that masks tokens; fewer text tokens than ranks where the family cannot hold an empty slice), are
@@ -237,7 +237,7 @@ def parallelize_dit(
     link: Optional[str] = None,
     traffic: Optional[Traffic] = None,
     config: Optional[PatchConfig] = None,
-    shard_text: bool = True,
+    shard_text: Optional[bool] = None,
 ) -> DiTHandle:
     """Install sequence parallelism on one of diffusers' DiT classes (see :data:`DIT_FAMILIES`).
 
@@ -254,7 +254,11 @@ def parallelize_dit(
             exchange of the output tokens; bracket each call with ``handle.begin_step(step)``/``end_step()``.
             GroupNorm fields do not apply (DiTs have none). ``None``: ``kv`` as given.
         shard_text: joint-attention families (FLUX.1, Qwen-Image, HunyuanVideo) shard their text tokens too (each
-            rank a contiguous slice; exact in every mode); False keeps the text whole on every rank.
+            rank a contiguous slice; exact); False keeps the text whole on every rank. ``None`` (default): True for
+            the exact modes (no ``config``, or ``full_sync`` with the gathered output), False for the stale presets,
+            whose stale memory belongs to one shard table (a cond and an uncond prompt of different lengths, called
+            in turn, would each change the table and empty the memory); ``True`` with a stale preset works when
+            every call has the same text length (the text K/V are then part of the sharded set).
 
     Returns:
         :class:`DiTHandle`. The model is then called as usual, on every rank with the same full inputs; its output
@@ -275,6 +279,8 @@ def parallelize_dit(
         raise NotImplementedError(f"{type(model).__name__}: sequence parallelism does not support {why}")
     if config is not None:
         kv = dit_exchange(config, mode)
+    if shard_text is None:
+        shard_text = config is None or (config.layer_mode is LayerMode.FULL_SYNC and config.output is OutputMode.GATHER)
     traffic = traffic if traffic is not None else Traffic()
     checkpoint = config.comm_checkpoint if config is not None else 60
     state = SequenceState(ctx, traffic, memory=lambda c, rows, t: CommManager(c, rows, t, checkpoint))

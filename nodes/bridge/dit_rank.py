@@ -158,12 +158,14 @@ class DitSequence:
 
         seq = _seq()
         self.ctx, self.row, self.dm, self.counter = ctx, row, dm, counter
-        # joint-attention rows shard their text tokens too (each rank a slice), unless a call must keep them whole
-        self.shard_text = shard_text
         # a low-traffic preset (displaced, otil, balanced, compressed): stale/compressed K/V through the stale memory,
         # one logical step per model call of a stream (cond/uncond may come in separate calls), as for the UNet
         self.config = config
         self.stepwise = config is not None and (config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER)
+        # joint-attention rows shard their text tokens too (each rank a slice), unless a call must keep them whole; the
+        # exact modes only: a stale memory belongs to one shard table, and a cond and an uncond prompt of different
+        # lengths, evaluated in turn, would change the table (and empty the memory) on every call
+        self.shard_text = shard_text and not self.stepwise
         kv = dit_exchange(config, attention) if config is not None else None
         checkpoint = config.comm_checkpoint if config is not None else 60
         memory = (lambda c, rows, t: CommManager(c, rows, t, checkpoint)) if self.stepwise else None
