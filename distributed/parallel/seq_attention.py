@@ -68,6 +68,9 @@ class SequenceState(StepState):
         #: the current stream (a caller that evaluates cond and uncond in separate calls keeps a memory per stream)
         self.stream: Any = None
         self._held: Dict[Any, tuple] = {}
+        #: the text validity of the current call's padding mask over the whole joint sequence in global order
+        #: (``[B, seq_total]`` bool; ``None``: no padding), for a table that shards the text (:meth:`set_text_valid`)
+        self.key_valid: Optional[torch.Tensor] = None
         #: ``fn(local_tokens, dim) -> full tokens`` used by ``GatherTokens`` inside a step (e.g. OTIL's block
         #: exchange of the output, set by ``sampling/dit.py``); ``None``: the exact all-gather
         self.output_exchange: Optional[Callable] = None
@@ -91,6 +94,20 @@ class SequenceState(StepState):
         self.cm = self._memory(self.ctx, self.rows, self.traffic) if self._memory is not None else None
         self.steps_in_memory = 0
         return True
+
+    def set_text_valid(self, valid: Optional[torch.Tensor]) -> None:
+        """The current call's text padding mask as ``[B, T]`` validity (``None``: every text token is attended to),
+        for a table that shards the text: every joint attention of the call then masks the invalid text keys of
+        every rank (a model's own mask covers its rank's text slice only and is replaced). The same on every rank
+        (read from the call's inputs)."""
+        if valid is None:
+            self.key_valid = None
+            return
+        shards = self.require_shards()
+        if not shards.text_sharded or valid.dim() != 2 or valid.shape[1] != shards.text:
+            raise ValueError(f"text validity {tuple(valid.shape)} for a table with {shards.text} sharded text tokens")
+        image = valid.new_ones((valid.shape[0], shards.total))
+        self.key_valid = torch.cat([valid, image] if shards.text_side == "before" else [image, valid], dim=1)
 
     def select_stream(self, stream: Any) -> None:
         """Use ``stream``'s stale memory from now on (each stream has its own, built on its first step)."""
@@ -261,6 +278,19 @@ def _mask_id(mask: torch.Tensor) -> Optional[tuple]:
     return (mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask._version)
 
 
+def _valid_mask(valid: torch.Tensor, mask: torch.Tensor, path: str) -> torch.Tensor:
+    """The key mask of a padded text over the whole joint sequence (global order, ``[B, 1, 1, L]``) in the dtype of
+    the model's own ``mask`` (bool, or additive float), which it replaces: a rank's mask covers its own text slice
+    only. Image keys are always valid, so no query's keys are all masked."""
+    if mask.dim() != 4 or mask.shape[0] not in (1, valid.shape[0]) or mask.shape[-2] != 1:
+        raise NotImplementedError(f"{path}: a text padding mask of shape {tuple(mask.shape)} with sharded text (a key "
+                                  f"mask [batch, 1, 1, keys] is supported)")
+    m = valid.to(mask.device)[:, None, None, :]
+    if mask.dtype == torch.bool:
+        return m
+    return torch.zeros(m.shape, dtype=mask.dtype, device=mask.device).masked_fill(~m, torch.finfo(mask.dtype).min)
+
+
 def _key_mask(mask: Optional[torch.Tensor], lk_local: int, lk_full: int, before: int, after: int, n_total: int,
               order: torch.Tensor, path: str, checked: Optional[dict] = None) -> Optional[torch.Tensor]:
     """The caller's mask over keys, re-expressed for the keys ``[before, image tokens rank-major, after]``.
@@ -269,8 +299,8 @@ def _key_mask(mask: Optional[torch.Tensor], lk_local: int, lk_full: int, before:
     rank's local keys (a model that builds it from the local sequence length, as HunyuanVideo does) must treat
     every image key alike (padding masks only ever mask replicated text tokens): its first image column stands for
     all of them. With sharded text the "image tokens" here are the rank's whole joint sequence (``n_total`` and
-    ``order`` of the joint part): a local mask must then treat every local key alike, which holds because a text
-    padding mask keeps the text replicated (the callers decide that from the model's inputs, on every rank alike).
+    ``order`` of the joint part): a local mask must then treat every local key alike; a text padding mask is laid
+    over the whole joint sequence beforehand (:func:`_valid_mask`, from ``SequenceState.key_valid``).
     """
     if mask is None:
         return None
@@ -379,6 +409,8 @@ class SequenceAttention:
             raise ValueError(f"{key}: Ulysses needs the heads ({h}) to divide by the ranks ({ctx.world_size}); use mode='gathered' or 'auto'")
         self.last_mode = mode
         lk_full = before + shards.seq_total + after
+        if shards.text_sharded and st.key_valid is not None and mask is not None:
+            mask = _valid_mask(st.key_valid, mask, key)
         if mode is SeqMode.GATHERED:
             out = self._gathered(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full)
         else:

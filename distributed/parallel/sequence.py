@@ -25,10 +25,10 @@ Design decisions:
   :func:`shard_positions`, :meth:`TokenShards.part_order`). The attentions exchange the whole joint shard
   (:attr:`TokenShards.seq_counts` tokens per rank), and the exchange strategies' band table is ``seq_counts``, so
   stale/displaced/compressed K/V carry the text slices like the bands. Models drop the text stream before their
-  output projection, so only image tokens are ever gathered. A text padding mask that masks tokens keeps the text
-  replicated for that call (the callers decide from the inputs, on every rank alike): a local key mask would cover
-  only the rank's own text. Without ``text_sizes`` the text is replicated: ``before``/``after`` tokens kept whole on
-  every rank.
+  output projection, so only image tokens are ever gathered. A text padding mask is laid over every rank's keys: the
+  caller hands the whole text's validity to the state (:meth:`SequenceState.set_text_valid`, read from the inputs,
+  the same on every rank) and the attentions replace the model's mask, which covers the rank's own text slice only.
+  Without ``text_sizes`` the text is replicated: ``before``/``after`` tokens kept whole on every rank.
 * **Gathered order is rank-major; the index restores the exact order.** :func:`gather_tokens` all-gathers the
   bands (one collective, padded to the largest band, no sizes travel) and scatters them back with the index, so
   the result equals the unsharded sequence element for element.

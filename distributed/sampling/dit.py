@@ -21,9 +21,9 @@ Design decisions:
 * **Text is sharded too** (joint-attention families: FLUX.1, Qwen-Image, HunyuanVideo; ``shard_text``, the
   default in the exact modes): each rank owns a contiguous slice of the text tokens (:func:`~..parallel.tokens.text_split`), cut where
   the text stream is embedded, so every per-token op of the text stream runs on 1/N of it too; the attentions
-  exchange text and image K/V as one sharded set. The text length, and whether a call must keep its text whole
-  (a padding mask that masks tokens; fewer text tokens than ranks where the family cannot hold an empty slice), are
-  read from the call on every rank alike. The text stream is discarded by these models before ``proj_out``: only
+  exchange text and image K/V as one sharded set. The text length, the validity of a text padding mask (laid over
+  every rank's keys by the attentions) and whether a call must keep its text whole (fewer text tokens than ranks
+  where the family cannot hold an empty slice) are read from the call on every rank alike. The text stream is discarded by these models before ``proj_out``: only
   image tokens are gathered.
 * **Refusals name the class and what would be needed**, and happen at apply time (the model's configuration) or
   at the first call (its inputs), identically on every rank.
@@ -40,7 +40,7 @@ Design decisions:
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -197,11 +197,12 @@ def _root_hook(model: nn.Module, family: DiTFamily, state: SequenceState, shard_
         why = family.refuse(model, call)
         if why:
             raise NotImplementedError(f"{type(model).__name__}: sequence parallelism does not support {why}")
-        text = text_tokens(family, model, call, state.ctx.world_size, shard_text)
+        text, valid = text_tokens(family, model, call, state.ctx.world_size, shard_text)
         state.set_grid(*family.grid(model, call), text=text, text_side=family.text_side)
+        state.set_text_valid(valid if text else None)
         changed = False
         if text and family.prepare is not None:
-            prepared = family.prepare(call)
+            prepared = family.prepare(call, state.shards, state.ctx.rank)
             if prepared is not None:
                 call, changed = prepared, True
         for name, (ndim, dim) in family.per_token.items():
@@ -218,14 +219,16 @@ def _root_hook(model: nn.Module, family: DiTFamily, state: SequenceState, shard_
     return Applied(handle.remove)
 
 
-def text_tokens(family: DiTFamily, model: nn.Module, call: Dict[str, Any], world_size: int, shard_text: bool = True) -> int:
-    """The text tokens a call shards (0: none, or kept whole on every rank), from what every rank holds alike."""
+def text_tokens(family: DiTFamily, model: nn.Module, call: Dict[str, Any], world_size: int,
+                shard_text: bool = True) -> Tuple[int, Optional[torch.Tensor]]:
+    """The text tokens a call shards (0: none, or kept whole on every rank) and the ``[B, T]`` validity of its text
+    padding mask (``None``: every token attended to), from what every rank holds alike."""
     if not shard_text or family.text is None or world_size == 1:
-        return 0
-    total, keep_whole = family.text(model, call)
+        return 0, None
+    total, keep_whole, valid = family.text(model, call)
     if keep_whole or total == 0 or (total < world_size and not family.empty_text_ok):
-        return 0
-    return total
+        return 0, None
+    return total, valid
 
 
 def parallelize_dit(

@@ -7,8 +7,9 @@ their text tokens sit), and where the image tokens are gathered back (the output
 narrowest). ``sampling/dit.py`` applies a row (:func:`dit_plan`) through ``parallel.plan.apply_plan``.
 
 Text sharding (joint attention: FLUX.1, Qwen-Image, HunyuanVideo): ``text(model, call)`` returns the text length
-of a call and, when its text must stay whole on every rank, why (a text padding mask that masks tokens: the
-rank-local masks would differ between ranks). The text stream is discarded at the end by all three (only image
+of a call, why its text must stay whole on every rank (if it must), and which text tokens its padding mask keeps:
+the root hands that validity to the state, and every joint attention lays it over all ranks' keys (a rank's own
+mask covers its own text slice only). The text stream is discarded at the end by all three (only image
 tokens reach ``proj_out``), so nothing of the text is ever gathered.
 """
 
@@ -17,11 +18,12 @@ from __future__ import annotations
 import fnmatch
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
+import torch
 import torch.nn as nn
 
 from ..parallel.exchange import EXACT, PeerExchange
 from ..parallel.plan import Style
-from ..parallel.sequence import GatherTokens, SequenceAttentionStyle, ShardGridRows, ShardTokens
+from ..parallel.sequence import GatherTokens, SequenceAttentionStyle, ShardGridRows, ShardTokens, shard_tokens
 
 __all__ = ["DiTFamily", "DIT_FAMILIES", "family_of", "dit_plan", "cp_plan_points", "check_plan_matches"]
 
@@ -39,12 +41,13 @@ class DiTFamily(NamedTuple):
         per_token: root arguments that carry one value per image token when they have ``ndim`` dims:
             ``name -> (ndim, dim)``; they are sharded like the tokens.
         refuse: ``refuse(model, call)`` -> a reason (str) or ``None``; ``call`` is ``None`` at apply time.
-        text: ``text(model, call)`` -> ``(text tokens, why they stay replicated or None)`` for a joint-attention
-            family; ``None``: no text in the self-attention (cross-attention families).
+        text: ``text(model, call)`` -> ``(text tokens, why they stay replicated or None, valid)`` for a
+            joint-attention family (``valid``: ``[B, T]`` bool of the text tokens a padding mask keeps, ``None``:
+            all); ``None``: no text in the self-attention (cross-attention families).
         text_side: where the text sits in the joint sequence (``"before"``/``"after"``).
         empty_text_ok: a rank may hold no text token (``T < N``); when False such a call keeps the text whole.
-        prepare: ``prepare(call)`` -> the call's arguments as the model needs them with sharded text (e.g. an
-            all-true mask dropped), or ``None``.
+        prepare: ``prepare(call, shards, rank)`` -> the call's arguments as the model needs them with sharded text
+            (Qwen-Image's mask dropped or cut to the rank's slice), or ``None``.
     """
 
     name: str
@@ -130,28 +133,39 @@ def _ltx_refuse(model, call):
     return None
 
 
-def _text_of(key: str, mask_key: Optional[str]):
+def _text_of(key: str, mask_key: Optional[str], prefix: bool = False):
     """``text(model, call)`` for a family whose text stream is the ``key`` argument ``[B, T, C]`` and whose text
-    padding mask (if any) is ``mask_key``: a mask that masks a token keeps the text replicated for that call."""
+    padding mask (if any) is ``mask_key``: returns ``(T, None, valid)``, ``valid`` the ``[B, T]`` bool of the text
+    tokens that are attended to (``None``: all). ``prefix``: the model reads the mask as a length (HunyuanVideo masks
+    the positions from ``mask.sum()`` on), otherwise position by position (Qwen-Image)."""
 
     def text(model, call):
         t = call.get(key)
         if t is None:
-            return 0, "no text stream in the call"
+            return 0, "no text stream in the call", None
         mask = call.get(mask_key) if mask_key else None
-        if mask is not None and not bool(mask.bool().all()):
-            return int(t.shape[1]), ("a text padding mask that masks tokens (each rank's key mask would differ); "
-                                     "the text stays whole on every rank for this call")
-        return int(t.shape[1]), None
+        if mask is None or bool(mask.bool().all()):
+            return int(t.shape[1]), None, None
+        if prefix:
+            n = mask.sum(dim=1, dtype=torch.int)
+            valid = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0) < n.unsqueeze(1)
+        else:
+            valid = mask.bool()
+        return int(t.shape[1]), None, valid
 
     return text
 
 
-def _qwen_prepare(call):
-    # an all-true mask (checked by _text_of) masks nothing; the model checks it against the local text length
-    if call.get("encoder_hidden_states_mask") is not None:
+def _qwen_prepare(call, shards, rank):
+    """Qwen-Image checks its mask against the (now sharded) text stream and builds each block's joint mask from it:
+    an all-true mask is dropped (it masks nothing), a padding mask is cut to this rank's text slice (the attention
+    then lays the whole text's validity over every rank's keys: ``SequenceState.text_valid``)."""
+    mask = call.get("encoder_hidden_states_mask")
+    if mask is None:
+        return None
+    if bool(mask.bool().all()):
         return dict(call, encoder_hidden_states_mask=None)
-    return None
+    return dict(call, encoder_hidden_states_mask=shard_tokens(mask, shards, rank, dim=1, part="text"))
 
 
 #: the families, by diffusers class name
@@ -221,7 +235,8 @@ DIT_FAMILIES: Dict[str, DiTFamily] = {
             lambda m, c: _patched_grid(m, c, "patch_size_t", "patch_size"),
             {},
             _hunyuan_refuse,
-            text=_text_of("encoder_hidden_states", "encoder_attention_mask"),
+            # the token refiner reads the whole mask; the joint attentions' local masks are replaced by the library
+            text=_text_of("encoder_hidden_states", "encoder_attention_mask", prefix=True),
             text_side="after",
             # its blocks split [image, text] with ``x[:, :-text_len]``: an empty slice would take every token
             empty_text_ok=False,

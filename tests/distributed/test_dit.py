@@ -6,9 +6,10 @@ uneven bands) equal the stock forward to 1e-5 relative L2 (fp32: only the order 
 differs; see test_sequence.py), the bytes counted by comm equal the modelled cost, and removing the plan restores
 the model (same outputs bit for bit, no adapter, hook or forward left, state_dict unchanged).
 
-Text sharding (the default for the joint-attention families): FLUX.1, Qwen-Image and HunyuanVideo with unpadded
-text shard their 5 text tokens (3 + 2 at N = 2, 2 + 2 + 1 at N = 3: odd and uneven) with the same tolerance; a
-padded text mask keeps the text whole (Qwen-Image's and HunyuanVideo's default inputs); 2 text tokens over 3 ranks
+Text sharding (the default for the joint-attention families): FLUX.1, Qwen-Image and HunyuanVideo shard their 5
+text tokens (3 + 2 at N = 2, 2 + 2 + 1 at N = 3: odd and uneven) with the same tolerance, with padded text masks
+(Qwen-Image's and HunyuanVideo's default inputs: the mask's validity laid over every rank's keys) and without; 2 text
+tokens over 3 ranks
 leave rank 2 without text for FLUX.1, while Qwen-Image and HunyuanVideo (whose text RoPE / block split cannot take an
 empty text slice) keep them whole. The per-rank text counts are asserted against hand-computed numbers, and the bytes comm
 counts against the cost model with each rank's K/V share = its image band + its text slice.
@@ -161,12 +162,12 @@ _ATTENTION = {"flux": (2, 5), "qwen-image": (2, 5), "wan": (2, 0), "hunyuan-vide
               "qwen-image/2-text": (2, 2), "hunyuan-video/2-text": (2, 2), "flux/replicated": (2, 5)}
 
 #: each rank's text tokens, by hand: contiguous slices, the first T % N ranks one more; () = the text stays whole
-#: (no text in the self-attention; a padded text mask; Qwen-Image and HunyuanVideo with fewer text tokens than ranks;
-#: shard_text off)
+#: (no text in the self-attention; Qwen-Image and HunyuanVideo with fewer text tokens than ranks; shard_text off).
+#: Qwen-Image's and HunyuanVideo's default inputs carry padded text masks: split too, their masks over every rank's keys
 _TEXT_SIZES = {
-    2: {"flux": (3, 2), "qwen-image": (), "wan": (), "hunyuan-video": (), "ltx-video": (), "qwen-image/full-text": (3, 2),
+    2: {"flux": (3, 2), "qwen-image": (3, 2), "wan": (), "hunyuan-video": (3, 2), "ltx-video": (), "qwen-image/full-text": (3, 2),
         "hunyuan-video/full-text": (3, 2), "flux/replicated": ()},
-    3: {"flux": (2, 2, 1), "qwen-image": (), "wan": (), "hunyuan-video": (), "ltx-video": (),
+    3: {"flux": (2, 2, 1), "qwen-image": (2, 2, 1), "wan": (), "hunyuan-video": (2, 2, 1), "ltx-video": (),
         "qwen-image/full-text": (2, 2, 1), "hunyuan-video/full-text": (2, 2, 1), "flux/2-text": (1, 1, 0),
         "qwen-image/2-text": (), "hunyuan-video/2-text": (), "flux/replicated": ()},
 }
