@@ -68,7 +68,8 @@ being the number of heads in those tensors (``H`` gathered, ``H/N`` Ulysses), an
 same layout as ``q``.
 
 Modules: :mod:`.tokens` (the shard table, shard/gather), :mod:`.seq_attention` (the state and the attention),
-:mod:`.seq_styles` (the styles a host model's plan uses). This module gathers their public names.
+:mod:`.seq_masks` (key masks re-expressed for a rank's keys), :mod:`.seq_styles` (the styles a host model's plan
+uses). This module gathers their public names.
 """
 
 from __future__ import annotations
