@@ -17,6 +17,7 @@ import torch
 from ..comm import all_gather_padded, all_to_all_equal
 from ..context import ParallelContext
 from .exchange import EXACT, ExactExchange, PeerExchange, StepState
+from .seq_masks import _key_mask, _valid_mask
 from .tokens import TokenShards, split_replicated
 
 __all__ = [
@@ -43,8 +44,10 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch
 class SequenceState(StepState):
     """What the sequence-parallel adapters of one model share: context, shard table, step flags, stale memory.
 
-    A :class:`~.exchange.StepState` whose band table is the token-row table: the exchange strategies
-    (``EXACT``/``STALE``/``DISPLACED``) work on it unchanged (a rank's K/V extent is proportional to its rows).
+    A :class:`~.exchange.StepState` whose band table (``rows``) is the number of tokens each rank contributes to a
+    self/joint attention's K/V (:attr:`TokenShards.seq_counts`: its image band, plus its text slice when the text
+    is sharded): the exchange strategies (``EXACT``/``STALE``/``DISPLACED``/compressed) and the stale memory work on
+    it unchanged (a rank's K/V extent is proportional to that entry: equal to it).
 
     Args:
         ctx: the sequence group.
@@ -66,6 +69,9 @@ class SequenceState(StepState):
         #: the current stream (a caller that evaluates cond and uncond in separate calls keeps a memory per stream)
         self.stream: Any = None
         self._held: Dict[Any, tuple] = {}
+        #: the text validity of the current call's padding mask over the whole joint sequence in global order
+        #: (``[B, seq_total]`` bool; ``None``: no padding), for a table that shards the text (:meth:`set_text_valid`)
+        self.key_valid: Optional[torch.Tensor] = None
         #: ``fn(local_tokens, dim) -> full tokens`` used by ``GatherTokens`` inside a step (e.g. OTIL's block
         #: exchange of the output, set by ``sampling/dit.py``); ``None``: the exact all-gather
         self.output_exchange: Optional[Callable] = None
@@ -83,12 +89,26 @@ class SequenceState(StepState):
                 cm.wait()
         self._held.clear()
         self.shards = shards
-        self.rows = shards.row_sizes
+        self.rows = shards.seq_counts  # the K/V extents of the exchanges and the stale memory
         self.bounds = self.latent_bounds = shards.row_bounds
         self.height, self.width = shards.rows, shards.cols
-        self.cm = self._memory(self.ctx, shards.row_sizes, self.traffic) if self._memory is not None else None
+        self.cm = self._memory(self.ctx, self.rows, self.traffic) if self._memory is not None else None
         self.steps_in_memory = 0
         return True
+
+    def set_text_valid(self, valid: Optional[torch.Tensor]) -> None:
+        """The current call's text padding mask as ``[B, T]`` validity (``None``: every text token is attended to),
+        for a table that shards the text: every joint attention of the call then masks the invalid text keys of
+        every rank (a model's own mask covers its rank's text slice only and is replaced). The same on every rank
+        (read from the call's inputs)."""
+        if valid is None:
+            self.key_valid = None
+            return
+        shards = self.require_shards()
+        if not shards.text_sharded or valid.dim() != 2 or valid.shape[1] != shards.text:
+            raise ValueError(f"text validity {tuple(valid.shape)} for a table with {shards.text} sharded text tokens")
+        image = valid.new_ones((valid.shape[0], shards.total))
+        self.key_valid = torch.cat([valid, image] if shards.text_side == "before" else [image, valid], dim=1)
 
     def select_stream(self, stream: Any) -> None:
         """Use ``stream``'s stale memory from now on (each stream has its own, built on its first step)."""
@@ -100,11 +120,14 @@ class SequenceState(StepState):
         self.stream = stream
         self.cm, self.steps_in_memory = self._held.pop(stream, (None, 0))
         if self.cm is None and self.shards is not None and self._memory is not None:
-            self.cm = self._memory(self.ctx, self.shards.row_sizes, self.traffic)
+            self.cm = self._memory(self.ctx, self.shards.seq_counts, self.traffic)
 
-    def set_grid(self, frames: int, rows: int, cols: int, row_sizes: Optional[Sequence[int]] = None) -> bool:
-        """:meth:`set_shards` for a token grid with equal bands (or ``row_sizes``)."""
-        return self.set_shards(TokenShards.split(frames, rows, cols, self.ctx.world_size, row_sizes, weights=self.ctx.band_weights))
+    def set_grid(self, frames: int, rows: int, cols: int, row_sizes: Optional[Sequence[int]] = None, *, text: int = 0,
+                 text_side: str = "before") -> bool:
+        """:meth:`set_shards` for a token grid with equal bands (or ``row_sizes``); ``text > 0``: the joint
+        sequence's ``text`` tokens are sharded too (on ``text_side`` of the image tokens)."""
+        return self.set_shards(TokenShards.split(frames, rows, cols, self.ctx.world_size, row_sizes, weights=self.ctx.band_weights,
+                                                 text=text, text_side=text_side))
 
     def require_shards(self) -> TokenShards:
         if self.shards is None:
@@ -171,10 +194,11 @@ def attention_cost(mode: Union[str, SeqMode], counts: Sequence[int], heads: int,
 
     Args:
         mode: ``gathered`` or ``ulysses``.
-        counts: image tokens per rank (:attr:`TokenShards.counts`).
+        counts: sharded tokens per rank (:attr:`TokenShards.seq_counts`: the image band, plus the text slice when
+            the text is sharded).
         heads, head_dim, itemsize: of q/k/v.
         batch: batch size of the call.
-        replicated: replicated (text) tokens in the joint sequence.
+        replicated: replicated (text) tokens in the joint sequence (0 when the text is sharded).
 
     Gathered: one all-gather of K and V packed, padded to the largest band: each rank sends ``2 * n_max * H * D``
     to N-1 peers. Ulysses: an all-to-all of q, k and v packed (``3 * n_max * H * D``, N-1 of N pieces leave) and one
@@ -249,48 +273,6 @@ def _from_blhd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.flatten(-2)
 
 
-def _mask_id(mask: torch.Tensor) -> Optional[tuple]:
-    if mask.is_inference():  # no version counter (ComfyUI samples under inference_mode): checked on every call
-        return None
-    return (mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask._version)
-
-
-def _key_mask(mask: Optional[torch.Tensor], lk_local: int, lk_full: int, before: int, after: int, n_total: int,
-              order: torch.Tensor, path: str, checked: Optional[dict] = None) -> Optional[torch.Tensor]:
-    """The caller's mask over keys, re-expressed for the keys ``[before, image tokens rank-major, after]``.
-
-    A mask over the full key sequence (global order) has its image columns permuted like the keys. A mask over this
-    rank's local keys (a model that builds it from the local sequence length, as HunyuanVideo does) must treat
-    every image key alike (padding masks only ever mask replicated text tokens): its first image column stands for
-    all of them.
-    """
-    if mask is None:
-        return None
-    cols = mask.shape[-1]
-    if cols == lk_full and lk_full != lk_local:
-        idx = torch.cat([torch.arange(before, device=mask.device), before + order.to(mask.device),
-                         torch.arange(before + n_total, lk_full, device=mask.device)])
-        return mask.index_select(-1, idx)
-    if cols == lk_local:
-        n_local = lk_local - before - after
-        img = mask.narrow(-1, before, n_local)
-        mask_id = _mask_id(mask)
-        if n_local and checked is not None and (mask_id is None or checked.get("mask") != mask_id):
-            uniform = bool((img == img.narrow(-1, 0, 1)).all())
-            if uniform and mask_id is not None:
-                checked["mask"] = mask_id  # models pass one mask tensor to every block: check it once
-        else:
-            uniform = True
-        if not uniform:
-            # backstop: no supported family masks image keys; the check depends on the mask every rank builds alike
-            raise NotImplementedError(f"{path}: an attention mask that differs between image keys is not supported")
-        rep = img.narrow(-1, 0, 1).expand(*img.shape[:-1], n_total) if n_local else img.new_zeros((*img.shape[:-1], n_total))
-        return torch.cat([mask.narrow(-1, 0, before), rep, mask.narrow(-1, before + n_local, after)], dim=-1)
-    if cols == 1:
-        return mask
-    raise NotImplementedError(f"{path}: attention mask with {cols} key columns for {lk_local} local keys ({lk_full} in all)")
-
-
 class SequenceAttention:
     """Exact sequence-parallel attention of one rank's tokens, bound to a :class:`SequenceState`.
 
@@ -331,7 +313,9 @@ class SequenceAttention:
 
         Args:
             q, k, v: this rank's tensors in ``layout`` (see the module docstring). For self-attention the sequence
-                is ``[before replicated tokens, this rank's image tokens, after replicated tokens]``.
+                is ``[before replicated tokens, this rank's image tokens, after replicated tokens]``; with a shard
+                table whose text is sharded it is the rank's joint sequence (text slice and image band in the
+                model's order, :attr:`TokenShards.seq_counts`) and ``before``/``after`` are 0.
             attn_fn: ``attn_fn(q, k, v, mask, heads)``, the model's own attention, same layout.
             layout: ``"BHLD"``, ``"BLHD"`` or ``"BLC"`` (``"BLC"`` needs ``heads``).
             heads: heads of the call (read from the tensors except in ``"BLC"``).
@@ -353,19 +337,24 @@ class SequenceAttention:
         shards = st.require_shards()
         q4, k4, v4 = (_to_blhd(t, layout, heads) for t in (q, k, v))
         b, lq, h, d = q4.shape
-        n_me = shards.counts[ctx.rank]
+        if shards.text_sharded and (before or after):
+            raise ValueError(f"{key}: the shard table shards the text; a joint sequence has no replicated tokens "
+                             f"(got before={before}, after={after})")
+        n_me = shards.seq_counts[ctx.rank]
         if lq - before - after != n_me or k4.shape[1] != lq:
             raise ValueError(
-                f"{key}: {lq} local tokens ({k4.shape[1]} keys) do not match {before} + {n_me} image tokens of rank "
+                f"{key}: {lq} local tokens ({k4.shape[1]} keys) do not match {before} + {n_me} sharded tokens of rank "
                 f"{ctx.rank} + {after}; check the shard table and the replicated counts"
             )
         mode = self.mode
         if mode is SeqMode.AUTO:
-            mode = choose_mode(shards.counts, h, d, q4.element_size(), batch=b, replicated=before + after, kv=self.kv, link=self.link)
+            mode = choose_mode(shards.seq_counts, h, d, q4.element_size(), batch=b, replicated=before + after, kv=self.kv, link=self.link)
         if mode is SeqMode.ULYSSES and h % ctx.world_size:
             raise ValueError(f"{key}: Ulysses needs the heads ({h}) to divide by the ranks ({ctx.world_size}); use mode='gathered' or 'auto'")
         self.last_mode = mode
-        lk_full = before + shards.total + after
+        lk_full = before + shards.seq_total + after
+        if shards.text_sharded and st.key_valid is not None and mask is not None:
+            mask = _valid_mask(st.key_valid, mask, key)
         if mode is SeqMode.GATHERED:
             out = self._gathered(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full)
         else:
@@ -382,7 +371,7 @@ class SequenceAttention:
         full = self.kv.full_kv(packed, f"{key}.kv", st)  # [B, n_total, 2, H, D], rank-major
         k_all = torch.cat([kb, full[:, :, 0], ka], dim=1)
         v_all = torch.cat([vb, full[:, :, 1], va], dim=1)
-        m = _key_mask(mask, lq, lk_full, before, after, shards.total, shards.order(mask.device if mask is not None else None), key, self._checked)
+        m = _key_mask(mask, lq, lk_full, before, after, shards.seq_total, shards.part_order("joint", mask.device if mask is not None else None), key, self._checked)
         h = q.shape[2]
         return _to_blhd(attn_fn(_from_blhd(q, layout), _from_blhd(k_all, layout), _from_blhd(v_all, layout), m, h), layout, h)
 
@@ -394,7 +383,7 @@ class SequenceAttention:
         n, me = ctx.world_size, ctx.rank
         b, _, h, d = q.shape
         hn = h // n
-        counts = shards.counts
+        counts = shards.seq_counts
         n_max = max(counts)
         parts = [split_replicated(t, 1, before, after) for t in (q, k, v)]
         img = torch.stack([p[1] for p in parts], dim=0)  # [3, B, n_me, H, D]
@@ -410,7 +399,7 @@ class SequenceAttention:
         for i, (pb, _, pa) in enumerate(parts):
             seqs.append(torch.cat([pb[:, :, heads_me], img_all[i], pa[:, :, heads_me]], dim=1))
         qa, ka, va = seqs
-        m = _key_mask(mask, lq, lk_full, before, after, shards.total, shards.order(mask.device if mask is not None else None), key, self._checked)
+        m = _key_mask(mask, lq, lk_full, before, after, shards.seq_total, shards.part_order("joint", mask.device if mask is not None else None), key, self._checked)
         if m is not None and m.dim() >= 2 and m.shape[-2] not in (1,):
             raise NotImplementedError(f"{key}: Ulysses supports key masks only (a mask that varies per query needs mode='gathered')")
         if m is not None and m.dim() == 4 and m.shape[1] not in (1,):

@@ -46,27 +46,64 @@ class ShardTokens(Style):
     Args:
         dim: the sequence dimension of the output.
         items: for a tuple output, which elements (``None``: every tensor element).
-        text: where replicated tokens sit in that sequence (``"before"``/``"after"``; ``None``: image tokens only).
-            Their count is the extent minus the image tokens of the shard table.
+        text: where the text tokens sit in that sequence (``"before"``/``"after"``; ``None``: image tokens only).
+            Replicated text (their count is the extent minus the image tokens of the shard table) is kept whole;
+            with a shard table whose text is sharded the whole joint sequence is cut (``part="joint"``).
+        part: ``"text"``: the output is a text-only stream (FLUX.1's ``context_embedder``, Qwen-Image's ``txt_in``,
+            HunyuanVideo's token refiner): cut to this rank's text slice when the table shards the text, else
+            left whole.
+        text_items: for a tuple output, elements that are text-only (cut like ``part="text"``; Qwen-Image's
+            ``pos_embed`` returns ``(image freqs, text freqs)``).
+        text_length_arg: the module takes the text length as this keyword argument, which the model computes from
+            its (now sharded) text stream: the whole text's length is passed instead when the table shards the
+            text, so what the module makes for the text (Qwen-Image's text RoPE, ``max_txt_seq_len``) covers every
+            rank's slice before ``text_items`` cuts this rank's.
     """
 
     dim: int = 1
     items: Optional[Tuple[int, ...]] = None
     text: Optional[str] = None
+    part: str = "image"
+    text_items: Tuple[int, ...] = ()
+    text_length_arg: Optional[str] = None
 
     def _apply(self, module, path, state):
+        def pre(mod, args, kwargs):
+            shards = state.require_shards()
+            if state.ctx.world_size == 1 or not shards.text_sharded:
+                return None
+            if self.text_length_arg not in kwargs:
+                raise ValueError(f"{path}: expected the text length as keyword argument {self.text_length_arg!r}")
+            return args, dict(kwargs, **{self.text_length_arg: shards.text})
+
         def hook(mod, args, out):
             shards = state.require_shards()
             if state.ctx.world_size == 1:
                 return out
+            rank = state.ctx.rank
+
+            def cut_text(t):
+                if not shards.text_sharded:
+                    return t
+                return shard_tokens(t, shards, rank, dim=self.dim, part="text")
+
+            if self.part == "text":
+                return _map_items(out, self.items, cut_text)
 
             def cut(t):
+                if shards.text_sharded and self.text is not None and t.shape[self.dim] != shards.total:
+                    return shard_tokens(t, shards, rank, dim=self.dim, part="joint")
                 before, after = _replicated(t.shape[self.dim], shards.total, self.text, path)
-                return shard_tokens(t, shards, state.ctx.rank, dim=self.dim, before=before, after=after)
+                return shard_tokens(t, shards, rank, dim=self.dim, before=before, after=after)
 
+            if self.text_items and isinstance(out, (tuple, list)):
+                out = type(out)(cut_text(o) if i in self.text_items else o for i, o in enumerate(out))
             return _map_items(out, self.items, cut)
 
-        return Applied(module.register_forward_hook(hook).remove)
+        handles = [module.register_forward_hook(hook)]
+        if self.text_length_arg:
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        return Applied(lambda: [h.remove() for h in handles])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,9 +181,10 @@ class SequenceAttentionStyle(Style):
     diffusers DiT processor on the native backend): that call is routed to a :class:`SequenceAttention`.
 
     Args:
-        text: where replicated tokens sit in the module's joint sequence (``"before"``: FLUX, Qwen-Image;
-            ``"after"``: HunyuanVideo; ``None``: image tokens only, as Wan's and LTX-Video's self-attention). Their
-            count is derived per call: local length minus this rank's image tokens.
+        text: where the text tokens sit in the module's joint sequence (``"before"``: FLUX, Qwen-Image;
+            ``"after"``: HunyuanVideo; ``None``: image tokens only, as Wan's and LTX-Video's self-attention).
+            Replicated text: its count is derived per call (local length minus this rank's image tokens); sharded
+            text (the shard table says): the local sequence is the rank's joint shard, nothing replicated.
         mode: :class:`SeqMode` name.
         kv: the gathered mode's K/V strategy.
         link: the link profile the ``auto`` rule models.
@@ -180,7 +218,10 @@ class SequenceAttentionStyle(Style):
             lq = q.shape[-2]
             cross = k.shape[-2] != lq
             before = after = 0
-            if not cross:
+            if not cross and shards.text_sharded:
+                if text is None:  # backstop: a table shards text only for a family whose attentions are joint
+                    raise ValueError(f"{path}: an image-only self-attention in a model whose text is sharded")
+            elif not cross:
                 before, after = _replicated(lq - shards.counts[state.ctx.rank] + shards.total, shards.total, text, path)
             return attn(q, k, v, sdpa, layout="BHLD", before=before, after=after, cross=cross, mask=call.get("attn_mask"), key=path)
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["Site", "DitRow", "ROWS", "KNOWN_UNCOVERED", "find_row", "refusal", "token_grid", "call_refusal", "cond_refusal"]
+__all__ = ["Site", "DitRow", "ROWS", "KNOWN_UNCOVERED", "find_row", "refusal", "token_grid", "call_refusal", "cond_refusal",
+           "text_tokens"]
 
 # where the replicated (text) tokens sit in a joint attention's sequence
 PREFIX, SUFFIX, NONE = "prefix", "suffix", "none"
@@ -56,6 +57,12 @@ class DitRow(NamedTuple):
         hooks: ``fn(seq) -> [handles]`` for what the sites cannot say (per-token timesteps, a RoPE passed as a block
             argument, attentions told apart by module path): installed with the sites on the rank
             (``seq`` is the rank's :class:`~.dit_rank.DitSequence`); each handle has ``remove()``.
+        text_tokens: where the text stream ``[B, T, D]`` of a joint-attention family is ready (after any text-only
+            processing, e.g. HunyuanVideo's token refiner): cut there to this rank's slice of the text, so the text
+            stream's per-token work is split too (``None``: no text in the self-attention, or kept whole).
+        text_whole: keyword of the model call -> why a call carrying it keeps its text whole on every rank (exact,
+            the text is just not split): a text mask the model lays over the whole text, extra text tokens joined
+            after the text site.
     """
 
     family: str
@@ -70,6 +77,8 @@ class DitRow(NamedTuple):
     call_refusals: Mapping[str, str] = {}
     cond_refusals: Mapping[str, str] = {}
     hooks: Optional[Callable[[Any], list]] = None
+    text_tokens: Optional[Site] = None
+    text_whole: Mapping[str, str] = {}
 
 
 def _flux_patch(dm) -> Tuple[int, int, int]:
@@ -103,6 +112,7 @@ ROWS: Tuple[DitRow, ...] = (
         text=PREFIX,
         call_refusals=_FLUX_REFUSALS,
         cond_refusals=_FLUX_COND,
+        text_tokens=Site("txt_in"),
     ),
     DitRow(
         family="Chroma",
@@ -115,6 +125,7 @@ ROWS: Tuple[DitRow, ...] = (
         text=PREFIX,
         call_refusals=_FLUX_REFUSALS,
         cond_refusals=_FLUX_COND,
+        text_tokens=Site("txt_in"),
     ),
     DitRow(
         family="Wan 2.1 / 2.2 (14B, 1.3B, 5B; text-to-video, image-to-video)",
@@ -194,6 +205,24 @@ def call_refusal(row: DitRow, arguments: Mapping[str, Any]) -> Optional[str]:
         if extra.get(key) is not None:
             return f"PatchRay Distributed KSampler ({row.family}, sequence): {why} is not supported yet; use parallelism=cfg or batch, or the stock KSampler"
     return None
+
+
+def text_tokens(row: DitRow, arguments: Mapping[str, Any], world_size: int) -> int:
+    """The text tokens a model call shards over ``world_size`` sequence ranks (0: the text stays whole on every rank:
+    a row without a text site, a call carrying one of the row's ``text_whole`` keywords, or fewer text tokens than
+    ranks, where a rank's empty text slice would break the blocks' reshapes). Read from the call's ``context``
+    ``[B, T, C]``, the same on every rank."""
+    if row.text_tokens is None or world_size < 2:
+        return 0
+    extra = dict(arguments)
+    extra.update(arguments.get("kwargs") or {})
+    if any(extra.get(key) is not None for key in row.text_whole):
+        return 0
+    context = extra.get("context")
+    if context is None or getattr(context, "dim", lambda: 0)() != 3:
+        return 0
+    total = int(context.shape[1])
+    return total if total >= world_size else 0
 
 
 def cond_refusal(row: DitRow, name: str, conditioning) -> Optional[str]:

@@ -5,13 +5,16 @@ What each family does differently from FLUX.1 / Wan (ComfyUI 0.3.64):
 
 * **Qwen-Image** (``comfy/ldm/qwen_image/model.py``, ``QwenImageTransformer2DModel``): FLUX-like joint attention
   with the text tokens first; RoPE from ``pe_embedder`` (``[B, 1, L, D/2, 2, 2]``, text positions first). Plain
-  sites: tokens after ``img_in``, RoPE after ``pe_embedder`` (text before), gather after ``proj_out``.
+  sites: tokens after ``img_in``, text after ``txt_in`` (sharded like the image tokens), RoPE after
+  ``pe_embedder`` (text before: cut to the rank's text slice and image band), gather after ``proj_out``.
 * **HunyuanVideo** (``comfy/ldm/hunyuan_video/model.py``, ``HunyuanVideo``; HunyuanImage 2.1 and its refiner load
   as the same class with a 2-D or 1x1x1 patch): FLUX's double and single blocks with the text tokens LAST
   (``torch.cat((img, txt))``), RoPE of ``cat(img_ids, txt_ids)`` (text after). The text passes a token refiner
-  first (self-attention over the text alone, whole on every rank: runs locally, like cross-attention). The text
-  padding mask is built from the local sequence length (image columns all zero): the library re-expresses it over
-  every rank's keys. Image-to-video "v2 (replace)" modulates the first frame's tokens differently, by token index
+  first (self-attention over the text alone, whole on every rank: runs locally, like cross-attention); its output
+  is then cut to the rank's text slice. A call with a text mask (laid over the whole text's key columns in the
+  forward) or ByT5 glyph tokens (HunyuanImage 2.1, joined after the refiner) keeps its text whole on every rank;
+  the mask is then built from the local sequence length (image columns all zero) and the library re-expresses it
+  over every rank's keys. Image-to-video "v2 (replace)" modulates the first frame's tokens differently, by token index
   (``modulation_dims``): :func:`_hunyuan_hooks` moves that boundary to this rank's first-frame tokens.
 * **LTX-Video** (``comfy/ldm/lightricks/model.py``, ``LTXVModel``): 1x1x1 patches (tokens = latent voxels,
   frame-major); self-attention (``attn1``) and cross-attention (``attn2``) are the same class (``CrossAttention``),
@@ -185,7 +188,7 @@ _HY_REF = "a reference latent (HunyuanVideo custom / HunyuanImage refiner refere
 
 FAMILY_NOTES = {
     "Qwen-Image": "text first in a joint attention (FLUX-like)",
-    "HunyuanVideo": "text last; token refiner local; local-length text mask; first-frame modulation moved per rank",
+    "HunyuanVideo": "text last, sharded after the token refiner (whole with a text mask); first-frame modulation moved per rank",
     "LTX-Video": "1x1x1 patches; attn1/attn2 by path; RoPE as a block argument; per-token timestep cut",
 }
 
@@ -207,6 +210,8 @@ def more_rows() -> tuple:
             heads="transformer_blocks.0.num_attention_heads",
             call_refusals={"ref_latents": _QWEN_REF, "control": _CONTROL},
             cond_refusals={"reference_latents": _QWEN_REF},
+            # the text stream after txt_norm and txt_in (ComfyUI's blocks do not lay the text mask over attention)
+            text_tokens=Site("txt_in"),
         ),
         DitRow(
             family="HunyuanVideo (1.0 t2v, i2v; HunyuanImage 2.1)",
@@ -221,6 +226,12 @@ def more_rows() -> tuple:
             call_refusals={"ref_latent": _HY_REF, "control": _CONTROL},
             cond_refusals={"ref_latent": _HY_REF},
             hooks=_hunyuan_hooks,
+            # the text stream after the token refiner (which runs over the whole text, with its mask)
+            text_tokens=Site("txt_in"),
+            text_whole={
+                "attention_mask": "the text mask is laid over the whole text's key columns in the model's forward",
+                "txt_byt5": "ByT5 glyph tokens (HunyuanImage 2.1) join the text after the token refiner",
+            },
         ),
         DitRow(
             family="LTX-Video",

@@ -4,7 +4,10 @@ Runs in the rank processes (imported by :mod:`.ksampler_rank` after ComfyUI is i
 edited or replaced process-wide; everything is installed on the rank's model for one sampling run and removed after.
 
 * **Sequence (DiT)** — a DIFFUSION_MODEL wrapper (around ``Flux._forward``, ``WanModel._forward``, ...) sets the
-  token grid of the call; the row of :mod:`.dit_models` says where to cut the image tokens to this rank's band
+  token grid of the call (and, for joint-attention rows, the text tokens every rank gets a slice of: cut where the
+  row's ``text_tokens`` site makes the text stream, the RoPE cut to the rank's text slice and image band, the
+  attentions exchanging text and image K/V as one sharded set; the text stream is dropped by the model before the
+  gather site, so only image tokens are gathered); the row of :mod:`.dit_models` says where to cut the image tokens to this rank's band
   (library styles ``ShardTokens``/``GatherTokens`` on the named modules, a pre-hook where the tokens first exist as a
   block's input), where to cut the RoPE table, and where to put the tokens back in order. Every attention call goes
   through ``transformer_options["optimized_attention_override"]`` (ComfyUI calls it around each attention of each
@@ -147,7 +150,8 @@ class DitSequence:
     takes them off (the model is exactly as before). :meth:`wrapper` is the DIFFUSION_MODEL wrapper.
     """
 
-    def __init__(self, ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None, config=None):
+    def __init__(self, ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None, config=None,
+                 shard_text: bool = True):
         from ...distributed.sampling.comm_manager import CommManager, Traffic
         from ...distributed.sampling.config import LayerMode, OutputMode
         from ...distributed.sampling.dit import TokenOtil, dit_exchange
@@ -158,6 +162,10 @@ class DitSequence:
         # one logical step per model call of a stream (cond/uncond may come in separate calls), as for the UNet
         self.config = config
         self.stepwise = config is not None and (config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER)
+        # joint-attention rows shard their text tokens too (each rank a slice), unless a call must keep them whole; the
+        # exact modes only: a stale memory belongs to one shard table, and a cond and an uncond prompt of different
+        # lengths, evaluated in turn, would change the table (and empty the memory) on every call
+        self.shard_text = shard_text and not self.stepwise
         kv = dit_exchange(config, attention) if config is not None else None
         checkpoint = config.comm_checkpoint if config is not None else 60
         memory = (lambda c, rows, t: CommManager(c, rows, t, checkpoint)) if self.stepwise else None
@@ -183,7 +191,9 @@ class DitSequence:
             plan[row.rope.module] = seq.ShardTokens(dim=2, text=text)
         if row.tokens.where == "output":
             plan[row.tokens.module] = seq.ShardTokens(dim=1)
-        for site in (row.tokens, row.rope, row.gather):
+        if row.text_tokens is not None:
+            plan[row.text_tokens.module] = seq.ShardTokens(dim=1, part="text")  # left whole unless the table shards text
+        for site in (row.tokens, row.rope, row.gather, row.text_tokens):
             if site is None:
                 continue
             try:
@@ -253,6 +263,11 @@ class DitSequence:
 
             if kind == "cross":
                 out = self.attn(q, k, v, attn_fn, layout="BHLD" if bhld else "BLC", heads=heads, cross=True, mask=mask, key=path)
+            elif self.state.require_shards().text_sharded:
+                if kind == "self":  # backstop: only rows whose attentions are joint have a text site
+                    raise ValueError(f"{path}: an image-only self-attention in a model whose text is sharded")
+                # the rank's joint sequence: its text slice and image band, nothing replicated
+                out = self.attn(q, k, v, attn_fn, layout="BHLD" if bhld else "BLC", heads=heads, mask=mask, key=path)
             else:
                 n_me = self.state.require_shards().counts[self.ctx.rank]
                 extra = q.shape[2 if bhld else 1] - n_me
@@ -270,13 +285,15 @@ class DitSequence:
     # ---------------------------------------------------------------- the wrapper
 
     def wrapper(self, executor, x, *args, **kwargs):
-        from .dit_models import call_refusal, token_grid
+        from .dit_models import call_refusal, text_tokens, token_grid
 
         bound = _bind(executor, x, args, kwargs)
         why = call_refusal(self.row, bound.arguments)
         if why:
             raise NotImplementedError(why)
-        self.state.set_grid(*token_grid(self.row, self.dm, x.shape))
+        text = text_tokens(self.row, bound.arguments, self.ctx.world_size) if self.shard_text else 0
+        side = "after" if self.row.text == "suffix" else "before"
+        self.state.set_grid(*token_grid(self.row, self.dm, x.shape), text=text, text_side=side)
         to = dict(bound.arguments.get("transformer_options") or {})
         to["optimized_attention_override"] = self.override(to.get("optimized_attention_override"))
         bound.arguments["transformer_options"] = to
@@ -305,10 +322,12 @@ class DitSequence:
         return finalize_rows(self.state, latent, row_dim=-2)
 
 
-def sequence_parallel(ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None, config=None) -> DitSequence:
+def sequence_parallel(ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None, config=None,
+                      shard_text: bool = True) -> DitSequence:
     """:class:`DitSequence` applied to ``dm`` (call ``remove()`` when the run ends); ``config``: the node's preset
-    (a ``PatchConfig``; full_sync or ``None``: exact)."""
-    seq = DitSequence(ctx, row, dm, attention=attention, counter=counter, config=config)
+    (a ``PatchConfig``; full_sync or ``None``: exact); ``shard_text``: joint-attention rows split their text tokens
+    over the ranks too (False: whole on every rank)."""
+    seq = DitSequence(ctx, row, dm, attention=attention, counter=counter, config=config, shard_text=shard_text)
     seq.apply()
     return seq
 

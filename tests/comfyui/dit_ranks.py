@@ -17,6 +17,7 @@ first-frame mask), and an SD-style UNet for CFG. Latents have odd sizes; videos 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -135,6 +136,27 @@ def _inputs(kind, cond, shape, sampler, batch, parallelism, attention, cfg_scale
     }
 
 
+@contextlib.contextmanager
+def _watch_text():
+    """The text shard sizes of every sequence-parallel model call of the block (``()``: the text stayed whole), read
+    from the rank's shard table after each call (the rank side's own state; nothing is replaced)."""
+    from patchray.nodes.bridge import dit_rank
+
+    seen = []
+    original = dit_rank.DitSequence.wrapper
+
+    def wrapper(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        seen.append(self.state.require_shards().text_sizes)
+        return out
+
+    dit_rank.DitSequence.wrapper = wrapper
+    try:
+        yield seen
+    finally:
+        dit_rank.DitSequence.wrapper = original
+
+
 def _rank(ctx, opts):
     from patchray.distributed import comm
     from patchray.distributed.sampling.config import preset
@@ -172,11 +194,12 @@ def _rank(ctx, opts):
                                           disable_pbar=True, seed=42).float()
         session = RankSession(ctx, ("model", kind), preset("full_sync", split_batch=False))
         session.begin()
-        with comm.log_comm() as log:
+        with comm.log_comm() as log, _watch_text() as texts:
             latent = kr.sample(ctx, mp, session, inputs)
             final = session.finalize(latent).float().cpu()
         rec = {"layout": layout.mode, "groups": layout.cfg_groups, "seq": layout.seq_ranks, "calls": session.calls,
-               "note": layout.note, "comm_calls": dict(log.calls), "comm_bytes": log.total_bytes}
+               "note": layout.note, "comm_calls": dict(log.calls), "comm_bytes": log.total_bytes,
+               "text_sizes": sorted({tuple(t) for t in texts})}
         if ref is not None:
             rec["rel_l2"] = ((final - ref).norm() / ref.norm()).item()
             rec["shape"] = list(final.shape)

@@ -30,7 +30,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dit_ranks import _init  # noqa: E402  (every parameter seeded random and non-constant)
+from dit_ranks import _init, _watch_text  # noqa: E402  (every parameter seeded random and non-constant)
 
 # name -> (model, parallelism, attention, sampler, batch)
 CASES = {
@@ -217,11 +217,12 @@ def _rank(ctx, opts):
                                           disable_pbar=True, seed=42).float()
         session = RankSession(ctx, ("model", kind), preset("full_sync", split_batch=False))
         session.begin()
-        with comm.log_comm() as log:
+        with comm.log_comm() as log, _watch_text() as texts:
             latent = kr.sample(ctx, mp, session, inputs)
             final = session.finalize(latent).float().cpu()
         rec = {"layout": layout.mode, "groups": layout.cfg_groups, "seq": layout.seq_ranks, "calls": session.calls,
-               "note": layout.note, "comm_calls": dict(log.calls), "comm_bytes": log.total_bytes}
+               "note": layout.note, "comm_calls": dict(log.calls), "comm_bytes": log.total_bytes,
+               "text_sizes": sorted({tuple(t) for t in texts})}
         if ref is not None:
             rec["rel_l2"] = ((final - ref).norm() / ref.norm()).item()
             rec["shape"] = list(final.shape)

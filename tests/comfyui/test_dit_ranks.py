@@ -24,6 +24,8 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
 STEPS = 3  # dit_ranks.py samples 3 steps; euler, euler_ancestral and dpmpp_2m call the model once per step
+#: 7 text tokens (every conditioning of dit_ranks.py) over 2 and 3 sequence ranks, by hand
+TEXT_SPLIT = {2: [4, 3], 3: [3, 2, 2]}
 
 RUNS = {
     2: ["flux-seq", "flux-seq-ulysses", "flux-cfg", "flux-batch", "wan21-seq", "wan21-seq-ulysses", "wan21-cfg",
@@ -58,6 +60,9 @@ def test_every_parallelism_equals_the_stock_sampler(importable, tmp_path, ranks)
         requested = name.split("-")[1]
         mode = {"seq": "sequence", "cfg": "cfg", "cfgseq": "cfg+sequence", "batch": "batch", "replicated": "replicated"}[requested]
         assert rec["layout"] == mode, (name, rec)
+        # joint-attention families split their 7 text tokens over the sequence ranks (first 7 % n ranks one more)
+        if mode in ("sequence", "cfg+sequence") and name.split("-")[0] in ("flux", "chroma"):
+            assert rec["text_sizes"] == [TEXT_SPLIT[rec["seq"]]], (name, rec["text_sizes"])
         if mode == "replicated":  # nothing split, nothing exchanged: the stock result on every rank
             assert rec["rel_l2"] <= 1e-5 and "cfg = 1" in rec["note"], rec
             continue

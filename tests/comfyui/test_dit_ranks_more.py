@@ -26,6 +26,8 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
 STEPS = 3  # three steps; euler, euler_ancestral and dpmpp_2m call the model once per step
+#: 7 text tokens (every conditioning of dit_ranks_more.py) over 2 and 3 sequence ranks, by hand
+TEXT_SPLIT = {2: [4, 3], 3: [3, 2, 2]}
 # a masked prompt and an unmasked one cannot be batched (HunyuanImage 2.1 case): ComfyUI calls the model twice a step
 CALLS_PER_STEP = {"hyimage": 2}
 LAYERS = 2  # attention layers whose K/V are exchanged (Qwen-Image 2 blocks; HunyuanVideo 1 double + 1 single; LTX 2)
@@ -65,6 +67,12 @@ def test_qwen_hunyuan_ltxv_equal_the_stock_sampler(importable, tmp_path, ranks):
         requested = name.split("-")[1]
         mode = {"seq": "sequence", "cfg": "cfg", "cfgseq": "cfg+sequence", "batch": "batch"}[requested]
         assert rec["layout"] == mode, (name, rec)
+        # joint-attention families split their 7 text tokens over the sequence ranks (first 7 % n ranks one more);
+        # HunyuanImage's masked positive prompt keeps its text whole ([]), its unmasked negative splits it
+        if mode in ("sequence", "cfg+sequence"):
+            fam = name.split("-")[0]
+            want = {"ltxv": [[]], "ltxvi2v": [[]], "ltxvkf": [[]], "hyimage": [[], TEXT_SPLIT[rec["seq"]]]}
+            assert rec["text_sizes"] == want.get(fam, [TEXT_SPLIT[rec["seq"]]]), (name, rec["text_sizes"])
         # fp32: sharding only reorders sums (attention over gathered keys in rank-major order, per-row GEMMs on fewer
         # rows). A wrong band, a RoPE or timestep left uncut, or a first-frame boundary left global gives > 1e-2.
         assert rec["rel_l2"] <= 1e-5, (ranks, name, rec)

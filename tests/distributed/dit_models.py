@@ -26,8 +26,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def build(family: str, seed: int = 0, heads: int = HEADS):
-    """``(model, inputs)`` for ``family``; ``inputs`` are keyword arguments of the model's forward."""
+def build(family: str, seed: int = 0, heads: int = HEADS, text: int = 5):
+    """``(model, inputs)`` for ``family``; ``inputs`` are keyword arguments of the model's forward (``text``
+    tokens of prompt; the padded masks of Qwen-Image and HunyuanVideo mask the last two of them)."""
     from diffusers import (
         FluxTransformer2DModel,
         HunyuanVideoTransformer3DModel,
@@ -38,7 +39,7 @@ def build(family: str, seed: int = 0, heads: int = HEADS):
 
     g = torch.Generator().manual_seed(seed + 1)
     r = lambda *s: torch.randn(*s, generator=g)
-    b, txt = 2, 5
+    b, txt = 2, text
     if family == "flux":
         m = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=HEAD_DIM,
                                    num_attention_heads=heads, joint_attention_dim=16, pooled_projection_dim=8,

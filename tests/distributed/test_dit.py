@@ -5,6 +5,14 @@ the image tokens) and LTX-Video: gathered and Ulysses attention at 2 and 3 real 
 uneven bands) equal the stock forward to 1e-5 relative L2 (fp32: only the order of the keys in each softmax sum
 differs; see test_sequence.py), the bytes counted by comm equal the modelled cost, and removing the plan restores
 the model (same outputs bit for bit, no adapter, hook or forward left, state_dict unchanged).
+
+Text sharding (the default for the joint-attention families): FLUX.1, Qwen-Image and HunyuanVideo shard their 5
+text tokens (3 + 2 at N = 2, 2 + 2 + 1 at N = 3: odd and uneven) with the same tolerance, with padded text masks
+(Qwen-Image's and HunyuanVideo's default inputs: the mask's validity laid over every rank's keys) and without; 2 text
+tokens over 3 ranks
+leave rank 2 without text for FLUX.1, while Qwen-Image and HunyuanVideo (whose text RoPE / block split cannot take an
+empty text slice) keep them whole. The per-rank text counts are asserted against hand-computed numbers, and the bytes comm
+counts against the cost model with each rank's K/V share = its image band + its text slice.
 """
 
 from __future__ import annotations
@@ -35,6 +43,30 @@ def _leftovers(model):
     return left
 
 
+#: text-sharding cases beyond each family's default inputs: name -> (family, text tokens, unpadded mask, shard_text)
+TEXT_CASES = {
+    "qwen-image/full-text": ("qwen-image", 5, True, True),
+    "hunyuan-video/full-text": ("hunyuan-video", 5, True, True),
+    "flux/2-text": ("flux", 2, True, True),
+    "qwen-image/2-text": ("qwen-image", 2, True, True),
+    "hunyuan-video/2-text": ("hunyuan-video", 2, True, True),
+    "flux/replicated": ("flux", 5, True, False),
+}
+
+
+def _case(name):
+    """``(model, inputs, shard_text)`` of a family name or a :data:`TEXT_CASES` name."""
+    if name not in TEXT_CASES:
+        model, inputs = build(name)
+        return model, inputs, True
+    fam, text, unpadded, shard_text = TEXT_CASES[name]
+    model, inputs = build(fam, text=text)
+    for key in ("encoder_hidden_states_mask", "encoder_attention_mask"):
+        if unpadded and key in inputs:
+            inputs[key] = torch.ones_like(inputs[key])
+    return model, inputs, shard_text
+
+
 def _family_task(ctx, families, modes, extras=False):
     from patchray.distributed.comm import log_comm
     from patchray.distributed.sampling.dit import parallelize_dit
@@ -42,12 +74,12 @@ def _family_task(ctx, families, modes, extras=False):
     torch.manual_seed(0)
     res = {}
     for fam in families:
-        model, inputs = build(fam)
+        model, inputs, shard_text = _case(fam)
         state = {k: v.clone() for k, v in model.state_dict().items()}
         with torch.no_grad():
             ref = model(**inputs, return_dict=False)[0]
         for mode in modes:
-            handle = parallelize_dit(model, ctx, mode=mode)
+            handle = parallelize_dit(model, ctx, mode=mode, shard_text=shard_text)
             with torch.no_grad(), log_comm() as log:
                 out = model(**inputs, return_dict=False)[0]
             shards = handle.state.shards
@@ -61,6 +93,7 @@ def _family_task(ctx, families, modes, extras=False):
                 "bytes": dict(log.bytes),
                 "calls": dict(log.calls),
                 "counts": shards.counts,
+                "text_sizes": shards.text_sizes,
                 "restored_exactly": torch.equal(after, ref),
                 "leftovers": _leftovers(model),
                 "state_dict_same": all(torch.equal(state[k], v) for k, v in model.state_dict().items()),
@@ -68,17 +101,20 @@ def _family_task(ctx, families, modes, extras=False):
             }
     if extras:
         res["displaced"] = _displaced_loop(ctx)
+        res["displaced-flux"] = _displaced_loop(ctx, "flux")
         res["backend"] = _backend_task(ctx)
     return res
 
 
-def _displaced_loop(ctx, steps=3):
-    """Wan under DISPLACED K/V: step 0 synchronous (exact), later steps read the peers' K/V of the step before."""
+def _displaced_loop(ctx, family="wan", steps=3):
+    """DISPLACED K/V (Wan; FLUX.1 with its text sharded, the text K/V part of the sharded set): step 0 synchronous
+    (exact), later steps read the peers' K/V of the step before."""
     from patchray.distributed.parallel.exchange import DISPLACED
     from patchray.distributed.sampling.dit import parallelize_dit
 
-    model, inputs = build("wan")
-    inputs = dict(inputs, timestep=torch.tensor([500.0, 500.0]))
+    model, inputs = build(family)
+    t = 0.5 if family == "flux" else 500.0  # FLUX.1 takes timesteps in [0, 1]
+    inputs = dict(inputs, timestep=torch.tensor([t, t]))
     g = torch.Generator().manual_seed(3)
     xs = [inputs["hidden_states"] + 0.05 * k * torch.randn(inputs["hidden_states"].shape, generator=g) for k in range(steps)]
     with torch.no_grad():
@@ -95,12 +131,17 @@ def _displaced_loop(ctx, steps=3):
         handle.end_step()
         per_step.append((traffic.bytes["kv"] - before[0]["kv"], traffic.async_bytes["kv"] - before[1]["kv"]))
     handle.remove()
-    return {"errs": [_rel(o, e) for o, e in zip(out, exact)], "kv": per_step, "leftovers": _leftovers(model)}
+    return {"errs": [_rel(o, e) for o, e in zip(out, exact)], "kv": per_step, "leftovers": _leftovers(model),
+            "text_sizes": handle.state.shards.text_sizes}
+
+
+def _cases(n):
+    return FAMILIES + tuple(c for c in TEXT_CASES if n == 3 or not c.endswith("2-text"))
 
 
 @functools.lru_cache(maxsize=None)
 def _results(n):
-    return run_ranks(_family_task, n, FAMILIES, ("gathered", "ulysses"), extras=n == 2)
+    return run_ranks(_family_task, n, _cases(n), ("gathered", "ulysses"), extras=n == 2)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -115,26 +156,76 @@ def test_sequence_parallel_dit_equals_the_stock_forward(n, family):
             assert len(set(r["counts"])) == (1 if rows % n == 0 else 2), r["counts"]
 
 
-#: self/joint attention layers and replicated (text) tokens in their sequences, per tiny family config
-_ATTENTION = {"flux": (2, 5), "qwen-image": (2, 5), "wan": (2, 0), "hunyuan-video": (2, 5), "ltx-video": (2, 0)}
+#: self/joint attention layers and text tokens in their sequences, per tiny family config / text case
+_ATTENTION = {"flux": (2, 5), "qwen-image": (2, 5), "wan": (2, 0), "hunyuan-video": (2, 5), "ltx-video": (2, 0),
+              "qwen-image/full-text": (2, 5), "hunyuan-video/full-text": (2, 5), "flux/2-text": (2, 2),
+              "qwen-image/2-text": (2, 2), "hunyuan-video/2-text": (2, 2), "flux/replicated": (2, 5)}
+
+#: each rank's text tokens, by hand: contiguous slices, the first T % N ranks one more; () = the text stays whole
+#: (no text in the self-attention; Qwen-Image and HunyuanVideo with fewer text tokens than ranks; shard_text off).
+#: Qwen-Image's and HunyuanVideo's default inputs carry padded text masks: split too, their masks over every rank's keys
+_TEXT_SIZES = {
+    2: {"flux": (3, 2), "qwen-image": (3, 2), "wan": (), "hunyuan-video": (3, 2), "ltx-video": (), "qwen-image/full-text": (3, 2),
+        "hunyuan-video/full-text": (3, 2), "flux/replicated": ()},
+    3: {"flux": (2, 2, 1), "qwen-image": (2, 2, 1), "wan": (), "hunyuan-video": (2, 2, 1), "ltx-video": (),
+        "qwen-image/full-text": (2, 2, 1), "hunyuan-video/full-text": (2, 2, 1), "flux/2-text": (1, 1, 0),
+        "qwen-image/2-text": (), "hunyuan-video/2-text": (), "flux/replicated": ()},
+}
+
+
+def _image_counts(case, n):
+    """Image tokens per rank, by hand: token rows split with the first rows % n ranks one row taller."""
+    fam = TEXT_CASES[case][0] if case in TEXT_CASES else case
+    frames, cols = {"flux": (1, 3), "qwen-image": (1, 3), "wan": (3, 3), "hunyuan-video": (3, 4), "ltx-video": (3, 4)}[fam]
+    rows = token_rows(fam)
+    return [frames * cols * (rows // n + (1 if r < rows % n else 0)) for r in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("case", sorted(set(_cases(2) + _cases(3)) - set(FAMILIES)))
+def test_joint_attention_families_shard_their_text_exactly(n, case):
+    if case not in _cases(n):
+        pytest.skip("fewer text tokens than ranks only at N = 3")
+    for rank, res in enumerate(_results(n)):
+        for mode in ("gathered", "ulysses"):
+            r = res[(case, mode)]
+            assert r["shape_ok"] and r["err"] <= TOL, (n, rank, case, mode, r["err"])
+            assert r["text_sizes"] == _TEXT_SIZES[n][case], (n, case, r["text_sizes"])
+            assert r["restored_exactly"] and r["leftovers"] == [], (n, case, mode)
 
 
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_counted_bytes_equal_the_modelled_cost(n, family):
+def test_default_inputs_shard_the_text_unless_it_is_padded(n, family):
+    for res in _results(n):
+        assert res[(family, "gathered")]["text_sizes"] == _TEXT_SIZES[n][family], (n, family)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("case", sorted(set(_cases(2) + _cases(3))))
+def test_counted_bytes_equal_the_modelled_cost(n, case):
     from patchray.distributed.parallel.sequence import attention_cost
 
-    layers, text = _ATTENTION[family]
+    if case not in _cases(n):
+        pytest.skip("fewer text tokens than ranks only at N = 3")
+    layers, text = _ATTENTION[case]
+    texts = _TEXT_SIZES[n][case]
+    image = _image_counts(case, n)
+    # a rank's K/V share: its image band plus its text slice; replicated text travels only in Ulysses' head gather
+    shares = [i + t for i, t in zip(image, texts)] if texts else image
+    replicated = 0 if texts else text
     for rank, res in enumerate(_results(n)):
         for mode in ("gathered", "ulysses"):
-            r = res[(family, mode)]
+            r = res[(case, mode)]
+            assert list(r["counts"]) == image, (case, r["counts"], image)
             want = {}
-            cost = attention_cost(mode, r["counts"], HEADS, HEAD_DIM, 4, batch=2, replicated=text)
+            cost = attention_cost(mode, shares, HEADS, HEAD_DIM, 4, batch=2, replicated=replicated)
             for op, nbytes in cost.counted.items():
                 want[op] = want.get(op, 0) + layers * nbytes
-            # the output projection's tokens, gathered once (padded to the largest band): N outputs + the input
-            want["all_gather"] = want.get("all_gather", 0) + (n + 1) * 2 * max(r["counts"]) * r["out_channels"] * 4
-            assert r["bytes"] == want, (n, rank, family, mode, r["bytes"], want)
+            # the output projection's image tokens (the text is dropped before it), gathered once (padded to the
+            # largest band): N outputs + the input
+            want["all_gather"] = want.get("all_gather", 0) + (n + 1) * 2 * max(image) * r["out_channels"] * 4
+            assert r["bytes"] == want, (n, rank, case, mode, r["bytes"], want)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -171,9 +262,11 @@ def test_the_plans_gather_where_diffusers_cp_plan_gathers():
             assert gathers == cp["gather"], (fam, gathers, cp)
 
 
-def test_displaced_kv_on_a_dit_is_exact_on_its_synchronous_step_then_one_step_stale():
+@pytest.mark.parametrize("which", ["displaced", "displaced-flux"])
+def test_displaced_kv_on_a_dit_is_exact_on_its_synchronous_step_then_one_step_stale(which):
     for rank, res in enumerate(_results(2)):
-        d = res["displaced"]
+        d = res[which]
+        assert d["text_sizes"] == ((3, 2) if which == "displaced-flux" else ()), d  # FLUX.1: text K/V sharded too
         errs, kv = d["errs"], d["kv"]
         assert errs[0] <= TOL, d  # the synchronous warm-up step is exact
         # later steps use the peers' K/V of the previous (different) input: a small, nonzero error
@@ -192,11 +285,21 @@ def test_step_cost_is_what_the_link_model_reads_from_counted_bytes():
             for mode in ("gathered", "ulysses"):
                 if mode == "ulysses" and shape.heads % n:
                     continue
-                c = step_cost(shape, n, mode)
-                assert abs(wire_bytes(c["counted"], n) - c["wire_bytes"]) <= 8, (name, n, mode)  # integer rounding
+                for shard_text in (True, False):
+                    c = step_cost(shape, n, mode, shard_text=shard_text)
+                    assert abs(wire_bytes(c["counted"], n) - c["wire_bytes"]) <= 8, (name, n, mode)  # integer rounding
     flux = FULL_SIZE_SHAPES["flux1_1024"]
-    # gathered: each of 57 layers sends this rank's K and V (2048 tokens x 3072 x bf16) to the other rank
-    assert step_cost(flux, 2, "gathered")["wire_bytes"] == 57 * 2 * 2048 * 3072 * 2 + 2048 * 64 * 2
+    # gathered, text sharded: each of 57 layers sends this rank's K and V (2048 image + 256 text tokens x 3072 x
+    # bf16) to the other rank; the output projection gathers the 2048 image tokens only
+    assert step_cost(flux, 2, "gathered")["wire_bytes"] == 57 * 2 * (2048 + 256) * 3072 * 2 + 2048 * 64 * 2
+    # text replicated: only the image band's K and V travel
+    assert step_cost(flux, 2, "gathered", shard_text=False)["wire_bytes"] == 57 * 2 * 2048 * 3072 * 2 + 2048 * 64 * 2
+    # the busiest rank's token share: 2048 + 256 of 4608 sharded (ideal 2x), 2048 + 512 replicated (1.8x); at 3 ranks
+    # 22 of 64 token rows (1408 image tokens) + 171 of the 512 text tokens
+    from patchray.distributed.sampling.dit import token_share
+
+    assert token_share(flux, 2) == 2304 / 4608 and token_share(flux, 2, shard_text=False) == 2560 / 4608
+    assert token_share(flux, 3) == (22 * 64 + 171) / 4608
     # at N = 2 auto keeps gathered (same bytes, fewer messages); at N = 4 Ulysses sends half
     assert step_cost(flux, 2, "auto")["mode"] == "gathered" and step_cost(flux, 4, "auto", link="pcie4_x16_no_p2p")["mode"] == "ulysses"
 

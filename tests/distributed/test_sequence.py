@@ -66,6 +66,31 @@ def test_positions_are_sliced_by_the_same_index_in_any_layout():
         assert torch.equal(shard_tokens(grid.reshape(1, -1), s, r, dim=1)[0].float(), want)
 
 
+def test_the_table_shards_the_text_as_a_contiguous_segment_of_the_joint_sequence():
+    from patchray.distributed.parallel.sequence import text_split
+
+    # the first T % N ranks one token more; a rank holds none when T < N
+    assert text_split(512, 3) == (171, 171, 170) and text_split(7, 3) == (3, 2, 2) and text_split(2, 3) == (1, 1, 0)
+    s = TokenShards.split(frames=1, rows=5, cols=2, world_size=3, text=7)  # bands 2/2/1 rows, text 3/2/2
+    assert s.text_sizes == (3, 2, 2) and s.counts == (4, 4, 2) and s.seq_counts == (7, 6, 4)
+    # text first (FLUX.1): positions 0..6 are text, 7..16 the image; rank 1 = text 3, 4 then image rows 2..3
+    assert s.part_index("joint", 1).tolist() == [3, 4, 11, 12, 13, 14]
+    assert s.part_index("text", 2).tolist() == [5, 6]
+    assert sorted(s.part_order("joint").tolist()) == list(range(17))  # every token owned once
+    # text last (HunyuanVideo): rank 0 = image rows 0..1, then text 0..2 at positions 10..12
+    a = TokenShards.split(frames=1, rows=5, cols=2, world_size=3, text=7, text_side="after")
+    assert a.part_index("joint", 0).tolist() == [0, 1, 2, 3, 10, 11, 12]
+    # a joint RoPE table and a text stream are cut by the same index; an empty slice is an empty tensor
+    joint = torch.arange(17).float().view(17, 1)
+    assert shard_positions((joint, joint), s, 1, dim=0, part="joint")[0][:, 0].tolist() == [3, 4, 11, 12, 13, 14]
+    e = TokenShards.split(frames=1, rows=5, cols=2, world_size=3, text=2)
+    assert shard_tokens(torch.zeros(1, 2, 4), e, 2, dim=1, part="text").shape == (1, 0, 4)
+    with pytest.raises(ValueError, match="text sequence of 7"):
+        shard_tokens(torch.zeros(1, 6, 4), s, 0, dim=1, part="text")
+    # tables with and without sharded text differ (a new table empties the stale memory)
+    assert s != TokenShards.split(frames=1, rows=5, cols=2, world_size=3)
+
+
 def test_unmasked_attention_does_not_depend_on_key_order():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 40, 8, generator=g) for _ in range(3))

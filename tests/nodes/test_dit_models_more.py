@@ -27,6 +27,26 @@ def test_rows_of_the_three_families(cls, family, text):
     assert set(row.attends.values()) <= {"self", "joint", "cross"}
 
 
+def test_joint_attention_rows_shard_their_text_unless_a_call_keeps_it_whole():
+    ctx = torch.zeros(1, 7, 8)
+    for cls in ("Flux", "Chroma", "QwenImageTransformer2DModel", "HunyuanVideo"):
+        row = dit_models.find_row(cls)
+        assert row.text_tokens is not None, cls
+        assert dit_models.text_tokens(row, {"context": ctx}, 2) == 7, cls
+        assert dit_models.text_tokens(row, {"context": ctx}, 1) == 0, cls  # one rank: nothing to split
+        # fewer text tokens than ranks: an empty slice would break the blocks' reshapes, so the text stays whole
+        assert dit_models.text_tokens(row, {"context": torch.zeros(1, 2, 8)}, 3) == 0, cls
+    hy = dit_models.find_row("HunyuanVideo")
+    # HunyuanVideo lays a text mask over the whole text; HunyuanImage's ByT5 tokens join after the refiner
+    assert dit_models.text_tokens(hy, {"context": ctx, "attention_mask": torch.ones(1, 7)}, 2) == 0
+    assert dit_models.text_tokens(hy, {"context": ctx, "kwargs": {"txt_byt5": torch.zeros(1, 3, 8)}}, 2) == 0
+    # ComfyUI's Qwen-Image blocks do not apply the text mask: its text is split with or without one
+    qwen = dit_models.find_row("QwenImageTransformer2DModel")
+    assert dit_models.text_tokens(qwen, {"context": ctx, "attention_mask": torch.ones(1, 7)}, 2) == 7
+    for cls in ("WanModel", "LTXVModel"):  # text by cross-attention only: nothing to split
+        assert dit_models.text_tokens(dit_models.find_row(cls), {"context": ctx}, 2) == 0
+
+
 def test_token_grids_pad_to_the_patch_like_the_models():
     qwen = dit_models.find_row("QwenImageTransformer2DModel")
     hy = dit_models.find_row("HunyuanVideo")
