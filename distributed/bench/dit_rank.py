@@ -348,7 +348,9 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
             doc["records"].append(rec)
             _write_doc(plan.get("out"), doc)
             _log(ctx, start, f"{name} {case.label}: " + (
-                f"compute/call {rec['compute_ms_per_call_alone']:.1f} ms alone, wire {rec['wire_bytes_per_step'] / 1e6:.1f} MB/step, "
+                f"compute/call {rec['compute_ms_per_call_alone']:.1f} ms alone ({rec['alone_clock']}: gpu "
+                f"{rec['gpu_ms_per_call_alone']}, issue {rec['launch_ms_per_call_alone']}, launch-bound "
+                f"{rec['launch_bound']}, host-sync stages {rec['host_sync_stages_per_call']}), wire {rec['wire_bytes_per_step'] / 1e6:.1f} MB/step, "
                 f"modelled speed-up nvlink {rec['speedup_modelled'].get('nvlink')} pcie-no-p2p "
                 f"{rec['speedup_modelled'].get('pcie4_x16_no_p2p')}, rel {rec.get('exactness', {}).get('rel_l2_vs_n1')}, "
                 f"peak GiB {rec['peak_gib_by_rank']}" if rec["status"] == "ok" else f"{rec['status']}: {rec['error']}"))

@@ -86,20 +86,27 @@ def format_estimate(doc: dict) -> str:
 
 
 def format_table(report: dict) -> str:
-    """One line per record: compute alone, bytes, modelled step and speed-up (NVLink, PCIe 4.0 x16 no P2P), memory."""
-    lines = [f"{'preset':22s} {'case':18s} {'compute/step ms':>15s} {'GB/step':>8s} "
+    """One line per record: compute alone (and with the prefilled clock its GPU and CPU-issue parts), bytes, modelled
+    step and speed-up (NVLink, PCIe 4.0 x16 no P2P), memory."""
+    lines = [f"{'preset':22s} {'case':18s} {'compute/step ms':>15s} {'gpu/call':>9s} {'issue/call':>10s} {'GB/step':>8s} "
              f"{'nvlink ms':>10s} {'x':>6s} {'pcie-noP2P ms':>13s} {'x':>6s} {'peak GiB':>9s} {'rel L2':>9s}  (modelled)"]
+    nan = float("nan")
     for r in report.get("records", []):
         if r.get("status") != "ok":
             lines.append(f"{r['preset']:22s} {r['case']:18s} {r['status']}: {r.get('error', '')[:90]}")
             continue
         m, s = r["modelled_step_ms"], r["speedup_modelled"]
         rel = (r.get("exactness") or {}).get("rel_l2_vs_n1")
+        gpu, issue = r.get("gpu_ms_per_call_alone"), r.get("launch_ms_per_call_alone")
         lines.append(
-            f"{r['preset']:22s} {r['case']:18s} {r['compute_ms_per_step_alone']:15.1f} {r['wire_bytes_per_step'] / 1e9:8.2f} "
+            f"{r['preset']:22s} {r['case']:18s} {r['compute_ms_per_step_alone']:15.1f} "
+            f"{gpu if gpu is not None else nan:9.1f} {issue if issue is not None else nan:10.1f}"
+            f"{'*' if r.get('launch_bound') else ' '}{r['wire_bytes_per_step'] / 1e9:7.2f} "
             f"{m['nvlink']:10.1f} {s['nvlink']:6.2f} {m['pcie4_x16_no_p2p']:13.1f} {s['pcie4_x16_no_p2p']:6.2f} "
-            f"{max(p for p in r['peak_gib_by_rank'] if p is not None) if any(r['peak_gib_by_rank']) else float('nan'):9.2f} "
-            f"{rel if rel is not None else float('nan'):9.2e}")
+            f"{max(p for p in r['peak_gib_by_rank'] if p is not None) if any(r['peak_gib_by_rank']) else nan:9.2f} "
+            f"{rel if rel is not None else nan:9.2e}")
+    lines.append(f"clock: {report.get('alone_clock')}; gpu/call = GPU time per call, issue/call = the CPU's issue time "
+                 "(per stage the slowest rank, stages without a host sync); * = launch-bound (the model uses the issue time)")
     return "\n".join(lines)
 
 

@@ -8,8 +8,10 @@ What it does (every figure is one rank's compute with the device to itself, by t
 * each code tree given (``--trees new`` = the package ``patchray``, ``old`` = a second copy of the package
   importable as ``patchray_old``: the code before the change) decodes the same latent with the same weights;
 * per case: the plain decode's time (CUDA events, median), then per N and tree the turn-taking compute
-  (sum over stages of the slowest rank: ``linkmodel.summarise_alone``), the busiest rank, the ratio to the plain
-  decode, collective counts;
+  (sum over stages of the slowest rank: ``linkmodel.summarise_alone``; ``--alone-clock prefilled``, the default:
+  GPU time behind a prefilled launch queue, the CPU's issue time beside it and the longer of the two per
+  invocation; ``idle``: each stage timed from an idle GPU), the busiest rank, the ratio to the plain decode
+  (``ratio``; ``ratio_gpu`` for the GPU time alone), collective counts;
 * ``--profile CASE:N:TREE`` profiles rank 1's turn-taking decode (torch.profiler, CPU + CUDA activities) and
   writes the kernel table plus a summary grouped by adapter (``rp:`` ranges set around the adapters' functions
   while profiling) and by kernel kind;
@@ -286,7 +288,7 @@ def _rank(ctx, args):
                         for _ in range(args.warmup if tree == args.trees[0] else min(args.warmup, 0)):
                             fn()
                         iters = args.iters if tree == "new" else args.iters_old
-                        runs = measure.measure_alone(c, fn, iters)
+                        runs = measure.measure_alone(c, fn, iters, args.alone_clock)
                         everyone = comm.all_gather_object(runs, c)
                         if c.rank == 0:
                             summary = linkmodel.summarise_alone(everyone, n)
@@ -295,8 +297,13 @@ def _rank(ctx, args):
                             entry["per_rank_stage_ms"] = [[round(x, 3) for x in r[0]["compute_ms"]] for r in everyone]
                             if rec["plain"]:
                                 entry["ratio"] = round(summary["compute_ms"] / rec["plain"]["ms"], 4)
+                                if summary.get("gpu_ms") is not None:  # the GPU time alone (no launch bound)
+                                    entry["ratio_gpu"] = round(summary["gpu_ms"] / rec["plain"]["ms"], 4)
                                 entry["ratio_busiest"] = round(max(summary["compute_ms_by_rank"]) / rec["plain"]["ms"], 4)
-                            log(f"{label} N={n} {tree}: compute {summary['compute_ms']:.1f} ms, ratio {entry.get('ratio')}, "
+                            log(f"{label} N={n} {tree} ({summary.get('clock')}): compute {summary['compute_ms']:.1f} ms "
+                                f"(gpu {summary.get('gpu_ms')}, issue {summary.get('launch_ms')}, host-sync stages "
+                                f"{summary.get('host_sync_stages')}, queued {summary.get('queued_stages')}), "
+                                f"ratio {entry.get('ratio')} (gpu {entry.get('ratio_gpu')}), "
                                 f"by rank {[round(v, 1) for v in summary['compute_ms_by_rank']]}, "
                                 f"collectives {summary['collectives']}")
                         for pn, ptree in profiles.get(label, []):
@@ -309,7 +316,7 @@ def _rank(ctx, args):
                             prof_ctx = profile(activities=acts, record_shapes=True) if c.rank == prank else contextlib.nullcontext()
                             with _ranges(tree) if c.rank == prank else contextlib.nullcontext():
                                 with prof_ctx as prof:
-                                    runs = measure.measure_alone(c, fn, 1)
+                                    runs = measure.measure_alone(c, fn, 1, args.alone_clock)
                             if c.rank == prank:
                                 summ = _summarise_profile(prof)
                                 summ["stage_compute_ms"] = round(sum(runs[0]["compute_ms"]), 3)
@@ -364,6 +371,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--iters-old", type=int, default=1)
     p.add_argument("--iters-plain", type=int, default=3)
+    p.add_argument("--alone-clock", choices=["prefilled", "idle"], default="prefilled",
+                   help="CUDA turn-taking clock (bench.measure): prefilled GPU time + CPU issue time, or idle-start")
     args = p.parse_args(argv)
     args.profile = [":".join([s.split(":")[0], "x".join((s.split(":")[1].split("x") + ["1"])[:3])] + s.split(":")[2:])
                     for s in args.profile]
