@@ -284,11 +284,17 @@ class Prefill:
 
 
 class _SyncCounter:
-    """Counts synchronising CUDA calls (PyTorch's sync debug mode warns on each; the warnings are counted, not shown)."""
+    """Counts synchronising CUDA calls made in this thread while :meth:`on` (PyTorch's sync debug mode warns on each;
+    the warnings are counted, not shown).
+
+    The mode is process-wide, so it is on only inside a stage (no collective runs there: a worker thread of the
+    process group would print its own synchronisations to stderr instead).
+    """
 
     def __init__(self):
         self.count = 0
         self._saved = None
+        self._catch = None
 
     def __enter__(self):
         self._catch = warnings.catch_warnings()
@@ -305,14 +311,20 @@ class _SyncCounter:
         warnings.showwarning = show
         try:
             self._saved = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("warn")
         except (AttributeError, RuntimeError):  # a build without the debug mode: nothing counted
             self._saved = None
         return self
 
-    def __exit__(self, *exc):
+    def on(self) -> None:
+        if self._saved is not None:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def off(self) -> None:
         if self._saved is not None:
             torch.cuda.set_sync_debug_mode(self._saved)
+
+    def __exit__(self, *exc):
+        self.off()
         self._catch.__exit__(*exc)
         return False
 
@@ -374,6 +386,9 @@ class TurnTaking:
             if self.prefilled:
                 stage = len(self.compute_ms)
                 spin = self.prefill.spin_ms(stage, max(self.launch_ms, default=0.0))
+                # calibrated here, in this rank's turn: spins of ranks sharing the GPU at once would time-slice
+                # and make the rate too low (a calibration outside its turn would measure its peers too)
+                GpuSpin.cycles_per_ms(self.ctx.device)
                 self._spin_event = torch.cuda.Event(enable_timing=True)
                 self._spin_event.record()
                 GpuSpin.enqueue(self.ctx.device, spin)
@@ -381,10 +396,13 @@ class TurnTaking:
             self._start_event.record()
         if self._syncs is not None:
             self._syncs0 = self._syncs.count
+            self._syncs.on()
         self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def _lap(self) -> None:
         issued = time.perf_counter()
+        if self._syncs is not None:
+            self._syncs.off()
         if self.cuda:
             syncs = self._syncs.count - self._syncs0 if self._syncs is not None else 0
             queued = (not self._start_event.query()) if self.prefilled else None

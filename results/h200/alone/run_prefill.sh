@@ -12,7 +12,7 @@ set -u
 OUT=${OUT:-/tmp/prefill_out}
 BUDGET=${BUDGET:-530}
 R=/tmp/prefill_res
-mkdir -p "$OUT" "$R"
+rm -rf "$R"; mkdir -p "$OUT" "$R"
 export PYTHONUNBUFFERED=1 PATCHRAY_SPAWN_BACKEND=gloo NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 HERE=$(cd "$(dirname "$0")" && pwd)
 DEV=cuda; SIZE=full; KL=kl:2048x2048; W=4; NS=1,2,4; ROWN="1 2 4"; SB="--height 1024 --width 1024"; S2=12; S4=8
