@@ -1,7 +1,8 @@
 #!/bin/bash
 # Turn-taking with the prefilled GPU clock on one GPU: FLUX.1 (a), kl row decode (d), Qwen-Image (b), SDXL sampling (c),
-# in that order of importance, within one budget (BUDGET seconds, default 530: every command's timeout is the smaller
-# of its own cap and what is left, and a command with under 30 s left is skipped).
+# then FLUX.1 under the earlier idle-start clock if time is left (e), in that order of importance, within one budget
+# (BUDGET seconds, default 520: every command's timeout is the smaller of its own cap and what is left, and a
+# command with under 30 s left is skipped).
 #
 # Run from the repository root on the GPU machine with the package importable as `patchray` (and diffusers):
 #     OUT=/some/dir bash results/h200/alone/run_prefill.sh
@@ -10,7 +11,7 @@
 # SMOKE=1: the same commands on CPU with tiny models, at most 2 ranks (a check of this script, no figures).
 set -u
 OUT=${OUT:-/tmp/prefill_out}
-BUDGET=${BUDGET:-530}
+BUDGET=${BUDGET:-520}
 R=/tmp/prefill_res
 rm -rf "$R"; mkdir -p "$OUT" "$R"
 export PYTHONUNBUFFERED=1 PATCHRAY_SPAWN_BACKEND=gloo NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -66,6 +67,11 @@ step c_sdxl_n2 150 python3 -m patchray sample-bench --launcher spawn --device $D
 [ "$S4" -gt 0 ] && step c_sdxl_n4 150 python3 -m patchray sample-bench --launcher spawn --device $DEV --ranks 4 $SB \
     --steps $S4 --split off --timing alone --alone-clock prefilled --preset full_sync --preset displaced \
     --preset compressed --out "$R/sdxl_n4_prefilled.json"
+
+# (e) if time is left: FLUX.1 N = 1, 2 under the earlier clock (each stage from an idle GPU), the same-machine comparison
+step e_flux_idle 70 python3 -m patchray.distributed.bench.dit_bench --device $DEV --size $SIZE --ranks 2 --ns 1,2 \
+    --preset flux1_1024 --mode gathered --mode ulysses --alone-clock idle --deadline-s 45 --watchdog-s 60 \
+    --timeout-s 65 --out "$R/dit_flux_idle.json"
 
 echo "total $(( $(date +%s) - T0 )) s" | tee -a "$SUMMARY"
 pack
