@@ -39,12 +39,21 @@ step() {  # step NAME CAP COMMAND...: run COMMAND with timeout min(CAP, budget l
     fi
     local s=$(date +%s)
     echo "$name: start, timeout ${t} s" | tee -a "$SUMMARY"
-    timeout -k 10 "$t" "$@" > "$R/$name.log" 2>&1
+    timeout -k 10 "$t" $PIN "$@" > "$R/$name.log" 2>&1
     local rc=$?
     echo "$name: rc=$rc after $(( $(date +%s) - s )) s" | tee -a "$SUMMARY"
     tail -n 15 "$R/$name.log" >> "$SUMMARY"
     pack
 }
+
+# optional (ALONE_CHECK=1 on a host of 16+ cores): the CPU validation of turn-taking (modelled within 15% of measured,
+# CPU ranks, one pinned core each) on cores 12-15 in the background, the GPU commands on cores 0-11
+PIN=""
+if [ "${ALONE_CHECK:-0}" = 1 ] && [ "$(nproc)" -ge 16 ]; then
+    PIN="taskset -c 0-11"
+    (OMP_NUM_THREADS=1 timeout 400 taskset -c 12-15 python3 -m patchray.distributed.bench.alone_check --ranks 2 4 \
+        --height 256 --width 256 --rounds 3 --out "$R/alone_check_kl256.json" > "$R/alone_check.log" 2>&1) &
+fi
 
 # (a) FLUX.1-dev 1024x1024, N = 1, 2, 4, every exact mode (cfg, gathered, ulysses, cfg x seq2), prefilled clock (~100 s)
 step a_flux 150 python3 -m patchray.distributed.bench.dit_bench --device $DEV --size $SIZE --ranks $W --ns $NS --preset flux1_1024 \
@@ -73,5 +82,7 @@ step e_flux_idle 70 python3 -m patchray.distributed.bench.dit_bench --device $DE
     --preset flux1_1024 --mode gathered --mode ulysses --alone-clock idle --deadline-s 45 --watchdog-s 60 \
     --timeout-s 65 --out "$R/dit_flux_idle.json"
 
+wait  # the optional alone check
+[ -f "$R/alone_check.log" ] && tail -n 6 "$R/alone_check.log" >> "$SUMMARY"
 echo "total $(( $(date +%s) - T0 )) s" | tee -a "$SUMMARY"
 pack
