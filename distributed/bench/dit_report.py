@@ -106,7 +106,7 @@ def format_table(report: dict) -> str:
             f"{max(p for p in r['peak_gib_by_rank'] if p is not None) if any(r['peak_gib_by_rank']) else nan:9.2f} "
             f"{rel if rel is not None else nan:9.2e}")
     lines.append(f"clock: {report.get('alone_clock')}; gpu/call = GPU time per call, issue/call = the CPU's issue time "
-                 "(per stage the slowest rank, stages without a host sync); * = launch-bound (the model uses the issue time)")
+                 "(per stage the slowest rank, queued stages); * = launch-bound (the model uses the issue time)")
     return "\n".join(lines)
 
 

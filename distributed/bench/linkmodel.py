@@ -200,11 +200,14 @@ def effective_compute(runs_by_rank: Sequence[Mapping], start: int = 0, stop: Opt
     ``gpu-prefilled`` clock (:mod:`.measure`) that is GPU time with no launch gaps, and a real run is bounded by
     the CPU as well: with asynchronous collectives the CPU runs ahead of the GPU across stages, so the run takes
     the longer of the GPU's work and the CPU's issuing. Per call (the stages given): ``launch_ms`` = per stage the
-    slowest rank's issue time (``launch_ms``), summed over the stages that issue without waiting on the device;
-    if it exceeds those stages' GPU time the run cannot keep the GPU fed and the modelled compute uses the CPU
-    time for them (``launch_bound``). Stages that wait on the device inside (``host_syncs``: their GPU time
-    already holds the launch gaps after the wait) count with their GPU time. Other clocks (``idle-start``,
-    ``cpu-wall``): ``compute_ms = gpu_ms``, no launch rule (an idle-start stage's time holds its launch time).
+    slowest rank's issue time (``launch_ms``), summed over the *queued* stages (every rank issued the whole stage
+    before its GPU reached it, so the issue time holds no wait); if it exceeds those stages' GPU time the run
+    cannot keep the GPU fed and the modelled compute uses the CPU time for them (``launch_bound``). The other
+    stages count with their GPU time: a stage that waits on the device inside (``host_syncs``), or whose issuing
+    overlapped its GPU work (a spin too short, or a launch queue that filled up and blocked the CPU), has an issue
+    time that holds waits, and a GPU time that already holds whatever gaps the CPU left. Other clocks
+    (``idle-start``, ``cpu-wall``): ``compute_ms = gpu_ms``, no launch rule (an idle-start stage's time holds its
+    launch time).
 
     Returns:
         ``{"compute_ms", "gpu_ms", "launch_ms", "launch_bound", "clock", "stages", "queued_stages",
@@ -222,18 +225,18 @@ def effective_compute(runs_by_rank: Sequence[Mapping], start: int = 0, stop: Opt
     launch = [list(r["launch_ms"])[start:stop] for r in runs_by_rank]
     syncs = [list(r.get("host_syncs") or [0] * len(r["compute_ms"]))[start:stop] for r in runs_by_rank]
     queued = [list(r.get("queued") or [False] * len(r["compute_ms"]))[start:stop] for r in runs_by_rank]
-    free_gpu = free_launch = synced_gpu = 0.0
+    free_gpu = free_launch = other_gpu = 0.0
     n_sync = n_queued = 0
     for k in range(len(lists[0])):
         g = max(c[k] for c in lists)
-        if any(s[k] for s in syncs):
-            synced_gpu += g
-            n_sync += 1
+        n_sync += any(s[k] for s in syncs)
+        if any(s[k] for s in syncs) or not all(q[k] for q in queued):
+            other_gpu += g
             continue
+        n_queued += 1
         free_gpu += g
         free_launch += max(l[k] for l in launch)
-        n_queued += all(q[k] for q in queued)
-    out.update(compute_ms=synced_gpu + max(free_gpu, free_launch), launch_ms=free_launch,
+    out.update(compute_ms=other_gpu + max(free_gpu, free_launch), launch_ms=free_launch,
                launch_bound=free_launch > free_gpu, queued_stages=n_queued, host_sync_stages=n_sync)
     return out
 

@@ -32,7 +32,9 @@ barrier. An error is caught and recorded per rank (an out-of-memory error as ``"
   copy: gloo's host staging of CUDA tensors, ``.item()``) cannot be prefilled: the GPU idles after the wait
   while the CPU issues the rest, and the stage's time then includes those gaps, as the old clock's did; such
   stages are counted (``host_syncs``, from PyTorch's CUDA sync debug mode) and get a 1 ms spin only. The link
-  model uses the GPU time and applies the launch bound per call (:func:`.linkmodel.effective_compute`).
+  model uses the GPU time and applies the launch bound per call over the queued stages
+  (:func:`.linkmodel.effective_compute`; a stage of more launches than CUDA's launch queue holds blocks the CPU
+  until the GPU drains it, is then not queued, and counts with its GPU time).
   ``clock="idle"`` keeps the earlier clock (``idle-start``: GPU time including launch gaps). CPU ranks have no
   queue: their clock is wall time (``cpu-wall``), unchanged.
 * **The unsharded reference runs on one rank** (:func:`measure_on_one_rank`): a speed-up's denominator is one

@@ -56,6 +56,18 @@ def test_host_synchronising_stages_count_with_their_gpu_time():
     assert eff["host_sync_stages"] == 1 and eff["queued_stages"] == 2
 
 
+def test_stages_not_queued_count_with_their_gpu_time():
+    # stage 1 was not fully queued before the GPU reached it (its issuing overlapped its GPU work: a full launch
+    # queue or a spin too short), so its issue time holds waits: its GPU time counts, its issue time does not
+    a = _run([1.0, 9.0, 1.0], [1.5, 12.0, 1.5], queued=[True, False, True])
+    b = _run([1.0, 8.0, 1.0], [1.0, 11.0, 1.0], queued=[True, True, True])
+    eff = effective_compute([a, b])
+    # queued stages 0 and 2: GPU 1 + 1 = 2, issue 1.5 + 1.5 = 3: launch-bound there; stage 1: GPU 9
+    assert eff["gpu_ms"] == 11.0 and eff["launch_ms"] == 3.0
+    assert eff["compute_ms"] == 9.0 + 3.0 and eff["launch_bound"] is True
+    assert eff["queued_stages"] == 2 and eff["host_sync_stages"] == 0
+
+
 def test_other_clocks_have_no_launch_rule():
     idle = _run([1.0, 1.0], [5.0, 5.0], clock="idle-start")
     cpu = {"compute_ms": [1.0, 1.0], "cpu_ms": [1.0, 1.0], "comm_ms": [0.1], "wire_bytes": [0], "ops": ["x"], "marks": []}
