@@ -10,7 +10,7 @@ count N it measures PatchRay's exact modes on N rank processes sharing one devic
 
 Per case: the bytes per step (comm's accounting of one logged call: counted bytes per operation, and the bytes each
 rank puts on its link), the per-rank peak device memory, each rank's compute per call **measured alone** (the ranks
-take turns between collectives, ``measure.take_turns``; on CUDA the GPU time with the launch queue prefilled, and
+take turns between collectives, ``turns.take_turns``; on CUDA the GPU time with the launch queue prefilled, and
 the CPU's issue time beside it: ``--alone-clock``), and the **modelled** latency per step for every link profile of
 ``topology.links`` (per stage the slowest rank's compute, the CPU's issue time instead where it is longer per call,
 + per collective the slowest rank's ``latency + bytes / bandwidth``, doubled via host: ``linkmodel.model_alone``),
@@ -73,7 +73,7 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
         raise ValueError(f"cfg_inner must be 'gathered' or 'ulysses' (got {cfg_inner!r})")
     if size not in ("full", "tiny"):
         raise ValueError(f"size must be 'full' or 'tiny' (got {size!r})")
-    from .measure import ALONE_CLOCKS, resolve_clock
+    from .turns import ALONE_CLOCKS, resolve_clock
 
     if alone_clock not in ALONE_CLOCKS:
         raise ValueError(f"alone_clock must be one of {list(ALONE_CLOCKS)} (got {alone_clock!r})")

@@ -8,7 +8,7 @@ Design decisions:
   preset. Rank 0 writes the JSON after every case (a run cut short still leaves its data), and a deadline
   (``--deadline-s``) skips the remaining cases, decided on rank 0 and shared, so every rank takes the same branch.
 * **Compute measured alone, on the clock asked for.** Every call runs with the ranks taking turns
-  (:func:`.measure.take_turns`); the warm-up and timed calls of one case share one :class:`.measure.Prefill`, so
+  (:func:`.turns.take_turns`); the warm-up and timed calls of one case share one :class:`.turns.Prefill`, so
   on CUDA the timed calls' spins are sized from the warm-up's issue times (``--alone-clock prefilled``, the
   default: GPU time with the launch queue filled ahead, and the CPU's issue time beside it).
 """
@@ -93,7 +93,8 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
     from ..comm import barrier, log_comm
     from ..sampling.dit import parallelize_dit
     from ..sampling.split import cfg_parallel
-    from .measure import Prefill, _read_peak, _reset_peak, take_turns
+    from .measure import _read_peak, _reset_peak
+    from .turns import Prefill, take_turns
 
     device = ctx.device
     handle = None

@@ -177,7 +177,7 @@ def time_comm(synchronize=None) -> Iterator[dict]:
 
 
 # --------------------------------------------------------------------------------------------------
-# turn-taking runs (measure.take_turns): each rank's compute measured alone, stage by stage
+# turn-taking runs (turns.take_turns): each rank's compute measured alone, stage by stage
 
 
 def stage_compute_ms(compute_by_rank: Sequence[Sequence[float]]) -> float:
@@ -197,7 +197,7 @@ def effective_compute(runs_by_rank: Sequence[Mapping], start: int = 0, stop: Opt
     """The compute of stages ``[start, stop)`` of one run on N devices, with the launch bound of a prefilled clock.
 
     ``gpu_ms``: per stage the slowest rank's ``compute_ms``, summed (:func:`stage_compute_ms`). With the
-    ``gpu-prefilled`` clock (:mod:`.measure`) that is GPU time with no launch gaps, and a real run is bounded by
+    ``gpu-prefilled`` clock (:mod:`.turns`) that is GPU time with no launch gaps, and a real run is bounded by
     the CPU as well: with asynchronous collectives the CPU runs ahead of the GPU across stages, so the run takes
     the longer of the GPU's work and the CPU's issuing. Per call (the stages given): ``launch_ms`` = per stage the
     slowest rank's issue time (``launch_ms``), summed over the *queued* stages (every rank issued the whole stage

@@ -130,7 +130,7 @@ def _sync(device):
 def _run_case(ctx, unet, plan, case: Optional[str], alone: bool = False) -> dict:
     """Sample once; ``case=None`` is the single-rank reference (unpatched model).
 
-    ``alone``: the ranks take turns between collectives (:func:`.measure.take_turns`), each step's end closing a
+    ``alone``: the ranks take turns between collectives (:func:`.turns.take_turns`), each step's end closing a
     stage, so each rank's compute per step is measured with the device to itself (returned under ``"alone"``).
     """
     from ..comm import log_comm
@@ -193,7 +193,7 @@ def _run_case(ctx, unet, plan, case: Optional[str], alone: bool = False) -> dict
         import contextlib
 
         cm = time_comm(sync_fn) if (time_comm is not None and case is not None) else contextlib.nullcontext({"ms": 0.0})
-        from .measure import take_turns
+        from .turns import take_turns
 
         turns_cm = (take_turns(ctx, lambda: _sync(device), plan.get("alone_clock", "prefilled")) if alone
                     else contextlib.nullcontext(None))
@@ -426,7 +426,7 @@ def run_sample_bench(
             timing = "both" if ranks > (os.cpu_count() or 1) else "concurrent"
     if timing not in ("concurrent", "alone", "both"):
         raise ValueError(f"timing must be auto, concurrent, alone or both (got {timing!r})")
-    from .measure import ALONE_CLOCKS
+    from .turns import ALONE_CLOCKS
 
     if alone_clock not in ALONE_CLOCKS:
         raise ValueError(f"alone_clock must be one of {list(ALONE_CLOCKS)} (got {alone_clock!r})")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from patchray.distributed.bench.linkmodel import effective_compute, model_alone, summarise_alone
-from patchray.distributed.bench.measure import Prefill, resolve_clock
+from patchray.distributed.bench.turns import Prefill, resolve_clock
 from patchray.distributed.bench.sample_bench import _alone_steps
 from patchray.distributed.topology.links import LinkProfile
 
@@ -123,7 +123,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @cuda
 def test_spin_calibration_matches_cuda_events():
-    from patchray.distributed.bench.measure import GpuSpin
+    from patchray.distributed.bench.turns import GpuSpin
 
     dev = torch.device("cuda", torch.cuda.current_device())
     assert GpuSpin.cycles_per_ms(dev) > 1e5  # a GPU clock above 100 MHz
@@ -141,7 +141,7 @@ def test_spin_calibration_matches_cuda_events():
 @cuda
 def test_prefilled_clock_times_the_gpu_without_launch_gaps():
     """Many tiny kernels: from an idle GPU the stage takes about the CPU's issue time; behind a spin, far less."""
-    from patchray.distributed.bench.measure import take_turns
+    from patchray.distributed.bench.turns import take_turns
     from patchray.distributed.context import ParallelContext
 
     ctx = ParallelContext.single(torch.device("cuda", torch.cuda.current_device()))
