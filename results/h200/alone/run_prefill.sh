@@ -55,6 +55,9 @@ if [ "${ALONE_CHECK:-0}" = 1 ] && [ "$(nproc)" -ge 16 ]; then
         --height 256 --width 256 --rounds 3 --out "$R/alone_check_kl256.json" > "$R/alone_check.log" 2>&1) &
 fi
 
+# the prefilled clock's own checks on the device (spin calibration; a 400-kernel stage timed without launch gaps)
+step t_clock_tests 40 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_prefill.py
+
 # (a) FLUX.1-dev 1024x1024, N = 1, 2, 4, every exact mode (cfg, gathered, ulysses, cfg x seq2), prefilled clock (~100 s)
 step a_flux 150 python3 -m patchray.distributed.bench.dit_bench --device $DEV --size $SIZE --ranks $W --ns $NS --preset flux1_1024 \
     --alone-clock prefilled --deadline-s 110 --watchdog-s 90 --timeout-s 140 --out "$R/dit_flux_prefilled.json"
