@@ -3,7 +3,7 @@
 On CPU ranks with real gloo communication, each round runs the same row decode twice on the same N rank processes:
 
 * **measured**: the ranks decode at once (after a barrier), the latency is the slowest rank's wall time;
-* **modelled**: the ranks take turns (:func:`.measure.take_turns`): each stage's compute is timed with the core to
+* **modelled**: the ranks take turns (:func:`.turns.take_turns`): each stage's compute is timed with the core to
   itself and each collective is timed with every rank inside it; the modelled latency is the sum over stages of
   the slowest rank's compute plus the sum over collectives of the slowest rank's measured collective time.
 
@@ -53,7 +53,7 @@ def check_rank(ctx, plan: dict) -> dict:
     from ..comm import all_reduce, barrier
     from ..vae.families import build_vae, latent_shape
     from ..vae.row import row_decode
-    from .measure import take_turns
+    from .turns import take_turns
 
     torch.set_num_threads(1)
     pinned = _pin(ctx.rank) if plan["pin"] else []
@@ -190,7 +190,7 @@ def run_check(ranks: Sequence[int], family: str = "kl", height: int = 256, width
         "family": family, "size": size, "shape": {"height": height, "width": width},
         "dtype": "fp32", "device": "cpu", "threads_per_rank": 1, "pinned": pin,
         "rounds": rounds, "warmup": warmup,
-        "method": "turn-taking (distributed/bench/measure.py take_turns) vs a concurrent run of the same ranks",
+        "method": "turn-taking (distributed/bench/turns.py take_turns) vs a concurrent run of the same ranks",
         "checks": checks,
         "wall_s": round(time.time() - started, 1),
         "provenance": provenance.collect(torch.device("cpu")),

@@ -43,6 +43,7 @@ __all__ = [
     "time_comm",
     "call_wire_bytes",
     "stage_compute_ms",
+    "effective_compute",
     "model_alone",
     "summarise_alone",
 ]
@@ -176,7 +177,7 @@ def time_comm(synchronize=None) -> Iterator[dict]:
 
 
 # --------------------------------------------------------------------------------------------------
-# turn-taking runs (measure.take_turns): each rank's compute measured alone, stage by stage
+# turn-taking runs (turns.take_turns): each rank's compute measured alone, stage by stage
 
 
 def stage_compute_ms(compute_by_rank: Sequence[Sequence[float]]) -> float:
@@ -192,6 +193,54 @@ def stage_compute_ms(compute_by_rank: Sequence[Sequence[float]]) -> float:
     return float(sum(max(col) for col in zip(*compute_by_rank)))
 
 
+def effective_compute(runs_by_rank: Sequence[Mapping], start: int = 0, stop: Optional[int] = None) -> dict:
+    """The compute of stages ``[start, stop)`` of one run on N devices, with the launch bound of a prefilled clock.
+
+    ``gpu_ms``: per stage the slowest rank's ``compute_ms``, summed (:func:`stage_compute_ms`). With the
+    ``gpu-prefilled`` clock (:mod:`.turns`) that is GPU time with no launch gaps, and a real run is bounded by
+    the CPU as well: with asynchronous collectives the CPU runs ahead of the GPU across stages, so the run takes
+    the longer of the GPU's work and the CPU's issuing. Per call (the stages given): ``launch_ms`` = per stage the
+    slowest rank's issue time (``launch_ms``), summed over the *queued* stages (every rank issued the whole stage
+    before its GPU reached it, so the issue time holds no wait); if it exceeds those stages' GPU time the run
+    cannot keep the GPU fed and the modelled compute uses the CPU time for them (``launch_bound``). The other
+    stages count with their GPU time: a stage that waits on the device inside (``host_syncs``), or whose issuing
+    overlapped its GPU work (a spin too short, or a launch queue that filled up and blocked the CPU), has an issue
+    time that holds waits, and a GPU time that already holds whatever gaps the CPU left. Other clocks
+    (``idle-start``, ``cpu-wall``): ``compute_ms = gpu_ms``, no launch rule (an idle-start stage's time holds its
+    launch time).
+
+    Returns:
+        ``{"compute_ms", "gpu_ms", "launch_ms", "launch_bound", "clock", "stages", "queued_stages",
+        "host_sync_stages"}`` (``launch_ms`` and the counts ``None`` where the clock has none).
+    """
+    lists = [list(r["compute_ms"])[start:stop] for r in runs_by_rank]
+    gpu = stage_compute_ms(lists)
+    clocks = {r.get("clock", "cpu-wall") for r in runs_by_rank}
+    clock = clocks.pop() if len(clocks) == 1 else "mixed"
+    out = {"compute_ms": gpu, "gpu_ms": gpu, "launch_ms": None, "launch_bound": False, "clock": clock,
+           "stages": len(lists[0]) if lists else 0, "queued_stages": None, "host_sync_stages": None}
+    aligned = len({len(c) for c in lists}) == 1
+    if clock != "gpu-prefilled" or not aligned or not all("launch_ms" in r for r in runs_by_rank):
+        return out
+    launch = [list(r["launch_ms"])[start:stop] for r in runs_by_rank]
+    syncs = [list(r.get("host_syncs") or [0] * len(r["compute_ms"]))[start:stop] for r in runs_by_rank]
+    queued = [list(r.get("queued") or [False] * len(r["compute_ms"]))[start:stop] for r in runs_by_rank]
+    free_gpu = free_launch = other_gpu = 0.0
+    n_sync = n_queued = 0
+    for k in range(len(lists[0])):
+        g = max(c[k] for c in lists)
+        n_sync += any(s[k] for s in syncs)
+        if any(s[k] for s in syncs) or not all(q[k] for q in queued):
+            other_gpu += g
+            continue
+        n_queued += 1
+        free_gpu += g
+        free_launch += max(l[k] for l in launch)
+    out.update(compute_ms=other_gpu + max(free_gpu, free_launch), launch_ms=free_launch,
+               launch_bound=free_launch > free_gpu, queued_stages=n_queued, host_sync_stages=n_sync)
+    return out
+
+
 def _comm_model_ms(wire_by_rank: Sequence[Sequence[int]], profile) -> float:
     p = get_profile(profile)
     if len({len(w) for w in wire_by_rank}) != 1:  # not the same calls: each rank's own sum, the slowest
@@ -202,10 +251,12 @@ def _comm_model_ms(wire_by_rank: Sequence[Sequence[int]], profile) -> float:
 def model_alone(runs_by_rank: Sequence[Mapping], world_size: int, profiles: Optional[Sequence[str]] = None) -> Dict[str, float]:
     """``{profile: modelled_ms}`` of one turn-taking invocation (one :meth:`TurnTaking.to_dict` per rank).
 
-    Modelled latency = per stage the slowest rank's compute (measured alone), plus per collective the slowest
-    rank's modelled transfer (``latency + wire_bytes / bandwidth``, doubled via host), summed.
+    Modelled latency = the call's compute (:func:`effective_compute`: per stage the slowest rank's compute measured
+    alone, summed; with the prefilled GPU clock, the CPU's issue time instead where it exceeds the GPU time), plus
+    per collective the slowest rank's modelled transfer (``latency + wire_bytes / bandwidth``, doubled via host),
+    summed.
     """
-    compute = stage_compute_ms([r["compute_ms"] for r in runs_by_rank])
+    compute = effective_compute(runs_by_rank)["compute_ms"]
     out = {}
     for name in profiles or LINK_PROFILES:
         comm = _comm_model_ms([r["wire_bytes"] for r in runs_by_rank], name) if world_size > 1 else 0.0
@@ -230,7 +281,9 @@ def summarise_alone(runs_by_rank: Sequence[Sequence[Mapping]], world_size: int) 
     """
     iters = min(len(r) for r in runs_by_rank)
     per_iter = [[runs_by_rank[r][i] for r in range(len(runs_by_rank))] for i in range(iters)]
-    compute = [stage_compute_ms([x["compute_ms"] for x in it]) for it in per_iter]
+    eff = [effective_compute(it) for it in per_iter]
+    compute = [e["compute_ms"] for e in eff]
+    gpu = [e["gpu_ms"] for e in eff]
     cpu = [stage_compute_ms([x["cpu_ms"] for x in it]) for it in per_iter]
 
     def comm_measured(it):
@@ -242,17 +295,38 @@ def summarise_alone(runs_by_rank: Sequence[Sequence[Mapping]], world_size: int) 
     comm = [comm_measured(it) for it in per_iter]
     models = [model_alone(it, world_size) for it in per_iter]
     first = per_iter[0] if per_iter else []
+    clock = eff[0]["clock"] if eff else None
+    launch = [e["launch_ms"] for e in eff if e["launch_ms"] is not None]
+    notes = {
+        "gpu-prefilled": ("ranks computed one at a time between collectives (each with the device to itself); each "
+                          "stage's GPU time measured behind a prefilled launch queue (no launch gaps), its CPU issue "
+                          "time beside it; compute_ms = per call the longer of the GPU time and the CPU's issue time "
+                          "(launch bound), per stage the slowest rank; latency figures here are modelled"),
+        "idle-start": ("ranks computed one at a time between collectives (each with the device to itself); each stage "
+                       "timed from an idle GPU (CUDA events), so its time includes the CPU's launch time; compute_ms "
+                       "is the sum over stages of the slowest rank's stage; latency figures here are modelled"),
+    }
     return {
         "method": "turn-taking",
+        "clock": clock,
         "modelled": True,
-        "note": ("ranks computed one at a time between collectives (each with the device to itself); compute_ms is "
-                 "the sum over stages of the slowest rank's stage; latency figures here are modelled"),
+        "note": notes.get(clock, "ranks computed one at a time between collectives (each with the device to itself); "
+                                 "compute_ms is the sum over stages of the slowest rank's stage; latency figures here "
+                                 "are modelled"),
         "iterations": iters,
         "stages": len(first[0]["compute_ms"]) if first else None,
         "collectives": len(first[0]["comm_ms"]) if first else None,
         "compute_ms": _median(compute),
         "compute_ms_iterations": [round(c, 3) for c in compute],
         "compute_ms_by_rank": [_median([sum(x["compute_ms"]) for x in runs]) for runs in runs_by_rank],
+        "gpu_ms": _median(gpu) if clock != "cpu-wall" else None,
+        "launch_ms": _median(launch) if launch else None,
+        "launch_ms_by_rank": ([_median([sum(x["launch_ms"]) for x in runs]) for runs in runs_by_rank]
+                              if all("launch_ms" in x for runs in runs_by_rank for x in runs) else None),
+        "launch_bound": any(e["launch_bound"] for e in eff) if eff else False,
+        "launch_bound_iterations": sum(bool(e["launch_bound"]) for e in eff),
+        "queued_stages": eff[0]["queued_stages"] if eff else None,
+        "host_sync_stages": eff[0]["host_sync_stages"] if eff else None,
         "cpu_compute_ms": _median(cpu),
         "comm_ms_measured": _median(comm),
         "latency_ms_modelled_measured_comm": _median([a + b for a, b in zip(compute, comm)]),

@@ -7,17 +7,9 @@ Design decisions:
 :func:`.linkmodel.time_comm`, for the link model), then timed iterations with logging off, each preceded by a
 barrier. An error is caught and recorded per rank (an out-of-memory error as ``"oom"``), so the ranks move on
   together to the next case.
-* **One rank's compute, measured alone (turn-taking).** When N ranks share one device (N ranks on one GPU, or
-  more rank threads than CPU cores), a rank's time measured while its peers run concurrently is the time of a
-  *shared* device, not of its own. :func:`take_turns` makes the ranks compute one at a time: the work between two
-  collectives (a *stage*) runs on rank 0 while the others wait, then on rank 1, ..., and then every rank enters the
-  collective together, so each stage's compute is timed with the device to itself (CUDA events on GPU,
-  ``time.perf_counter`` on CPU) and each collective is timed separately, with no peer's compute inside it. The
-  baton is N barriers per stage (rank r waits at r of them before computing and at N - r after), made through
-  :func:`~patchray.distributed.comm.uncounted_barrier`, so the hooks of the interception layer never count or
-  time it. The modelled N-device latency then sums, stage by stage, the slowest rank's compute and the
-  communication modelled from the bytes each call moved (:func:`.linkmodel.model_alone`): the ranks meet at
-  every collective, so a stage ends when its slowest rank does.
+* **One rank's compute, measured alone (turn-taking)**: :mod:`.turns` (re-exported here: :func:`take_turns`,
+  :func:`measure_alone`, :class:`TurnTaking`, the clocks). ``--timing alone|both`` adds ``measure_alone``'s
+  invocations to a case.
 * **The unsharded reference runs on one rank** (:func:`measure_on_one_rank`): a speed-up's denominator is one
   device's decode, so rank 0 measures it as a one-rank run while the other ranks wait at one bounded barrier.
   Run on every rank at once, N full decodes would compete for the same CPU cores or GPU and inflate the
@@ -31,23 +23,19 @@ import gc
 import os
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..comm import CommCall, barrier, bounded_barrier, intercept, log_comm, tensor_bytes, uncounted_barrier
+from ..comm import barrier, bounded_barrier, log_comm, tensor_bytes
 from ..context import ParallelContext
-from .linkmodel import call_wire_bytes, time_comm
+from .linkmodel import time_comm
 from .options import Options
+from .turns import (ALONE_CLOCKS, GpuSpin, Prefill, TurnTaking, _completed, _group_size, measure_alone, resolve_clock,
+                    sync_fn, take_turns)
 
 __all__ = ["sync_fn", "classify_error", "error_record", "memory_cap", "unique_path", "measure", "TurnTaking",
-           "take_turns", "measure_alone", "measure_on_one_rank"]
-
-
-def sync_fn(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
+           "take_turns", "measure_alone", "measure_on_one_rank", "GpuSpin", "Prefill", "ALONE_CLOCKS", "resolve_clock"]
 
 
 class _Timer:
@@ -190,141 +178,6 @@ def _profile_once(fn, opts: Options, ctx, stem: str) -> dict:
     return {"files": files}
 
 
-class TurnTaking:
-    """The per-rank record of one turn-taking run (see the module docstring), and the hook that takes the turns.
-
-    Attributes:
-        compute_ms: this rank's compute per stage, in order (a stage ends at a top-level collective, at a
-            :meth:`mark` or at the end of the run).
-        cpu_ms: the process CPU time of the same stages (a diagnostic: on a loaded CPU machine wall time includes
-            the time other processes held the core).
-        comm_ms: each top-level collective's time (every rank enters it together).
-        wire_bytes: each collective's bytes on this rank's link (:func:`.linkmodel.call_wire_bytes`).
-        ops: each collective's operation name.
-        marks: stage indices where :meth:`mark` split the run (a sampling step's end).
-    """
-
-    def __init__(self, ctx, sync: Callable[[], None]):
-        self.ctx, self.sync = ctx, sync
-        self.cuda = ctx.device.type == "cuda"
-        self.compute_ms: List[float] = []
-        self.cpu_ms: List[float] = []
-        self.comm_ms: List[float] = []
-        self.wire_bytes: List[int] = []
-        self.ops: List[str] = []
-        self.marks: List[int] = []
-        self._start_event = None
-        self._t0 = self._c0 = 0.0
-
-    def _clock(self) -> None:
-        if self.cuda:
-            self._start_event = torch.cuda.Event(enable_timing=True)
-            self._start_event.record()
-        self._t0, self._c0 = time.perf_counter(), time.process_time()
-
-    def _lap(self) -> None:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            end.synchronize()
-            ms = float(self._start_event.elapsed_time(end))
-        else:
-            ms = (time.perf_counter() - self._t0) * 1e3
-        self.compute_ms.append(ms)
-        self.cpu_ms.append((time.process_time() - self._c0) * 1e3)
-
-    def begin_turn(self) -> None:
-        """Wait for this rank's turn (rank r waits at r barriers), then start the stage's clock."""
-        for _ in range(self.ctx.rank):
-            uncounted_barrier(self.ctx)
-        self._clock()
-
-    def end_turn(self) -> None:
-        """Stop the clock (after the device finished), then pass the baton and wait for every rank's turn."""
-        self._lap()
-        for _ in range(self.ctx.world_size - self.ctx.rank):
-            uncounted_barrier(self.ctx)
-
-    def mark(self) -> None:
-        """Close the running stage here without passing the baton (a step boundary, the same on every rank)."""
-        self._lap()
-        self.marks.append(len(self.compute_ms))
-        self._clock()
-
-    def hook(self, call: CommCall, proceed):
-        if call.batched:
-            return proceed()  # part of a top-level call: timed with it
-        self.end_turn()
-        self.sync()
-        start = time.perf_counter()
-        result = proceed()
-        result = _completed(result)
-        self.sync()
-        self.comm_ms.append((time.perf_counter() - start) * 1e3)
-        self.wire_bytes.append(call_wire_bytes(call, _group_size(call, self.ctx.world_size)))
-        self.ops.append(call.op)
-        self.begin_turn()
-        return result
-
-    def to_dict(self) -> dict:
-        return {"compute_ms": [round(x, 4) for x in self.compute_ms], "cpu_ms": [round(x, 4) for x in self.cpu_ms],
-                "comm_ms": [round(x, 4) for x in self.comm_ms], "wire_bytes": list(self.wire_bytes),
-                "ops": list(self.ops), "marks": list(self.marks)}
-
-
-def _group_size(call: CommCall, default: int) -> int:
-    """The size of the group a call ran on (a subgroup inside the turn-taking group: CFG x sequence), else ``default``."""
-    size = getattr(call.kwargs.get("group"), "size", None)
-    try:
-        return int(size()) if callable(size) else default
-    except Exception:  # a group object without a size: the turn-taking group's
-        return default
-
-
-def _completed(result):
-    """Wait for an asynchronous call's work (one, or a list from ``batch_isend_irecv``) so its time is billed here."""
-    from .linkmodel import _Done
-
-    if isinstance(result, list) and result and all(hasattr(w, "wait") for w in result):
-        for work in result:
-            work.wait()
-        return [_Done(w) for w in result]
-    if result is not None and hasattr(result, "wait") and hasattr(result, "is_completed"):
-        result.wait()
-        return _Done(result)
-    return result
-
-
-@contextlib.contextmanager
-def take_turns(ctx, sync: Optional[Callable[[], None]] = None):
-    """Run the block with the ranks computing one at a time between collectives; yields the :class:`TurnTaking`.
-
-    Every rank must run the same collectives inside the block (as every SPMD body does). On one rank it only
-    times the block as one stage.
-    """
-    sync = sync or sync_fn(ctx.device)
-    turns = TurnTaking(ctx, sync)
-    sync()
-    turns.begin_turn()
-    with intercept(turns.hook):
-        yield turns
-    sync()
-    turns.end_turn()
-
-
-def measure_alone(ctx, fn: Callable[[], Any], iters: int) -> List[dict]:
-    """``iters`` turn-taking invocations of ``fn``; this rank's :meth:`TurnTaking.to_dict` for each."""
-    sync = sync_fn(ctx.device)
-    runs = []
-    for _ in range(iters):
-        barrier(ctx)
-        sync()
-        with take_turns(ctx, sync) as turns:
-            fn()
-        runs.append(turns.to_dict())
-    return runs
-
-
 def measure(ctx, opts: Options, fn: Callable[[], Any], stem: str) -> Tuple[dict, Any]:
     """Warm up, log one invocation, time ``opts.iters``; return this rank's measurements and the logged output."""
     sync = sync_fn(ctx.device)
@@ -355,7 +208,7 @@ def measure(ctx, opts: Options, fn: Callable[[], Any], stem: str) -> Tuple[dict,
             ms, _ = timer.time_ms(fn)
             m["times_ms"].append(ms)
         if timing in ("alone", "both"):
-            m["alone"] = measure_alone(ctx, fn, opts.iters)
+            m["alone"] = measure_alone(ctx, fn, opts.iters, getattr(opts, "alone_clock", "prefilled"))
         m["peak"] = _read_peak(ctx.device)
         if opts.profile or opts.profile_trace or opts.profile_memory:
             barrier(ctx)

@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="concurrent: ranks run at once (latency_ms); alone: ranks also take turns so each rank's compute "
                         "is timed with the device to itself (the 'alone' block, the link model's basis); auto: both when "
                         "the ranks share a device (more ranks than GPUs, or more rank threads than CPU cores)")
+    p.add_argument("--alone-clock", choices=("prefilled", "idle"), default="prefilled",
+                   help="CUDA turn-taking clock: prefilled (each stage's GPU time with the launch queue filled ahead "
+                        "of it, and the CPU's issue time beside it; the link model takes the longer per invocation) "
+                        "or idle (each stage timed from an idle GPU, launch gaps included: the earlier clock). CPU "
+                        "ranks always time wall clock")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="bound on the whole run on the ranks")
     return p
 
@@ -155,6 +160,7 @@ class Options:
     threads: Optional[int]
     timeout_s: float
     timing: str = "concurrent"
+    alone_clock: str = "prefilled"
     defaults_used: str = ""
     progress_path: Optional[str] = None
     torchrun: bool = False
@@ -323,5 +329,6 @@ def resolve_options(args: argparse.Namespace, cuda_available: Optional[bool] = N
         address=args.address,
         link=args.link, max_memory_mb=args.max_memory_mb, reference_limit_mpix=args.reference_limit_mpix,
         row_tolerance=args.row_tolerance, threads=args.threads, timeout_s=args.timeout_s, timing=timing,
+        alone_clock=getattr(args, "alone_clock", "prefilled") or "prefilled",
         defaults_used=defaults_used, torchrun=torchrun, hw_family=hw_family(),
     )

@@ -199,6 +199,7 @@ def base_record(opts: Options, spec, shape, case: Case, world: int, prov) -> dic
         "link_model": None,
         "link_model_basis": None,
         "timing": getattr(opts, "timing", "concurrent"),
+        "alone_clock": getattr(opts, "alone_clock", "prefilled") if getattr(opts, "timing", "concurrent") != "concurrent" else None,
         "alone": None,
         "link": None,
         "memory_cap_mb": opts.max_memory_mb,

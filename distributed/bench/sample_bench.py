@@ -130,7 +130,7 @@ def _sync(device):
 def _run_case(ctx, unet, plan, case: Optional[str], alone: bool = False) -> dict:
     """Sample once; ``case=None`` is the single-rank reference (unpatched model).
 
-    ``alone``: the ranks take turns between collectives (:func:`.measure.take_turns`), each step's end closing a
+    ``alone``: the ranks take turns between collectives (:func:`.turns.take_turns`), each step's end closing a
     stage, so each rank's compute per step is measured with the device to itself (returned under ``"alone"``).
     """
     from ..comm import log_comm
@@ -166,7 +166,11 @@ def _run_case(ctx, unet, plan, case: Optional[str], alone: bool = False) -> dict
         return out
 
     def on_step(i):
-        _sync(device)
+        turns = state.get("turns")
+        if turns is not None:
+            turns.close_stage()  # before any host wait: the stage's issue time ends at its last launch
+        else:
+            _sync(device)
         now = time.perf_counter()
         step_ms.append((now - last[0]) * 1e3)
         last[0] = now
@@ -178,8 +182,8 @@ def _run_case(ctx, unet, plan, case: Optional[str], alone: bool = False) -> dict
             state["snap"] = snap
         if state["comm"] is not None:
             comm_ms.append(state["comm"]["ms"] - sum(comm_ms))
-        if state.get("turns") is not None:
-            state["turns"].mark()
+        if turns is not None:
+            turns.open_stage()
 
     # No synchronisation around communication calls: it would serialise displaced mode's asynchronous all-gathers
     # and hide the overlap being measured. On CUDA an NCCL call returns once enqueued, so "compute" then includes
@@ -189,9 +193,10 @@ def _run_case(ctx, unet, plan, case: Optional[str], alone: bool = False) -> dict
         import contextlib
 
         cm = time_comm(sync_fn) if (time_comm is not None and case is not None) else contextlib.nullcontext({"ms": 0.0})
-        from .measure import take_turns
+        from .turns import take_turns
 
-        turns_cm = take_turns(ctx, lambda: _sync(device)) if alone else contextlib.nullcontext(None)
+        turns_cm = (take_turns(ctx, lambda: _sync(device), plan.get("alone_clock", "prefilled")) if alone
+                    else contextlib.nullcontext(None))
         with cm as comm_stats, turns_cm as turns:
             state["comm"] = comm_stats
             state["turns"] = turns
@@ -233,8 +238,14 @@ def _bench_all(ctx, plan) -> dict:
         case, split = key.rsplit("@", 1)
         if device.type == "cuda":  # kernels and autotuning for the band shapes, outside the timed run
             _run_case(ctx, unet, dict(plan, split=split == "split", steps=2), case)
+        timing = plan.get("timing", "concurrent")
+        if timing == "alone" and ctx.world_size > 1:
+            # only the turn-taking run: its bytes, agreement and per-step compute alone are the case's figures;
+            # its step times are turn-taking wall time, not a latency (the record says so)
+            out["cases"][key] = _run_case(ctx, unet, dict(plan, split=split == "split"), case, alone=True)
+            continue
         out["cases"][key] = _run_case(ctx, unet, dict(plan, split=split == "split"), case)
-        if plan.get("timing", "concurrent") in ("alone", "both") and ctx.world_size > 1:
+        if timing in ("alone", "both") and ctx.world_size > 1:
             out["cases"][key]["alone"] = _run_case(ctx, unet, dict(plan, split=split == "split"), case, alone=True)["alone"]
     return out
 
@@ -265,6 +276,7 @@ def _summarise(key: str, per_rank: List[dict], ref: dict, ref_latent, plan, prof
 
     steps = len(per_rank[0]["step_ms"])
     step_ms = [max(r["step_ms"][i] for r in per_rank) for i in range(steps)]
+    turns_only = plan.get("timing") == "alone" and len(per_rank) > 1
     # per rank and step: bytes by kind; report the busiest rank's per-step bytes and the mean over ranks
     bytes_by_kind = {k: [max(r["traffic"][i]["bytes"].get(k, 0) for r in per_rank) for i in range(steps)] for k in KINDS}
     async_by_step = [max(sum(r["traffic"][i]["async_bytes"].values()) for r in per_rank) for i in range(steps)]
@@ -273,6 +285,7 @@ def _summarise(key: str, per_rank: List[dict], ref: dict, ref_latent, plan, prof
     compute_by_step = [max(r["step_ms"][i] - r["comm_ms"][i] for r in per_rank) for i in range(steps)]
     compute_concurrent = list(compute_by_step)
     alone_steps = _alone_steps([r.get("alone") for r in per_rank], steps)
+    alone_detail = _alone_steps([r.get("alone") for r in per_rank], steps, detail=True)
     compute_basis = "concurrent"
     if alone_steps is not None:
         compute_by_step, compute_basis = alone_steps, "alone"
@@ -312,11 +325,18 @@ def _summarise(key: str, per_rank: List[dict], ref: dict, ref_latent, plan, prof
         "per_step_ms": step_ms,
         "total_ms": sum(step_ms),
         "median_step_ms": sorted(step_ms)[steps // 2],
-        "measured_speedup": (sum(ref["step_ms"]) / sum(step_ms)) if sum(step_ms) else None,
+        "measured_speedup": ((sum(ref["step_ms"]) / sum(step_ms)) if sum(step_ms) else None) if not turns_only else None,
+        "per_step_ms_basis": ("turn-taking wall time (the ranks computed one at a time: not a latency)" if turns_only
+                              else "the slowest rank's step, ranks at once"),
         "compute_ms_per_step": compute_by_step,
         "compute_basis": compute_basis,
         "compute_ms_per_step_concurrent": compute_concurrent,
         "compute_ms_per_step_alone": alone_steps,
+        "alone_clock": (per_rank[0].get("alone") or {}).get("clock"),
+        "alone_gpu_ms_per_step": [d["gpu_ms"] for d in alone_detail] if alone_detail else None,
+        "alone_launch_ms_per_step": [d["launch_ms"] for d in alone_detail] if alone_detail else None,
+        "alone_launch_bound_steps": sum(bool(d["launch_bound"]) for d in alone_detail) if alone_detail else None,
+        "alone_host_sync_stages": sum(d["host_sync_stages"] or 0 for d in alone_detail) if alone_detail else None,
         "bytes_per_step": bytes_by_kind,
         "bytes_per_step_total": total_by_step,
         "mean_bytes_per_step": {k: sum(v) / steps for k, v in bytes_by_kind.items()},
@@ -333,12 +353,17 @@ def _summarise(key: str, per_rank: List[dict], ref: dict, ref_latent, plan, prof
     return rec
 
 
-def _alone_steps(alone: List[Optional[dict]], steps: int) -> Optional[List[float]]:
-    """Per step: the sum over its stages of the slowest rank's compute measured alone (``None`` without turns).
+def _alone_steps(alone: List[Optional[dict]], steps: int, detail: bool = False):
+    """Per step: the compute of its stages measured alone (``None`` without turns).
 
     A step's stages are those between the previous step's mark and its own; every rank marks the same steps
-    and runs the same collectives, so stage k is the same work on every rank.
+    and runs the same collectives, so stage k is the same work on every rank. A step's compute is
+    :func:`.linkmodel.effective_compute` of its stages: per stage the slowest rank, summed, and with the prefilled
+    GPU clock the CPU's issue time where it exceeds the GPU time (the launch bound). ``detail``: a list of the
+    per-step :func:`.linkmodel.effective_compute` dicts instead.
     """
+    from .linkmodel import effective_compute
+
     if not alone or any(a is None for a in alone):
         return None
     if len({len(a["compute_ms"]) for a in alone}) != 1 or any(len(a["marks"]) < steps for a in alone):
@@ -347,7 +372,8 @@ def _alone_steps(alone: List[Optional[dict]], steps: int) -> Optional[List[float
     out, start = [], 0
     for i in range(steps):
         stop = marks[i]
-        out.append(float(sum(max(a["compute_ms"][k] for a in alone) for k in range(start, stop))))
+        eff = effective_compute(alone, start, stop)
+        out.append(eff if detail else float(eff["compute_ms"]))
         start = stop
     return out
 
@@ -377,6 +403,7 @@ def run_sample_bench(
     seed: int = 42,
     overrides: Optional[Dict[str, object]] = None,
     timing: str = "auto",
+    alone_clock: str = "prefilled",
 ) -> dict:
     """Run the benchmark and return the report dict (see the module docstring)."""
     for p in presets or []:
@@ -399,8 +426,12 @@ def run_sample_bench(
             timing = "both" if ranks > (os.cpu_count() or 1) else "concurrent"
     if timing not in ("concurrent", "alone", "both"):
         raise ValueError(f"timing must be auto, concurrent, alone or both (got {timing!r})")
+    from .turns import ALONE_CLOCKS
+
+    if alone_clock not in ALONE_CLOCKS:
+        raise ValueError(f"alone_clock must be one of {list(ALONE_CLOCKS)} (got {alone_clock!r})")
     plan = dict(tiny=tiny, height=height, width=width, batch=batch, steps=steps, dtype=dtype, seed=seed, cases=cases,
-                overrides=overrides, timing=timing)
+                overrides=overrides, timing=timing, alone_clock=alone_clock)
     started = time.time()
     if launcher == "ray":
         from ..cluster import ClusterConfig, get_cluster
@@ -443,8 +474,11 @@ def run_sample_bench(
         "link_model_formula": "compute + messages*latency + sync_bytes/bandwidth + max(0, async_bytes/bandwidth - compute)",
         "modelled": ["cases[].modelled", "cases[].modelled_ideal_compute"],
         "timing": timing,
+        "alone_clock": alone_clock if timing in ("alone", "both") else None,
         "compute_basis_note": ("compute_basis 'alone': per step, the sum over its stages of the slowest rank's compute "
-                               "measured with the device to itself (ranks take turns between collectives); "
+                               "measured with the device to itself (ranks take turns between collectives; on CUDA "
+                               "with alone_clock 'prefilled' the GPU time behind a prefilled launch queue, or the CPU's "
+                               "issue time where that is longer: cases[].alone_launch_ms_per_step); "
                                "'concurrent': the step time minus the time in communication while the ranks ran at once"),
         "ideal_compute_note": "modelled_ideal_compute: compute = reference step x the busiest rank's share of rows (and batch)",
         "host_syncs_note": "Tensor.item/tolist/__bool__/__int__/__float__ calls per model call, diffusers' own included",
@@ -483,8 +517,12 @@ def sample_bench_main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a PatchConfig field in every case, e.g. --set k_ratio=0.5 --set refresh_every=5")
     ap.add_argument("--timing", choices=["auto", "concurrent", "alone", "both"], default="auto",
-                    help="both/alone: also run each case with the ranks taking turns, so the modelled latency uses each "
-                         "rank's compute measured alone (auto: when the ranks share a device)")
+                    help="both: also run each case with the ranks taking turns, so the modelled latency uses each rank's "
+                         "compute measured alone; alone: only the turn-taking run (half the time; its step times are "
+                         "not latencies); auto: both when the ranks share a device")
+    ap.add_argument("--alone-clock", choices=["prefilled", "idle"], default="prefilled",
+                    help="CUDA turn-taking clock: prefilled (GPU time with the launch queue filled ahead, and the CPU's "
+                         "issue time beside it) or idle (each stage timed from an idle GPU, launch gaps included)")
     ap.add_argument("--out", required=True, help="JSON report path; the chart goes next to it (.png)")
     args = ap.parse_args(argv)
     presets = None
@@ -506,7 +544,7 @@ def sample_bench_main(argv: Optional[List[str]] = None) -> int:
         report = run_sample_bench(
             ranks=args.ranks, device=args.device, presets=presets, steps=steps, tiny=args.tiny, height=height, width=width,
             batch=args.batch, dtype=args.dtype, split=args.split, launcher=args.launcher, seed=args.seed,
-            overrides=overrides, timing=args.timing,
+            overrides=overrides, timing=args.timing, alone_clock=args.alone_clock,
         )
     finally:
         if args.launcher == "ray":

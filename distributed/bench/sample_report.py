@@ -88,7 +88,8 @@ def format_table(report: dict) -> str:
         )
         lab = f"{c['case']}{'/split' if c['split_batch'] else ''}"
         lines.append(
-            f"{lab:<22}{c['median_step_ms']:>9.1f}{c['measured_speedup']:>8.2f}{mb:>10.3f}{amb:>10.3f}"
+            f"{lab:<22}{c['median_step_ms']:>9.1f}{c['measured_speedup'] if c['measured_speedup'] is not None else float('nan'):>8.2f}"
+            f"{mb:>10.3f}{amb:>10.3f}"
             f"{c['rel_l2']:>10.2e}{c['psnr_db']:>7.1f}  {mod}"
         )
     return "\n".join(lines)

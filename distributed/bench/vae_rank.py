@@ -196,9 +196,11 @@ def _run_case(ctx, opts, spec, vae, inp, shape, case: Case, prov, throttle, ref:
         rec["alone"] = summarise_alone(alone, world)
         if rec["alone"]["link_model"]:
             rec["link_model"] = rec["alone"]["link_model"]
-            rec["link_model_basis"] = {"modelled": True, "compute": "alone",
+            rec["link_model_basis"] = {"modelled": True, "compute": "alone", "clock": rec["alone"].get("clock"),
                                        "note": "compute measured alone by turn-taking (the 'alone' block): per stage the "
-                                               "slowest rank, plus each collective modelled from its bytes"}
+                                               "slowest rank (clock gpu-prefilled: GPU time, or per invocation the "
+                                               "CPU's issue time where longer), plus each collective modelled from "
+                                               "its bytes"}
     if throttle is not None:
         slept = [m.get("slept_ms") for m in per_rank]
         rec["link"] = {"profile": throttle["profile"], "throttled": True,

@@ -8,8 +8,10 @@ What it does (every figure is one rank's compute with the device to itself, by t
 * each code tree given (``--trees new`` = the package ``patchray``, ``old`` = a second copy of the package
   importable as ``patchray_old``: the code before the change) decodes the same latent with the same weights;
 * per case: the plain decode's time (CUDA events, median), then per N and tree the turn-taking compute
-  (sum over stages of the slowest rank: ``linkmodel.summarise_alone``), the busiest rank, the ratio to the plain
-  decode, collective counts;
+  (sum over stages of the slowest rank: ``linkmodel.summarise_alone``; ``--alone-clock prefilled``, the default:
+  GPU time behind a prefilled launch queue, the CPU's issue time beside it and the longer of the two per
+  invocation; ``idle``: each stage timed from an idle GPU), the busiest rank, the ratio to the plain decode
+  (``ratio``; ``ratio_gpu`` for the GPU time alone), collective counts;
 * ``--profile CASE:N:TREE`` profiles rank 1's turn-taking decode (torch.profiler, CPU + CUDA activities) and
   writes the kernel table plus a summary grouped by adapter (``rp:`` ranges set around the adapters' functions
   while profiling) and by kernel kind;
@@ -276,31 +278,41 @@ def _rank(ctx, args):
             for n in args.ranks:
                 if n == 1:
                     continue
-                for tree in args.trees:
+                for tree, clock in [(t, k) for t in args.trees for k in args.alone_clock]:
                     c = sub.get(n)
                     entry = None
                     if c is not None:
                         fn = functools.partial(rows[tree], vae, z, c)
                         # warm-up (allocator, cuDNN plans of the band shapes): the trees share band shapes, so
                         # the first tree's warm-up serves both
-                        for _ in range(args.warmup if tree == args.trees[0] else min(args.warmup, 0)):
+                        first = tree == args.trees[0] and clock == args.alone_clock[0]
+                        for _ in range(args.warmup if first else min(args.warmup, 0)):
                             fn()
                         iters = args.iters if tree == "new" else args.iters_old
-                        runs = measure.measure_alone(c, fn, iters)
+                        runs = measure.measure_alone(c, fn, iters, clock)
                         everyone = comm.all_gather_object(runs, c)
                         if c.rank == 0:
                             summary = linkmodel.summarise_alone(everyone, n)
                             summary.pop("note", None)
                             entry = {"ranks": n, "tree": tree, **summary}
                             entry["per_rank_stage_ms"] = [[round(x, 3) for x in r[0]["compute_ms"]] for r in everyone]
+                            if all("launch_ms" in r[0] for r in everyone):
+                                entry["per_rank_stage_launch_ms"] = [[round(x, 3) for x in r[0]["launch_ms"]] for r in everyone]
+                            if all("host_syncs" in r[0] for r in everyone):
+                                entry["per_rank_stage_host_syncs"] = [r[0]["host_syncs"] for r in everyone]
                             if rec["plain"]:
                                 entry["ratio"] = round(summary["compute_ms"] / rec["plain"]["ms"], 4)
+                                if summary.get("gpu_ms") is not None:  # the GPU time alone (no launch bound)
+                                    entry["ratio_gpu"] = round(summary["gpu_ms"] / rec["plain"]["ms"], 4)
                                 entry["ratio_busiest"] = round(max(summary["compute_ms_by_rank"]) / rec["plain"]["ms"], 4)
-                            log(f"{label} N={n} {tree}: compute {summary['compute_ms']:.1f} ms, ratio {entry.get('ratio')}, "
+                            log(f"{label} N={n} {tree} ({summary.get('clock')}): compute {summary['compute_ms']:.1f} ms "
+                                f"(gpu {summary.get('gpu_ms')}, issue {summary.get('launch_ms')}, host-sync stages "
+                                f"{summary.get('host_sync_stages')}, queued {summary.get('queued_stages')}), "
+                                f"ratio {entry.get('ratio')} (gpu {entry.get('ratio_gpu')}), "
                                 f"by rank {[round(v, 1) for v in summary['compute_ms_by_rank']]}, "
                                 f"collectives {summary['collectives']}")
                         for pn, ptree in profiles.get(label, []):
-                            if (pn, ptree) != (n, tree):
+                            if (pn, ptree) != (n, tree) or clock != args.alone_clock[0]:
                                 continue
                             prank = min(1, n - 1)
                             from torch.profiler import ProfilerActivity, profile
@@ -309,7 +321,7 @@ def _rank(ctx, args):
                             prof_ctx = profile(activities=acts, record_shapes=True) if c.rank == prank else contextlib.nullcontext()
                             with _ranges(tree) if c.rank == prank else contextlib.nullcontext():
                                 with prof_ctx as prof:
-                                    runs = measure.measure_alone(c, fn, 1)
+                                    runs = measure.measure_alone(c, fn, 1, clock)
                             if c.rank == prank:
                                 summ = _summarise_profile(prof)
                                 summ["stage_compute_ms"] = round(sum(runs[0]["compute_ms"]), 3)
@@ -364,6 +376,9 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--iters-old", type=int, default=1)
     p.add_argument("--iters-plain", type=int, default=3)
+    p.add_argument("--alone-clock", nargs="+", choices=["prefilled", "idle"], default=["prefilled"],
+                   help="CUDA turn-taking clock(s) (bench.measure), each measured in turn: prefilled (GPU time + CPU "
+                        "issue time) and/or idle (each stage from an idle GPU: the earlier clock)")
     args = p.parse_args(argv)
     args.profile = [":".join([s.split(":")[0], "x".join((s.split(":")[1].split("x") + ["1"])[:3])] + s.split(":")[2:])
                     for s in args.profile]
