@@ -22,8 +22,8 @@ Design decisions:
   uncond into one batch-2 call is slower on an H200 for Wan and Qwen-Image (results/h200 baselines), so two
   batch-1 calls are the fairer single-GPU reference.
 * **Text tokens: replicated or sharded, from one place.** :data:`TEXT_TOKENS` says whether a joint-attention
-  model's text tokens are replicated on every sequence rank (``"replicated"``: what the sampler does today) or
-  split across the ranks like the image tokens (``"sharded"``); :func:`token_share` (the estimate) reads it,
+  model's text tokens are split across the ranks like the image tokens (``"sharded"``: what the sampler does in
+  its exact modes) or replicated on every sequence rank (``"replicated"``: the stale presets); :func:`token_share` (the estimate) reads it,
   and ``--text-tokens`` overrides it per run.
 """
 
@@ -356,19 +356,20 @@ def ranks_that_fit(weights: int, total: Optional[int], ranks: int) -> int:
 #: how the sequence ranks hold a joint-attention model's text tokens: "replicated" (every rank holds them all: the
 #: sampler's behaviour when this was written) or "sharded" (split across the ranks like the image tokens). The one
 #: place the estimate's token share reads it from (``--text-tokens`` overrides it per run).
-TEXT_TOKENS = "replicated"
+TEXT_TOKENS = "sharded"
 
 
 def token_share(preset: DiTPreset, n: int, size: str = "full", text_tokens: Optional[str] = None) -> float:
-    """The busiest rank's share of a call's tokens: its band of image token rows plus its text tokens.
+    """The busiest rank's share of a call's tokens: its band of image token rows plus its text tokens (the
+    sampler's own :func:`~patchray.distributed.sampling.dit_traffic.token_share`).
 
-    ``text_tokens`` (default :data:`TEXT_TOKENS`): ``"replicated"``, every text token on every rank; ``"sharded"``,
-    the busiest rank's ``ceil(text / n)`` of them.
+    ``text_tokens`` (default :data:`TEXT_TOKENS`): ``"sharded"``, the busiest rank's slice of them (what the sampler
+    does for joint-attention models in its exact modes); ``"replicated"``, every text token on every rank (what it
+    did before, and still does for the stale presets).
     """
+    from ..sampling.dit_traffic import token_share as sampler_share
+
     mode = text_tokens or TEXT_TOKENS
     if mode not in ("replicated", "sharded"):
         raise ValueError(f"text_tokens must be 'replicated' or 'sharded' (got {mode!r})")
-    shape = dit_shape(preset, size)
-    band = -(-shape.rows // n)
-    text = shape.text if mode == "replicated" else -(-shape.text // n)
-    return (shape.frames * band * shape.cols + text) / (shape.frames * shape.rows * shape.cols + shape.text)
+    return sampler_share(dit_shape(preset, size), n, shard_text=mode == "sharded")

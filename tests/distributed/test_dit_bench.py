@@ -108,9 +108,13 @@ def test_estimate_is_labelled_and_follows_the_token_share_and_the_cost_model():
     nv = 2 * model_latency_ms(1615.0, cost["wire_bytes"], cost["messages"], "nvlink")
     assert g2["estimated_step_ms"]["nvlink"] == pytest.approx(nv, abs=0.1)
     assert g2["speedup_estimated"]["nvlink"] == pytest.approx(6460.0 / nv, abs=1e-3)
-    # Wan at 4 ranks: bands of 8, 8, 7, 7 token rows; FLUX's 512 replicated text tokens cap its share
+    # Wan at 4 ranks: bands of 8, 8, 7, 7 token rows; FLUX's 512 text tokens split 256/256 (sharded, the sampler's
+    # exact modes) or whole on every rank (replicated, which caps the share)
     assert db.token_share(db.PRESETS["wan21_14b_480x832x81"], 4) == pytest.approx(8 / 30)
-    assert db.token_share(db.PRESETS["flux1_1024"], 2) == pytest.approx((2048 + 512) / (4096 + 512))
+    assert db.token_share(db.PRESETS["flux1_1024"], 2) == pytest.approx((2048 + 256) / (4096 + 512))
+    assert db.token_share(db.PRESETS["flux1_1024"], 2, text_tokens="replicated") == pytest.approx((2048 + 512) / (4096 + 512))
+    # 512 over 3 ranks: 171 text tokens on the busiest rank, with a band of 22 of 64 token rows (22 x 64 tokens)
+    assert db.token_share(db.PRESETS["flux1_1024"], 3) == pytest.approx((22 * 64 + 171) / (4096 + 512))
     cfg = rows[("flux1_1024", "cfg N=2")]
     assert cfg["reference_step_ms"] == 2 * 172.3 and cfg["calls_per_step"] == 1
 
