@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from rank_harness import patcher, random_model, rank_main, sample_case, sampling_inputs
+from rank_harness import each_case, patcher, random_model, rank_main, sample_case, sampling_inputs
 
 # name -> (model, parallelism, attention, sampler, batch)
 CASES = {
@@ -106,20 +106,11 @@ def _inputs(kind, cond, shape, sampler, batch, parallelism, attention, cfg_scale
 
 
 def _rank(ctx, opts):
-    from patchray.nodes.bridge import ksampler_rank as kr
     from patchray.nodes.bridge.dit_layout import plan_layout
     from patchray.nodes.bridge.dit_models import find_row
 
-    kr.prepare(ctx, opts["comfy"])
-
-    torch.manual_seed(0)
     results = {}
-    models = {}
-    for name in opts["cases"]:
-        kind, parallelism, attention, sampler, batch = CASES[name]
-        if kind not in models:
-            models = {kind: _model(kind)}  # one model at a time
-        mp, cond, shape = models[kind]
+    for name, (kind, parallelism, attention, sampler, batch), (mp, cond, shape) in each_case(ctx, opts, CASES, _model):
         inputs = _inputs(kind, cond, shape, sampler, batch, parallelism, attention, opts["cfg"])
         dm = mp.model.diffusion_model
         is_unet = type(dm).__name__ == "UNetModel"

@@ -28,7 +28,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rank_harness import patcher, random_model, rank_main, sample_case, sampling_inputs  # noqa: E402
+from rank_harness import each_case, patcher, random_model, rank_main, sample_case, sampling_inputs  # noqa: E402
 
 # name -> (model, parallelism, attention, sampler, batch)
 CASES = {
@@ -170,20 +170,11 @@ def _inputs(kind, cond, shape, mask, sampler, batch, parallelism, attention, cfg
 
 
 def _rank(ctx, opts):
-    from patchray.nodes.bridge import ksampler_rank as kr
     from patchray.nodes.bridge.dit_layout import plan_layout
     from patchray.nodes.bridge.dit_models import find_row
 
-    kr.prepare(ctx, opts["comfy"])
-
-    torch.manual_seed(0)
     results = {}
-    models = {}
-    for name in opts["cases"]:
-        kind, parallelism, attention, sampler, batch = CASES[name]
-        if kind not in models:
-            models = {kind: _model(kind)}  # one model at a time
-        mp, cond, shape, mask = models[kind]
+    for name, (kind, parallelism, attention, sampler, batch), (mp, cond, shape, mask) in each_case(ctx, opts, CASES, _model):
         inputs = _inputs(kind, cond, shape, mask, sampler, batch, parallelism, attention, CFG.get(kind, opts["cfg"]))
         dm = mp.model.diffusion_model
         layout = plan_layout(parallelism, ctx.world_size, inputs["cfg"], batch,

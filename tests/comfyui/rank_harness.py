@@ -106,6 +106,23 @@ def watch_text():
         dit_rank.DitSequence.wrapper = original
 
 
+def each_case(ctx, opts, cases, build):
+    """ComfyUI made importable on the rank (``ksampler_rank.prepare``), torch seeded 0, then ``(name, case, model)``
+    for each case of ``opts["cases"]``: ``case`` is ``cases[name]`` (its first item the model kind), ``model`` is
+    ``build(kind)``, one model at a time (kept while consecutive cases share its kind)."""
+    from patchray.nodes.bridge import ksampler_rank as kr
+
+    kr.prepare(ctx, opts["comfy"])
+
+    torch.manual_seed(0)
+    models = {}
+    for name in opts["cases"]:
+        kind = cases[name][0]
+        if kind not in models:
+            models = {kind: build(kind)}  # one model at a time
+        yield name, cases[name], models[kind]
+
+
 def sample_case(ctx, key, mp, inputs, layout, kind, attention):
     """One case on every rank: ``ksampler_rank.sample`` (what the node's ranks run) with ``layout``, its final latent
     compared on rank 0 with :func:`stock_sample` of the same ModelPatcher; the layout, model calls, collectives and
