@@ -100,33 +100,24 @@ _FLUX_COND = {
     "attention_mask": _FLUX_REFUSALS["attention_mask"],
 }
 
+# FLUX.1 and Chroma share ComfyUI's double/single-stream blocks, embedders and final layer: one row, two names
+_FLUX_ROW = DitRow(
+    family="FLUX.1 (dev, schnell)",
+    classes=("Flux",),
+    patch=_flux_patch,
+    tokens=Site("img_in"),
+    rope=Site("pe_embedder"),
+    gather=Site("final_layer"),
+    attends={"DoubleStreamBlock": "joint", "SingleStreamBlock": "joint"},
+    text=PREFIX,
+    call_refusals=_FLUX_REFUSALS,
+    cond_refusals=_FLUX_COND,
+    text_tokens=Site("txt_in"),
+)
+
 ROWS: Tuple[DitRow, ...] = (
-    DitRow(
-        family="FLUX.1 (dev, schnell)",
-        classes=("Flux",),
-        patch=_flux_patch,
-        tokens=Site("img_in"),
-        rope=Site("pe_embedder"),
-        gather=Site("final_layer"),
-        attends={"DoubleStreamBlock": "joint", "SingleStreamBlock": "joint"},
-        text=PREFIX,
-        call_refusals=_FLUX_REFUSALS,
-        cond_refusals=_FLUX_COND,
-        text_tokens=Site("txt_in"),
-    ),
-    DitRow(
-        family="Chroma",
-        classes=("Chroma",),
-        patch=_flux_patch,
-        tokens=Site("img_in"),
-        rope=Site("pe_embedder"),
-        gather=Site("final_layer"),
-        attends={"DoubleStreamBlock": "joint", "SingleStreamBlock": "joint"},
-        text=PREFIX,
-        call_refusals=_FLUX_REFUSALS,
-        cond_refusals=_FLUX_COND,
-        text_tokens=Site("txt_in"),
-    ),
+    _FLUX_ROW,
+    _FLUX_ROW._replace(family="Chroma", classes=("Chroma",)),
     DitRow(
         family="Wan 2.1 / 2.2 (14B, 1.3B, 5B; text-to-video, image-to-video)",
         classes=("WanModel",),

@@ -16,14 +16,12 @@ first-frame mask), and an SD-style UNet for CFG. Latents have odd sizes; videos 
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
-import os
 import sys
 from types import SimpleNamespace
 
 import torch
+
+from rank_harness import each_case, patcher, random_model, rank_main, sample_case, sampling_inputs
 
 # name -> (model, parallelism, attention, sampler, batch)
 CASES = {
@@ -47,26 +45,8 @@ CASES = {
 }
 
 
-def _init(module, seed):
-    """Every parameter and buffer seeded random and non-constant (norm scales around 1)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in list(module.named_parameters()) + list(module.named_buffers()):
-            if not p.is_floating_point():
-                continue
-            if p.ndim > 1 and "modulation" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) / max(1, p[0].numel()) ** 0.5)
-            elif "norm" in name or name.endswith(("scale", "gamma")):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return module
-
-
 def _model(kind):
     """(ModelPatcher, conditioning maker, latent shape) of a small model of ComfyUI's own classes."""
-    import comfy.model_management as mm
-    import comfy.model_patcher
     import comfy.supported_models as sm
 
     if kind in ("flux", "chroma"):
@@ -110,17 +90,11 @@ def _model(kind):
             return [[torch.randn(b, 7, 40, generator=g), {}]]
     else:
         raise ValueError(kind)
-    conf.set_inference_dtype(torch.float32, None)
-    base = conf.get_model({})
-    _init(base.diffusion_model, 7)
-    mp = comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
-    return mp, cond, shape
+    return patcher(random_model(conf)), cond, shape
 
 
 def _inputs(kind, cond, shape, sampler, batch, parallelism, attention, cfg_scale):
-    import comfy.sample
-
-    g = torch.Generator().manual_seed(3)
+    g =  torch.Generator().manual_seed(3)
     latent = torch.zeros((batch,) + tuple(shape[1:]))
     noise_mask = None
     if kind == "wan22":  # Wan 2.2 5B image-to-video: the first frame kept (mask 0), per-frame timesteps
@@ -128,54 +102,15 @@ def _inputs(kind, cond, shape, sampler, batch, parallelism, attention, cfg_scale
         noise_mask[:, :, 0] = 0.0
         latent = 0.5 * torch.randn((batch,) + tuple(shape[1:]), generator=g)
     pos, neg = cond(g), cond(g)
-    return {
-        "noise": comfy.sample.prepare_noise(latent, 42), "latent_image": latent, "noise_mask": noise_mask, "seed": 42,
-        "steps": 3, "cfg": cfg_scale, "sampler_name": sampler, "scheduler": "simple", "denoise": 1.0,
-        "positive": pos, "negative": neg, "model_options": {"transformer_options": {}}, "object_patches": {},
-        "parallelism": parallelism, "attention": attention,
-    }
-
-
-@contextlib.contextmanager
-def _watch_text():
-    """The text shard sizes of every sequence-parallel model call of the block (``()``: the text stayed whole), read
-    from the rank's shard table after each call (the rank side's own state; nothing is replaced)."""
-    from patchray.nodes.bridge import dit_rank
-
-    seen = []
-    original = dit_rank.DitSequence.wrapper
-
-    def wrapper(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        seen.append(self.state.require_shards().text_sizes)
-        return out
-
-    dit_rank.DitSequence.wrapper = wrapper
-    try:
-        yield seen
-    finally:
-        dit_rank.DitSequence.wrapper = original
+    return sampling_inputs(latent, noise_mask, pos, neg, sampler, cfg_scale, parallelism=parallelism, attention=attention)
 
 
 def _rank(ctx, opts):
-    from patchray.distributed import comm
-    from patchray.distributed.sampling.config import preset
-    from patchray.distributed.sampling.remote import RankSession
-    from patchray.nodes.bridge import ksampler_rank as kr
     from patchray.nodes.bridge.dit_layout import plan_layout
     from patchray.nodes.bridge.dit_models import find_row
 
-    kr.prepare(ctx, opts["comfy"])
-    import comfy.sample
-
-    torch.manual_seed(0)
     results = {}
-    models = {}
-    for name in opts["cases"]:
-        kind, parallelism, attention, sampler, batch = CASES[name]
-        if kind not in models:
-            models = {kind: _model(kind)}  # one model at a time
-        mp, cond, shape = models[kind]
+    for name, (kind, parallelism, attention, sampler, batch), (mp, cond, shape) in each_case(ctx, opts, CASES, _model):
         inputs = _inputs(kind, cond, shape, sampler, batch, parallelism, attention, opts["cfg"])
         dm = mp.model.diffusion_model
         is_unet = type(dm).__name__ == "UNetModel"
@@ -185,50 +120,13 @@ def _rank(ctx, opts):
         else:
             layout = plan_layout(parallelism, ctx.world_size, inputs["cfg"], batch,
                                  sequence_refusal=None if (is_unet or find_row(type(dm).__name__)) else "no row")
-        inputs.update(layout=layout._asdict(), kind="unet" if is_unet else "dit", attention=attention)
-        ref = None
-        if ctx.rank == 0:
-            with torch.inference_mode():
-                ref = comfy.sample.sample(mp.clone(), inputs["noise"], 3, inputs["cfg"], sampler, "simple", inputs["positive"],
-                                          inputs["negative"], inputs["latent_image"], denoise=1.0, noise_mask=inputs["noise_mask"],
-                                          disable_pbar=True, seed=42).float()
-        session = RankSession(ctx, ("model", kind), preset("full_sync", split_batch=False))
-        session.begin()
-        with comm.log_comm() as log, _watch_text() as texts:
-            latent = kr.sample(ctx, mp, session, inputs)
-            final = session.finalize(latent).float().cpu()
-        rec = {"layout": layout.mode, "groups": layout.cfg_groups, "seq": layout.seq_ranks, "calls": session.calls,
-               "note": layout.note, "comm_calls": dict(log.calls), "comm_bytes": log.total_bytes,
-               "text_sizes": sorted({tuple(t) for t in texts})}
-        if ref is not None:
-            rec["rel_l2"] = ((final - ref).norm() / ref.norm()).item()
-            rec["shape"] = list(final.shape)
-            rec["ref_norm"] = ref.norm().item()
-        session.close()
-        results[name] = rec
+        results[name] = sample_case(ctx, ("model", kind), mp, inputs, layout, "unet" if is_unet else "dit", attention)
     return results
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--comfy", required=True)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--cases", nargs="+", default=sorted(CASES))
-    p.add_argument("--cfg", type=float, default=4.0)
-    p.add_argument("--out", default="")
-    args = p.parse_args(argv)
-    from patchray.distributed.spawn import run_ranks
-
-    opts = {"comfy": os.path.abspath(args.comfy), "cases": args.cases, "cfg": args.cfg}
-    results = run_ranks(_rank, args.ranks, opts, backend="gloo", device="cpu", timeout_s=900.0)
-    report = {"ranks": args.ranks, "torch": torch.__version__, "cases": results[0],
-              "calls_per_rank": [{k: v["calls"] for k, v in r.items()} for r in results]}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
-    return 0
+    return rank_main(_rank, __doc__, CASES, argv,
+                     lambda results: {"calls_per_rank": [{k: v["calls"] for k, v in r.items()} for r in results]})
 
 
 if __name__ == "__main__":

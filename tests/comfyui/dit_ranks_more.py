@@ -21,8 +21,6 @@ them in ComfyUI 0.3.64, so its latent rows are even, its token rows odd).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import tempfile
@@ -30,7 +28,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dit_ranks import _init, _watch_text  # noqa: E402  (every parameter seeded random and non-constant)
+from rank_harness import each_case, patcher, random_model, rank_main, sample_case, sampling_inputs  # noqa: E402
 
 # name -> (model, parallelism, attention, sampler, batch)
 CASES = {
@@ -76,9 +74,7 @@ def _through_file(conf, kind):
     import comfy.utils
     from safetensors.torch import save_file
 
-    conf.set_inference_dtype(torch.float32, None)
-    base = conf.get_model({})
-    _init(base.diffusion_model, 7)
+    base = random_model(conf)
     sd = {k: v.contiguous() for k, v in base.diffusion_model.state_dict().items()}
     with tempfile.TemporaryDirectory(prefix="patchray-more-") as d:
         path = os.path.join(d, f"{kind}.safetensors")
@@ -95,8 +91,6 @@ def _through_file(conf, kind):
 
 def _model(kind):
     """(ModelPatcher, conditioning maker, latent shape, noise mask maker) of a small model of ComfyUI's classes."""
-    import comfy.model_management as mm
-    import comfy.model_patcher
     import comfy.supported_models as sm
 
     mask = None
@@ -105,10 +99,7 @@ def _model(kind):
                "attention_head_dim": 32, "num_attention_heads": 6, "joint_attention_dim": 3584, "axes_dims_rope": (8, 12, 12)}
         conf = sm.QwenImage(cfg)
         _through_file(sm.QwenImage(dict(cfg)), kind)
-        conf.set_inference_dtype(torch.float32, None)
-        base = conf.get_model({})
-        _init(base.diffusion_model, 7)
-        mp = comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+        mp = patcher(random_model(conf))
         shape = (1, 16, 1, 13, 10)  # Qwen-Image latents are [B, 16, 1, H, W]; 7 x 5 tokens
 
         def cond(g, b=1):
@@ -166,8 +157,6 @@ def _model(kind):
 
 
 def _inputs(kind, cond, shape, mask, sampler, batch, parallelism, attention, cfg_scale):
-    import comfy.sample
-
     g = torch.Generator().manual_seed(3)
     latent = torch.zeros((batch,) + tuple(shape[1:]))
     if mask is not None:
@@ -177,81 +166,26 @@ def _inputs(kind, cond, shape, mask, sampler, batch, parallelism, attention, cfg
         # ComfyUI 0.3.64's HunyuanVideo class writes the text mask into a one-row attention mask: a masked prompt
         # only runs unbatched, so the negative has no mask (ComfyUI then evaluates the two apart)
         neg[0][1].pop("attention_mask")
-    return {
-        "noise": comfy.sample.prepare_noise(latent, 42), "latent_image": latent, "noise_mask": mask, "seed": 42,
-        "steps": 3, "cfg": cfg_scale, "sampler_name": sampler, "scheduler": "simple", "denoise": 1.0,
-        "positive": pos, "negative": neg, "model_options": {"transformer_options": {}}, "object_patches": {},
-        "parallelism": parallelism, "attention": attention,
-    }
+    return sampling_inputs(latent, mask, pos, neg, sampler, cfg_scale, parallelism=parallelism, attention=attention)
 
 
 def _rank(ctx, opts):
-    from patchray.distributed import comm
-    from patchray.distributed.sampling.config import preset
-    from patchray.distributed.sampling.remote import RankSession
-    from patchray.nodes.bridge import ksampler_rank as kr
     from patchray.nodes.bridge.dit_layout import plan_layout
     from patchray.nodes.bridge.dit_models import find_row
 
-    kr.prepare(ctx, opts["comfy"])
-    import comfy.sample
-
-    torch.manual_seed(0)
     results = {}
-    models = {}
-    for name in opts["cases"]:
-        kind, parallelism, attention, sampler, batch = CASES[name]
-        if kind not in models:
-            models = {kind: _model(kind)}  # one model at a time
-        mp, cond, shape, mask = models[kind]
+    for name, (kind, parallelism, attention, sampler, batch), (mp, cond, shape, mask) in each_case(ctx, opts, CASES, _model):
         inputs = _inputs(kind, cond, shape, mask, sampler, batch, parallelism, attention, CFG.get(kind, opts["cfg"]))
         dm = mp.model.diffusion_model
         layout = plan_layout(parallelism, ctx.world_size, inputs["cfg"], batch,
                              sequence_refusal=None if find_row(type(dm).__name__) else "no row")
-        inputs.update(layout=layout._asdict(), kind="dit", attention=attention)
-        ref = None
-        if ctx.rank == 0:
-            with torch.inference_mode():
-                ref = comfy.sample.sample(mp.clone(), inputs["noise"], 3, inputs["cfg"], sampler, "simple", inputs["positive"],
-                                          inputs["negative"], inputs["latent_image"], denoise=1.0, noise_mask=inputs["noise_mask"],
-                                          disable_pbar=True, seed=42).float()
-        session = RankSession(ctx, ("model", kind), preset("full_sync", split_batch=False))
-        session.begin()
-        with comm.log_comm() as log, _watch_text() as texts:
-            latent = kr.sample(ctx, mp, session, inputs)
-            final = session.finalize(latent).float().cpu()
-        rec = {"layout": layout.mode, "groups": layout.cfg_groups, "seq": layout.seq_ranks, "calls": session.calls,
-               "note": layout.note, "comm_calls": dict(log.calls), "comm_bytes": log.total_bytes,
-               "text_sizes": sorted({tuple(t) for t in texts})}
-        if ref is not None:
-            rec["rel_l2"] = ((final - ref).norm() / ref.norm()).item()
-            rec["shape"] = list(final.shape)
-            rec["ref_norm"] = ref.norm().item()
-        session.close()
-        results[name] = rec
+        results[name] = sample_case(ctx, ("model", kind), mp, inputs, layout, "dit", attention)
     return results
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--comfy", required=True)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--cases", nargs="+", default=sorted(CASES))
-    p.add_argument("--cfg", type=float, default=4.0)
-    p.add_argument("--out", default="")
-    args = p.parse_args(argv)
-    from patchray.distributed.spawn import run_ranks
-
-    opts = {"comfy": os.path.abspath(args.comfy), "cases": args.cases, "cfg": args.cfg}
-    results = run_ranks(_rank, args.ranks, opts, backend="gloo", device="cpu", timeout_s=900.0)
-    report = {"ranks": args.ranks, "torch": torch.__version__, "cases": results[0],
-              "calls_per_rank": [{k: v["calls"] for k, v in r.items()} for r in results]}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
-    return 0
+    return rank_main(_rank, __doc__, CASES, argv,
+                     lambda results: {"calls_per_rank": [{k: v["calls"] for k, v in r.items()} for r in results]})
 
 
 if __name__ == "__main__":

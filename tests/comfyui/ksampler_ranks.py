@@ -18,12 +18,13 @@ synthetic (seeded tensors of the model's shapes).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import torch
+
+from rank_harness import sampling_inputs, stock_sample, write_report
 
 GIB = 1024**3
 
@@ -45,19 +46,13 @@ def _load(opts):
 
 
 def _inputs(opts, ctx_dim):
-    import comfy.sample
-
     g = torch.Generator().manual_seed(3)
     h = w = opts["size"] // 8
     latent = torch.zeros(1, 4, h, w)
     extra = {"pooled_output": torch.randn(1, 1280, generator=g)} if ctx_dim == 2048 else {}
     pos = [[torch.randn(1, 77, ctx_dim, generator=g), dict(extra)]]
     neg = [[torch.randn(1, 77, ctx_dim, generator=g), {k: torch.randn_like(v) for k, v in extra.items()}]]
-    return {
-        "noise": comfy.sample.prepare_noise(latent, 42), "latent_image": latent, "noise_mask": None, "seed": 42,
-        "steps": opts["steps"], "cfg": 6.0, "sampler_name": opts["sampler"], "scheduler": "karras", "denoise": 1.0,
-        "positive": pos, "negative": neg, "model_options": {"transformer_options": {}}, "object_patches": {},
-    }
+    return sampling_inputs(latent, None, pos, neg, opts["sampler"], 6.0, steps=opts["steps"], scheduler="karras")
 
 
 def _sync(ctx):
@@ -75,7 +70,6 @@ def _rank(ctx, opts):
     from patchray.nodes.bridge import ksampler_rank as kr
 
     kr.prepare(ctx, opts["comfy"])
-    import comfy.sample
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: the exactness check compares fp32 runs
     torch.backends.cudnn.allow_tf32 = False
@@ -89,10 +83,7 @@ def _rank(ctx, opts):
             if cuda:
                 torch.cuda.reset_peak_memory_stats(ctx.device)
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                ref = comfy.sample.sample(mp.clone(), inputs["noise"], inputs["steps"], inputs["cfg"], inputs["sampler_name"],
-                                          inputs["scheduler"], inputs["positive"], inputs["negative"], inputs["latent_image"],
-                                          denoise=1.0, disable_pbar=True, seed=inputs["seed"])
+            ref = stock_sample(mp, inputs)
             if cuda:
                 torch.cuda.synchronize(ctx.device)
             out["stock"] = {"seconds": round(time.perf_counter() - t0, 3),
@@ -154,11 +145,7 @@ def main(argv=None):
         "runs": {name: {"rank0": results[0]["runs"][name], "per_rank_peak_gib": [r["runs"][name]["peak_gib"] for r in results]}
                  for name in args.presets},
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+    write_report(report, args.out)
     return 0
 
 

@@ -15,14 +15,13 @@ with fp8_e4m3fn weights cast per layer by ComfyUI (manual cast) checks fp8 stays
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_harness import rank_main, stock_sample  # noqa: E402
 
 # name -> (dit_ranks model kind, parallelism, fp8 weights)
 CASES = {
@@ -57,7 +56,6 @@ def _rank(ctx, opts):
     from patchray.nodes.bridge.model import portable_parts
 
     kr.prepare(ctx, opts["comfy"])
-    import comfy.sample
 
     results = {}
     for name in opts["cases"]:
@@ -72,10 +70,7 @@ def _rank(ctx, opts):
         inputs.update(layout=layout._asdict(), kind="unet" if is_unet else "dit", attention="gathered")
         ref = None
         if ctx.rank == 0:
-            with torch.inference_mode():
-                ref = comfy.sample.sample(mp.clone(), inputs["noise"], 3, inputs["cfg"], "euler", "simple", inputs["positive"],
-                                          inputs["negative"], inputs["latent_image"], denoise=1.0, noise_mask=inputs["noise_mask"],
-                                          disable_pbar=True, seed=42).float()
+            ref = stock_sample(mp, inputs).float()
         _, make_skeleton, names, tensor, sizes = portable_parts(mp, layout.mode)
         rec = {"layout": layout.mode}
         finals = {}
@@ -129,24 +124,7 @@ def _rank(ctx, opts):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--comfy", required=True)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--cases", nargs="+", default=sorted(CASES))
-    p.add_argument("--cfg", type=float, default=4.0)
-    p.add_argument("--out", default="")
-    args = p.parse_args(argv)
-    from patchray.distributed.spawn import run_ranks
-
-    opts = {"comfy": os.path.abspath(args.comfy), "cases": args.cases, "cfg": args.cfg}
-    results = run_ranks(_rank, args.ranks, opts, backend="gloo", device="cpu", timeout_s=900.0)
-    report = {"ranks": args.ranks, "torch": torch.__version__, "cases": results[0], "per_rank": results}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
-    return 0
+    return rank_main(_rank, __doc__, CASES, argv, lambda results: {"per_rank": results})
 
 
 if __name__ == "__main__":

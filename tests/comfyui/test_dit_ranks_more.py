@@ -9,22 +9,12 @@ first-frame modulation (HunyuanVideo image-to-video "v2").
     COMFYUI_DIR=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/its/python pytest tests/comfyui -k dit_ranks_more
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
-pytestmark = [
-    pytest.mark.comfyui,
-    pytest.mark.skipif(not COMFYUI_DIR, reason="set COMFYUI_DIR to a ComfyUI checkout to run the real-ComfyUI tests"),
-]
+from .rank_harness import comfyui_marks, run_rank_script
 
-ROOT = Path(__file__).resolve().parents[2]
-PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
+pytestmark = comfyui_marks()
+
 STEPS = 3  # three steps; euler, euler_ancestral and dpmpp_2m call the model once per step
 #: 7 text tokens (every conditioning of dit_ranks_more.py) over 2 and 3 sequence ranks, by hand
 TEXT_SPLIT = {2: [4, 3], 3: [3, 2, 2]}
@@ -42,25 +32,9 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def importable(tmp_path_factory):
-    """A folder holding only a ``patchray`` link to this checkout (what the pack's import shim does in ComfyUI)."""
-    d = tmp_path_factory.mktemp("imp")
-    os.symlink(ROOT, d / "patchray")
-    return d
-
-
 @pytest.mark.parametrize("ranks", sorted(RUNS))
-def test_qwen_hunyuan_ltxv_equal_the_stock_sampler(importable, tmp_path, ranks):
-    out = tmp_path / "report.json"
-    env = dict(os.environ, PYTHONPATH=str(importable), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [PYTHON, str(ROOT / "tests" / "comfyui" / "dit_ranks_more.py"), "--comfy", COMFYUI_DIR, "--ranks", str(ranks),
-         "--cases", *RUNS[ranks], "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=1500,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    report = json.loads(out.read_text())
+def test_qwen_hunyuan_ltxv_equal_the_stock_sampler(tmp_path, ranks):
+    report = run_rank_script("dit_ranks_more.py", tmp_path, ranks, RUNS[ranks], timeout=1500)
     for name in RUNS[ranks]:
         rec = report["cases"][name]
         print(f"{ranks} ranks {name}: {rec['layout']} ({rec['groups']} x {rec['seq']}), relative L2 {rec['rel_l2']:.2e}, collectives {rec['comm_calls']}")

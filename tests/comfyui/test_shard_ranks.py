@@ -8,42 +8,15 @@ copy to the device is a no-op, the offload path itself runs).
     COMFYUI_DIR=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/its/python pytest tests/comfyui -k shard_ranks
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from .rank_harness import comfyui_marks, run_rank_script
 
-import pytest
+pytestmark = comfyui_marks()
 
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
-pytestmark = [
-    pytest.mark.comfyui,
-    pytest.mark.skipif(not COMFYUI_DIR, reason="set COMFYUI_DIR to a ComfyUI checkout to run the real-ComfyUI tests"),
-]
-
-ROOT = Path(__file__).resolve().parents[2]
-PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
 CASES = ["flux-seq", "wan21-seq", "unet-cfg", "flux-seq-fp8"]
 
 
-@pytest.fixture(scope="module")
-def importable(tmp_path_factory):
-    d = tmp_path_factory.mktemp("imp")
-    os.symlink(ROOT, d / "patchray")
-    return d
-
-
-def test_sharded_blocks_equal_whole_weights(importable, tmp_path):
-    out = tmp_path / "report.json"
-    env = dict(os.environ, PYTHONPATH=str(importable), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [PYTHON, str(ROOT / "tests" / "comfyui" / "shard_ranks.py"), "--comfy", COMFYUI_DIR, "--ranks", "2",
-         "--cases", *CASES, "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    report = json.loads(out.read_text())
+def test_sharded_blocks_equal_whole_weights(tmp_path):
+    report = run_rank_script("shard_ranks.py", tmp_path, 2, CASES, timeout=900)
     for rank, cases in enumerate(report["per_rank"]):
         for name in CASES:
             rec = cases[name]
