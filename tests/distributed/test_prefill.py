@@ -48,7 +48,7 @@ def test_launch_bound_call_uses_the_cpu_issue_time():
 
 def test_host_synchronising_stages_count_with_their_gpu_time():
     # stage 1 waits on the device inside (its issue time holds the wait): it counts with its GPU time only;
-    # stages 0 and 2: GPU 1 + 1 = 2 against issue 2 + 2 = 4: launch-bound there
+    # stages 0 and 2: GPU 1 + 1 = 2 against issue time 2 + 2 = 4: launch-bound there
     a = _run([1.0, 6.0, 1.0], [2.0, 9.0, 2.0], syncs=[0, 1, 0], queued=[True, False, True])
     eff = effective_compute([a])
     assert eff["gpu_ms"] == 8.0 and eff["launch_ms"] == 4.0
@@ -62,7 +62,7 @@ def test_stages_not_queued_count_with_their_gpu_time():
     a = _run([1.0, 9.0, 1.0], [1.5, 12.0, 1.5], queued=[True, False, True])
     b = _run([1.0, 8.0, 1.0], [1.0, 11.0, 1.0], queued=[True, True, True])
     eff = effective_compute([a, b])
-    # queued stages 0 and 2: GPU 1 + 1 = 2, issue 1.5 + 1.5 = 3: launch-bound there; stage 1: GPU 9
+    # queued stages 0 and 2: GPU 1 + 1 = 2, issue time 1.5 + 1.5 = 3: launch-bound there; stage 1: GPU 9
     assert eff["gpu_ms"] == 11.0 and eff["launch_ms"] == 3.0
     assert eff["compute_ms"] == 9.0 + 3.0 and eff["launch_bound"] is True
     assert eff["queued_stages"] == 2 and eff["host_sync_stages"] == 0
@@ -81,7 +81,7 @@ def test_summary_reports_gpu_issue_and_the_clock():
     b = _run([2.0, 0.5], [1.0, 1.0], wire=[0])
     block = summarise_alone([[a, a], [b, b]], 2)
     assert block["clock"] == "gpu-prefilled" and block["modelled"] is True
-    # GPU 2 + 1 = 3; issue 3 + 2 = 5: launch-bound, the compute is 5
+    # GPU 2 + 1 = 3; issue time 3 + 2 = 5: launch-bound, the compute is 5
     assert block["gpu_ms"] == 3.0 and block["launch_ms"] == 5.0 and block["compute_ms"] == 5.0
     assert block["launch_bound"] is True and block["launch_bound_iterations"] == 2
     assert block["launch_ms_by_rank"] == [5.0, 2.0] and block["compute_ms_by_rank"] == [2.0, 2.5]
@@ -89,7 +89,7 @@ def test_summary_reports_gpu_issue_and_the_clock():
 
 
 def test_sampling_steps_apply_the_launch_bound_per_step():
-    # step 0 = stages 0-1 (GPU 2 + 2 = 4, issue 1 + 1 = 2: GPU-bound), step 1 = stages 2-3 (GPU 1 + 1, issue 3 + 3)
+    # step 0 = stages 0-1 (GPU 2 + 2 = 4, issue time 1 + 1 = 2: GPU-bound), step 1 = stages 2-3 (GPU 1 + 1, issue time 3 + 3)
     a = _run([2.0, 2.0, 1.0, 1.0, 9.0], [1.0, 1.0, 3.0, 3.0, 1.0], marks=[2, 4])
     assert _alone_steps([a], 2) == [4.0, 6.0]
     detail = _alone_steps([a], 2, detail=True)
