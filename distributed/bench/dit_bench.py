@@ -53,7 +53,7 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
                   size: str = "full", device: str = "cuda", dtype: Optional[str] = None, warmup: Optional[int] = None,
                   iters: Optional[int] = None, deadline_s: float = 1e9, out: Optional[str] = None,
                   timeout_s: float = 900.0, watchdog_s: float = 0.0, cfg_inner: str = "gathered",
-                  alone_clock: str = "prefilled") -> dict:
+                  alone_clock: str = "prefilled", profile_dir: Optional[str] = None) -> dict:
     """Run the benchmark on ``ranks`` spawned rank processes (gloo) and return the report (see the module docstring).
 
     Raises:
@@ -112,7 +112,9 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
     }
     plan = dict(presets=list(presets), ns=sorted(set(ns)), modes=list(modes), size=size, dtype=dtype, warmup=warmup,
                 iters=iters, deadline_s=deadline_s, out=out, doc=doc, watchdog_s=watchdog_s, cfg_inner=cfg_inner,
-                alone_clock=alone_clock)
+                alone_clock=alone_clock, profile_dir=profile_dir)
+    if profile_dir:
+        os.makedirs(profile_dir, exist_ok=True)
     started = time.time()
     results = run_ranks(bench_rank, ranks, plan, device=kind, backend="gloo", timeout_s=timeout_s)
     print(f"[dit_bench] ranks done after {time.time() - started:.1f} s", flush=True)
@@ -155,6 +157,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--text-tokens", choices=["replicated", "sharded"], default=None,
                     help=f"--estimate only: text tokens of joint-attention models replicated on every sequence rank or "
                          f"split across them (default: dit_models.TEXT_TOKENS = {TEXT_TOKENS!r})")
+    ap.add_argument("--profile-dir", default=None,
+                    help="after each case's timed calls, one more call per rank under torch.profiler (not timed); its "
+                         "kernels by name and by class (GEMM, attention, copies, elementwise...) go to this folder")
     ap.add_argument("--out", help="JSON report path (written after every case); the chart goes next to it (.png)")
     ap.add_argument("--chart-from", help="only redraw the chart (and print the table) of an existing JSON report")
     args = ap.parse_args(argv)
@@ -178,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = run_dit_bench(presets, ranks=args.ranks, ns=ns, modes=modes, size=args.size, device=args.device,
                            dtype=args.dtype, warmup=args.warmup, iters=args.iters, deadline_s=args.deadline_s,
                            out=args.out, timeout_s=args.timeout_s, watchdog_s=args.watchdog_s, cfg_inner=args.cfg_inner,
-                           alone_clock=args.alone_clock)
+                           alone_clock=args.alone_clock, profile_dir=args.profile_dir)
     print(format_table(report))
     if args.out:
         try:

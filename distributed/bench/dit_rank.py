@@ -85,8 +85,12 @@ def _gloo_cuda_all_to_all(ctx):
 
 
 def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: int, keep_output: bool,
-                  cfg_inner: str = "gathered", clock: str = "prefilled") -> Tuple[dict, Optional[torch.Tensor]]:
+                  cfg_inner: str = "gathered", clock: str = "prefilled",
+                  profile: Optional[str] = None) -> Tuple[dict, Optional[torch.Tensor]]:
     """Run ``warmup + iters`` calls with the ranks taking turns; the first call is also the logged one.
+
+    With ``profile`` (a path prefix) one more call runs under ``torch.profiler`` after the timed ones (not timed
+    itself: the profiler slows the CPU side) and its kernels are written per rank (:func:`.kernel_profile.write`).
 
     Returns this rank's measurements and, with ``keep_output``, the first call's output (fp32, on the host).
     """
@@ -140,6 +144,15 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
                         output = y.detach().float().cpu()
                 del y
                 out["runs"].append(turns.to_dict())
+            if profile:
+                from . import kernel_profile
+
+                barrier(ctx)
+                _sync(device)
+                with kernel_profile.record(device) as prof, take_turns(ctx, clock=clock, prefill=prefill):
+                    call()
+                _sync(device)
+                out["kernel_profile"] = kernel_profile.write(prof, f"{profile}_{case.label}_r{ctx.rank}".replace(" ", "_"))
         peak = _read_peak(device)
         out["peak_bytes"], out["peak_metric"] = peak["bytes"], peak["metric"]
         if isinstance(a2a, dict):
@@ -314,7 +327,8 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
                 try:
                     local, output = _measure_case(contexts[case.n], layouts.get(case.n), model, inputs, case, warmup,
                                                   iters, keep_output=ctx.rank == 0, cfg_inner=plan["cfg_inner"],
-                                                  clock=plan.get("alone_clock", "prefilled"))
+                                                  clock=plan.get("alone_clock", "prefilled"),
+                                                  profile=(os.path.join(plan["profile_dir"], name) if plan.get("profile_dir") else None))
                     if case.mode == "none" and ctx.rank == 0 and (preset.cfg or "cfg" in plan["modes"]):
                         with torch.no_grad():  # the uncond branch of the reference, for the CFG rows' check
                             ref_out[1] = model(**inputs[1])[0].float().cpu()
