@@ -21,6 +21,8 @@ Design decisions:
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -124,9 +126,41 @@ def all_gather_padded(t: torch.Tensor, ctx: ParallelContext, dim: int, sizes: Se
         raise ValueError(f"this rank's extent {t.shape[dim]} along dim {dim} differs from sizes[{ctx.rank}]={sizes[ctx.rank]}")
     biggest = max(sizes)
     send = _pad_along(t, dim, biggest)
+    if min(sizes) == biggest and math.prod(t.shape[:dim]) == 1 and _into_tensor_ok(ctx):
+        # equal extents and nothing but unit dims before ``dim``: the concatenation along ``dim`` is the ranks' tensors
+        # one after another in memory, so gather straight into the result (no per-rank buffers, no concatenation)
+        send = send.contiguous()
+        out = send.new_empty((ctx.world_size * send.shape[0],) + tuple(send.shape[1:]))
+        if _gather_into(out, send, ctx):
+            return out.view(tuple(t.shape[:dim]) + (ctx.world_size * biggest,) + tuple(t.shape[dim + 1:]))
     bufs = [torch.empty_like(send) for _ in range(ctx.world_size)]
     dist.all_gather(bufs, send, group=ctx.group)
     return torch.cat([b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)], dim=dim)
+
+
+#: process groups whose backend refused a flat all-gather (the list form is used for them from then on)
+_NO_INTO_TENSOR: set = set()
+
+
+def _into_tensor_ok(ctx: ParallelContext) -> bool:
+    return id(ctx.group) not in _NO_INTO_TENSOR
+
+
+def _gather_into(out: torch.Tensor, send: torch.Tensor, ctx: ParallelContext) -> bool:
+    """One flat all-gather into ``out``; False (and remembered per group) where the backend lacks it for this device.
+
+    Every rank of a group has the same backend and device type, so all of them take the same branch."""
+    try:
+        with warnings.catch_warnings():
+            # torch 2.13 renames it all_gather_single; the old name is the one the interception layer counts
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.all_gather_into_tensor(out, send, group=ctx.group)
+        return True
+    except RuntimeError as exc:
+        if "support" not in str(exc).lower() and "not implemented" not in str(exc).lower():
+            raise
+        _NO_INTO_TENSOR.add(id(ctx.group))
+        return False
 
 
 def gather_to(t: torch.Tensor, ctx: ParallelContext, dim: int, sizes: Sequence[int], dst: int = 0) -> Optional[torch.Tensor]:

@@ -86,11 +86,13 @@ def _gloo_cuda_all_to_all(ctx):
 
 def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: int, keep_output: bool,
                   cfg_inner: str = "gathered", clock: str = "prefilled",
-                  profile: Optional[str] = None) -> Tuple[dict, Optional[torch.Tensor]]:
+                  profile: Optional[str] = None, compile_mode: Optional[str] = None) -> Tuple[dict, Optional[torch.Tensor]]:
     """Run ``warmup + iters`` calls with the ranks taking turns; the first call is also the logged one.
 
     With ``profile`` (a path prefix) one more call runs under ``torch.profiler`` after the timed ones (not timed
     itself: the profiler slows the CPU side) and its kernels are written per rank (:func:`.kernel_profile.write`).
+    With ``compile_mode`` every transformer block is compiled (:func:`~..sampling.compiled.compile_blocks`, the
+    attention kept eager) after the sequence plan is installed; the warm-up calls compile.
 
     Returns this rank's measurements and, with ``keep_output``, the first call's output (fp32, on the host).
     """
@@ -122,7 +124,13 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
         def call():
             return model(**inputs[0])[0]
 
-    out: Dict[str, Any] = {"rank": ctx.rank, "attention": attention, "runs": [], "counted": None, "calls": None}
+    compiled = None
+    if compile_mode:
+        from ..sampling.compiled import compile_blocks
+
+        compiled = compile_blocks(model, mode=compile_mode)
+    out: Dict[str, Any] = {"rank": ctx.rank, "attention": attention, "runs": [], "counted": None, "calls": None,
+                           "compile": compile_mode}
     output = None
     transport = (_gloo_cuda_all_to_all(ctx) if attention == "ulysses" else contextlib.nullcontext("default"))
     prefill = Prefill()  # the warm-up calls size the timed calls' spins, stage by stage
@@ -159,6 +167,8 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
             out["all_to_all_transport"] = "gloo CUDA all-to-all" if a2a["direct"] else "host-staged (copies billed to compute)"
     finally:
         transport.__exit__(None, None, None)
+        if compiled is not None:
+            compiled.remove()
         if handle is not None:
             handle.remove()
     return out, output
@@ -223,7 +233,7 @@ def _summarise(preset: DiTPreset, case: Case, per_rank: List[dict], warmup: int,
         "peak_gib_by_rank": [round(r["peak_bytes"] / _GIB, 3) if r.get("peak_bytes") else None for r in per_rank],
         "peak_metric": per_rank[0].get("peak_metric"),
         "finite": all(r.get("finite", False) for r in per_rank),
-        "all_to_all_transport": per_rank[0].get("all_to_all_transport"),
+        "all_to_all_transport": per_rank[0].get("all_to_all_transport"), "compile": per_rank[0].get("compile"),
         "iterations": {"warmup": warmup, "timed": len(timed[0])},
     }
     if case.n > 1:
@@ -328,7 +338,8 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
                     local, output = _measure_case(contexts[case.n], layouts.get(case.n), model, inputs, case, warmup,
                                                   iters, keep_output=ctx.rank == 0, cfg_inner=plan["cfg_inner"],
                                                   clock=plan.get("alone_clock", "prefilled"),
-                                                  profile=(os.path.join(plan["profile_dir"], name) if plan.get("profile_dir") else None))
+                                                  profile=(os.path.join(plan["profile_dir"], name) if plan.get("profile_dir") else None),
+                                                  compile_mode=plan.get("compile"))
                     if case.mode == "none" and ctx.rank == 0 and (preset.cfg or "cfg" in plan["modes"]):
                         with torch.no_grad():  # the uncond branch of the reference, for the CFG rows' check
                             ref_out[1] = model(**inputs[1])[0].float().cpu()

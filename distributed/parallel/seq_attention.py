@@ -369,8 +369,11 @@ class SequenceAttention:
         vb, vi, va = split_replicated(v, 1, before, after)
         packed = torch.stack([ki, vi], dim=2).contiguous()  # [B, n, 2, H, D]: one exchange for K and V
         full = self.kv.full_kv(packed, f"{key}.kv", st)  # [B, n_total, 2, H, D], rank-major
-        k_all = torch.cat([kb, full[:, :, 0], ka], dim=1)
-        v_all = torch.cat([vb, full[:, :, 1], va], dim=1)
+        if before or after:
+            k_all = torch.cat([kb, full[:, :, 0], ka], dim=1)
+            v_all = torch.cat([vb, full[:, :, 1], va], dim=1)
+        else:  # nothing replicated (text sharded, or an image-only attention): views of the gathered buffer, no copy
+            k_all, v_all = full[:, :, 0], full[:, :, 1]
         m = _key_mask(mask, lq, lk_full, before, after, shards.seq_total, shards.part_order("joint", mask.device if mask is not None else None), key, self._checked)
         h = q.shape[2]
         return _to_blhd(attn_fn(_from_blhd(q, layout), _from_blhd(k_all, layout), _from_blhd(v_all, layout), m, h), layout, h)
