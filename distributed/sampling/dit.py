@@ -67,6 +67,7 @@ __all__ = [
     "text_tokens",
     "TokenOtil",
     "finalize_rows",
+    "refills",
     "cp_plan_points",
     "DiTShape",
     "FULL_SIZE_SHAPES",
@@ -101,11 +102,15 @@ class DiTHandle:
         return self.state.traffic
 
     def begin_step(self, step: int, sync: Optional[bool] = None, stream: Any = None) -> None:
-        """Start logical step ``step`` of ``stream``; ``sync`` defaults to the config's schedule (warm-up, refresh)."""
+        """Start logical step ``step`` of ``stream``; ``sync`` defaults to the config's schedule (warm-up, refresh).
+
+        A synchronous step followed by another one by the schedule (every warm-up step but the last) runs its
+        attention exact by the cheapest exact mode for the link and leaves the stale memory alone; the last
+        warm-up step and the refresh steps refill it (:func:`refills`)."""
         if sync is None:
             sync = self.config.is_sync_step(step) if self.config is not None else True
         self.state.select_stream(stream)
-        self.state.begin_step(step, sync)
+        self.state.begin_step(step, sync, refills(self.config, step))
 
     def end_step(self) -> None:
         self.state.end_step()
@@ -169,6 +174,12 @@ class TokenOtil:
         band = t.view(b, fr, mine, cols, f).permute(0, 1, 4, 2, 3).reshape(b, fr * f, mine, cols)
         grid = ex.step(band)
         return grid.view(b, fr, f, rows, cols).permute(0, 1, 3, 4, 2).reshape(b, fr * rows * cols, f)
+
+
+def refills(config: Optional[PatchConfig], step: int) -> bool:
+    """Whether a synchronous logical step ``step`` must leave the stale memory filled: the next step is asynchronous by
+    ``config``'s schedule (the last warm-up step, a refresh step), or there is no schedule to tell (``None``)."""
+    return config is None or not config.is_sync_step(step + 1)
 
 
 def finalize_rows(state: SequenceState, latent: torch.Tensor, row_dim: int = -2) -> torch.Tensor:

@@ -172,7 +172,9 @@ class DitSequence:
         self.state = seq.SequenceState(ctx, Traffic(), memory=memory)
         if self.stepwise and config.output is OutputMode.OTIL and ctx.world_size > 1:
             self.state.output_exchange = TokenOtil(self.state, config)
-        self.attn = seq.SequenceAttention(self.state, "gathered" if self.stepwise else attention, **({"kv": kv} if kv is not None else {}))
+        # stale presets: ``attention`` (auto) picks the exact mode of the warm-up steps that do not refill the stale
+        # memory (dit_exchange refuses 'ulysses' with them); every other step is gathered
+        self.attn = seq.SequenceAttention(self.state, attention, **({"kv": kv} if kv is not None else {}))
         self._steps: dict = {}
         self.scopes = _Scopes()
         self._applied: list = []
@@ -285,6 +287,7 @@ class DitSequence:
     # ---------------------------------------------------------------- the wrapper
 
     def wrapper(self, executor, x, *args, **kwargs):
+        from ...distributed.sampling.dit import refills
         from .dit_models import call_refusal, text_tokens, token_grid
 
         bound = _bind(executor, x, args, kwargs)
@@ -293,17 +296,18 @@ class DitSequence:
             raise NotImplementedError(why)
         text = text_tokens(self.row, bound.arguments, self.ctx.world_size) if self.shard_text else 0
         side = "after" if self.row.text == "suffix" else "before"
-        self.state.set_grid(*token_grid(self.row, self.dm, x.shape), text=text, text_side=side)
         to = dict(bound.arguments.get("transformer_options") or {})
+        stream = tuple(to.get("cond_or_uncond", ()))
+        if self.stepwise:  # the stream's own stale memory and shard table (its text length may differ)
+            self.state.select_stream(stream)
+        self.state.set_grid(*token_grid(self.row, self.dm, x.shape), text=text, text_side=side)
         to["optimized_attention_override"] = self.override(to.get("optimized_attention_override"))
         bound.arguments["transformer_options"] = to
         with self.counter.call() if self.counter is not None else contextlib.nullcontext():
             if not self.stepwise:
                 return executor(*bound.args, **bound.kwargs)
-            stream = tuple(to.get("cond_or_uncond", ()))
             step = self._steps.get(stream, 0)
-            self.state.select_stream(stream)
-            self.state.begin_step(step, self.config.is_sync_step(step))
+            self.state.begin_step(step, self.config.is_sync_step(step), refills(self.config, step))
             try:
                 return executor(*bound.args, **bound.kwargs)
             finally:
