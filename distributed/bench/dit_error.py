@@ -119,6 +119,9 @@ def _rank(ctx, plan: dict) -> dict:
             for text in ([None] if name == "full_sync" else texts):
                 key = name if not keyed or name == "full_sync" else f"{name}/w{w}/{text or 'default'}"
                 runs.append((key, name, w, text))
+    if plan.get("cases"):  # an explicit list of preset/wW/text keys (full_sync always runs: the reference)
+        runs = [r for r in runs if r[0] == "full_sync"] + [(c, c.split("/")[0], int(c.split("/")[1][1:]), c.split("/")[2])
+                                                           for c in plan["cases"]]
     for key, name, w, text in runs:
         cfg = preset(name) if name == "full_sync" else preset(name, split_batch=False, warmup_steps=w)
         shard_text = None if text is None else text == "sharded"
@@ -153,14 +156,16 @@ def _rank(ctx, plan: dict) -> dict:
 def run_dit_error(family: str, ranks: int, *, layers: int = 2, size: str = "full", steps: int = 20, warmup=4,
                   shift: float = 3.0, presets=PRESET_NAMES, device: str = "cpu", dtype: str = "float32",
                   out: Optional[str] = None, texts=None, text_tokens: Optional[int] = None, mode: str = "gathered",
-                  link: Optional[str] = None) -> dict:
+                  link: Optional[str] = None, cases=None) -> dict:
     """Run the presets on ``ranks`` spawned ranks; ``warmup``: one warm-up count or a list of them; ``texts``: a list
-    of ``"whole"``/``"sharded"`` (``None``: ``parallelize_dit``'s default for each preset)."""
+    of ``"whole"``/``"sharded"`` (``None``: ``parallelize_dit``'s default for each preset); ``cases``: instead of the
+    cross product, these ``preset/wW/text`` keys (and full_sync)."""
     from ..spawn import run_ranks
 
     warmups = [int(warmup)] if isinstance(warmup, int) else [int(w) for w in warmup]
     plan = dict(family=family, layers=layers, size=size, steps=steps, warmup=warmups[0], warmups=warmups, shift=shift,
-                presets=list(presets), dtype=dtype, texts=list(texts) if texts else None, text_tokens=text_tokens, mode=mode, link=link)
+                presets=list(presets), dtype=dtype, texts=list(texts) if texts else None, text_tokens=text_tokens, mode=mode, link=link,
+                cases=list(cases) if cases else None)
     t0 = time.time()
     per_rank = run_ranks(_rank, ranks, plan, device=device, timeout_s=1800)
     doc = {"benchmark": "dit-error", "ranks": ranks, "device": device, **plan, "wall_s": time.time() - t0,
@@ -221,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--text-tokens", type=int, default=None, help="prompt tokens (default 512 full width, 8 tiny)")
     ap.add_argument("--attention", default="gathered", help="parallelize_dit's mode (auto: the exact warm-up steps by the link's cheapest)")
     ap.add_argument("--link", default=None, help="link profile for --attention auto")
+    ap.add_argument("--case", action="append", default=None,
+                    help="run exactly these PRESET/wW/TEXT keys (e.g. compressed/w1/sharded; repeatable) and full_sync")
     ap.add_argument("--shift", type=float, default=3.0)
     ap.add_argument("--preset", action="append", default=None)
     ap.add_argument("--device", default="cpu")
@@ -232,8 +239,8 @@ def main(argv=None) -> int:
         chart(a.chart_from, a.out)
         return 0
     doc = run_dit_error(a.family, a.ranks, layers=a.layers, size=a.size, steps=a.steps, warmup=a.warmup or [4], shift=a.shift,
-                        presets=a.preset or PRESET_NAMES, device=a.device, dtype=a.dtype, out=a.out, texts=a.text,
-                        text_tokens=a.text_tokens, mode=a.attention, link=a.link)
+                        presets=a.preset or (["full_sync"] if a.case else PRESET_NAMES), device=a.device, dtype=a.dtype, out=a.out, texts=a.text,
+                        text_tokens=a.text_tokens, mode=a.attention, link=a.link, cases=a.case)
     for name, r in doc["results"].items():
         print(f"{name:28s} rel L2 vs full_sync {r['rel_l2_vs_full_sync']:.3e}  MB/step {r['mean_bytes_per_step'] / 1e6:8.3f}"
               f"  async {r['mean_async_bytes_per_step'] / 1e6:8.3f}  wall {r['wall_s']:.1f}s")

@@ -151,7 +151,7 @@ class DitSequence:
     """
 
     def __init__(self, ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None, config=None,
-                 shard_text: bool = True):
+                 shard_text: Optional[bool] = None):
         from ...distributed.sampling.comm_manager import CommManager, Traffic
         from ...distributed.sampling.config import LayerMode, OutputMode
         from ...distributed.sampling.dit import TokenOtil, dit_exchange
@@ -162,10 +162,11 @@ class DitSequence:
         # one logical step per model call of a stream (cond/uncond may come in separate calls), as for the UNet
         self.config = config
         self.stepwise = config is not None and (config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER)
-        # joint-attention rows shard their text tokens too (each rank a slice), unless a call must keep them whole; the
-        # exact modes only: a stale memory belongs to one shard table, and a cond and an uncond prompt of different
-        # lengths, evaluated in turn, would change the table (and empty the memory) on every call
-        self.shard_text = shard_text and not self.stepwise
+        # joint-attention rows shard their text tokens too (each rank a slice), unless a call must keep them whole. By
+        # default (None) in the exact modes only: under a stale preset the remote text K/V would be stale too, which
+        # raised the final-latent error by 3-5% on FLUX.1 and Qwen-Image (results/cpu-warmup); True shards it there as
+        # well (each stream keeps its own shard table and stale memory, so cond and uncond prompts may differ in length)
+        self.shard_text = (not self.stepwise) if shard_text is None else bool(shard_text)
         kv = dit_exchange(config, attention) if config is not None else None
         checkpoint = config.comm_checkpoint if config is not None else 60
         memory = (lambda c, rows, t: CommManager(c, rows, t, checkpoint)) if self.stepwise else None
@@ -327,10 +328,10 @@ class DitSequence:
 
 
 def sequence_parallel(ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None, config=None,
-                      shard_text: bool = True) -> DitSequence:
+                      shard_text: Optional[bool] = None) -> DitSequence:
     """:class:`DitSequence` applied to ``dm`` (call ``remove()`` when the run ends); ``config``: the node's preset
     (a ``PatchConfig``; full_sync or ``None``: exact); ``shard_text``: joint-attention rows split their text tokens
-    over the ranks too (False: whole on every rank)."""
+    over the ranks too (False: whole on every rank; None: in the exact modes only)."""
     seq = DitSequence(ctx, row, dm, attention=attention, counter=counter, config=config, shard_text=shard_text)
     seq.apply()
     return seq
