@@ -106,7 +106,6 @@ def _unet_part(ctx):
 
 
 def _wan():
-
     model, inputs = build("wan")
     inputs = dict(inputs)
     inputs.pop("timestep")
