@@ -273,8 +273,8 @@ def parallelize_dit(
         shard_text: joint-attention families (FLUX.1, Qwen-Image, HunyuanVideo) shard their text tokens too (each
             rank a contiguous slice; exact); False keeps the text whole on every rank. ``None`` (default): True for
             the exact modes (no ``config``, or ``full_sync`` with the gathered output), False for the stale presets:
-            with the text sharded the remote text K/V are stale too, which raised the final-latent error by 3-5%
-            over the text kept whole on tiny FLUX.1 and Qwen-Image (results/cpu-warmup), while it cuts a rank's
+            with the text sharded the remote text K/V are stale too, which raised the final-latent error by about 4%
+            (1-8%) over the text kept whole on tiny FLUX.1 and Qwen-Image (results/cpu-warmup), while it cuts a rank's
             per-token work to its share (FLUX.1 1024x1024: 2,304 instead of 2,560 of 4,608 tokens at N = 2).
             ``True`` with a stale preset: the text K/V are part of the sharded set, exchanged with the image K/V;
             each stream (``begin_step(stream=)``) keeps its own shard table and stale memory, so a cond and an

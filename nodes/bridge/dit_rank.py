@@ -164,8 +164,9 @@ class DitSequence:
         self.stepwise = config is not None and (config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER)
         # joint-attention rows shard their text tokens too (each rank a slice), unless a call must keep them whole. By
         # default (None) in the exact modes only: under a stale preset the remote text K/V would be stale too, which
-        # raised the final-latent error by 3-5% on FLUX.1 and Qwen-Image (results/cpu-warmup); True shards it there as
-        # well (each stream keeps its own shard table and stale memory, so cond and uncond prompts may differ in length)
+        # raised the final-latent error by about 4% (1-8%) on tiny FLUX.1 and Qwen-Image (results/cpu-warmup); True
+        # shards it there as well (each stream keeps its own shard table and stale memory, so cond and uncond prompts
+        # may differ in length)
         self.shard_text = (not self.stepwise) if shard_text is None else bool(shard_text)
         kv = dit_exchange(config, attention) if config is not None else None
         checkpoint = config.comm_checkpoint if config is not None else 60
