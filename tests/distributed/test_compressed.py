@@ -184,12 +184,13 @@ def _cases(n, part):
 # ------------------------------------------------------------------------------------------- warm-up steps and text
 
 W_STEPS, W_WARMUP = 4, 3
-W_FAMS = ("flux", "qwen-image")
-#: (family, text sharded): both layouts on FLUX.1, the sharded one (with a padded prompt) on Qwen-Image (CI time)
-W_CASES = (("flux", True), ("flux", False), ("qwen-image", True))
+W_FAMS = ("flux", "qwen-image", "hunyuan-video")
+#: (family, text sharded): both layouts on FLUX.1, the sharded one (with a padded prompt) on Qwen-Image and
+#: HunyuanVideo (text after the image tokens, 3 frames) (CI time)
+W_CASES = (("flux", True), ("flux", False), ("qwen-image", True), ("hunyuan-video", True))
 W_TEXT = 5
-# attention layers, output features per token of the tiny models (dit_models.build)
-W_SHAPES = {"flux": (2, 8), "qwen-image": (2, 16)}
+# attention layers, output features per token, token grid (frames, rows, cols) of the tiny models (dit_models.build)
+W_SHAPES = {"flux": (2, 8, (1, 7, 3)), "qwen-image": (2, 16, (1, 7, 3)), "hunyuan-video": (2, 4, (3, 5, 4))}
 
 
 def _bytes_only_link():
@@ -285,8 +286,8 @@ def _step_costs(fam, n, shard_text):
     from patchray.distributed.parallel.exchange import EXACT, compressed
     from patchray.distributed.sampling.dit import DiTShape, step_cost
 
-    layers, out_features = W_SHAPES[fam]
-    shape = DiTShape(layers, HEADS, HEAD_DIM, 1, 7, 3, W_TEXT, out_features)
+    layers, out_features, (frames, rows, cols) = W_SHAPES[fam]
+    shape = DiTShape(layers, HEADS, HEAD_DIM, frames, rows, cols, W_TEXT, out_features)
     kw = dict(itemsize=4, batch=2, shard_text=shard_text)
     first = step_cost(shape, n, "ulysses" if n == 3 else "gathered", kv=EXACT, **kw)["wire_bytes"]
     fill = step_cost(shape, n, "gathered", kv=EXACT, **kw)["wire_bytes"]
