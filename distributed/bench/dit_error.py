@@ -1,13 +1,18 @@
 """``python -m patchray.distributed.bench.dit_error``: final-latent error and bytes per step of the DiT sampling presets.
 
-For one world size N, every rank builds the same random-weight diffusers DiT (FLUX.1 or Wan 2.1 layout: full width,
-``--layers`` blocks), runs a rectified-flow Euler loop (``--steps``, sigmas shifted as FLUX/Wan schedulers shift
+For one world size N, every rank builds the same random-weight diffusers DiT (FLUX.1, Qwen-Image or Wan 2.1 layout:
+full width or tiny, ``--layers`` blocks), runs a rectified-flow Euler loop (``--steps``, sigmas shifted as FLUX/Wan schedulers shift
 them: ``s' = shift s / (1 + (shift - 1) s)``) once per preset through ``parallelize_dit(config=...)``, and records:
 
 * the final latent's relative L2 error against the ``full_sync`` run of the same N (which equals the single-rank
   result within floating-point tolerance; the CI tests check that);
 * bytes this rank sent per step by kind, synchronous and asynchronous (the accounting of ``comm_manager.Traffic``:
   packed sizes for the compressed modes), per step and averaged over the run.
+
+Several warm-up counts (``--warmup 1 --warmup 2 --warmup 4``) and text layouts (``--text whole --text sharded``:
+the joint-attention families' text tokens kept whole on every rank or sharded with the image tokens) run in one
+spawn; with more than one of either, each result is keyed ``preset/wW/text`` (one of each: the preset's name, as
+before).
 
 Compute is not timed here (per-rank compute measured alone is the job of ``dit_bench``; a displaced or compressed
 step computes what a full_sync step computes plus the residual codec).
@@ -39,14 +44,16 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(noise * (1.0 / fan_in**0.5))
 
 
-def build(family: str, layers: int, size: str, device, dtype, seed: int = 0):
-    """``(model, inputs, row_dim or None)``: ``inputs`` are the forward's keyword arguments except timestep."""
+def build(family: str, layers: int, size: str, device, dtype, seed: int = 0, text_tokens: Optional[int] = None):
+    """``(model, inputs, row_dim or None)``: ``inputs`` are the forward's keyword arguments except timestep;
+    ``text_tokens``: the prompt's tokens (default: 512 full width, 8 tiny)."""
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     r = lambda *s: torch.randn(*s, generator=g)
     if family == "flux":
         from diffusers import FluxTransformer2DModel
 
         heads, dim, hw, txt = (24, 128, 64, 512) if size == "full" else (4, 16, 12, 8)
+        txt = text_tokens or txt
         m = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=layers, num_single_layers=2 * layers,
                                    attention_head_dim=dim, num_attention_heads=heads,
                                    joint_attention_dim=4096 if size == "full" else 32, pooled_projection_dim=768 if size == "full" else 16,
@@ -56,6 +63,18 @@ def build(family: str, layers: int, size: str, device, dtype, seed: int = 0):
         ids[..., 2] = torch.arange(hw)[None, :]
         inputs = dict(hidden_states=r(1, hw * hw, 64), encoder_hidden_states=r(1, txt, m.config.joint_attention_dim),
                       pooled_projections=r(1, m.config.pooled_projection_dim), img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(txt, 3))
+        row_dim = None
+    elif family == "qwen":
+        from diffusers import QwenImageTransformer2DModel
+
+        # Qwen-Image: 24 heads x 128, 1328x1328 -> 83x83 tokens (2x2 patches of the 16-channel latent, packed to 64)
+        heads, dim, hw, txt = (24, 128, 83, 256) if size == "full" else (4, 16, 12, 8)
+        txt = text_tokens or txt
+        m = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=layers, attention_head_dim=dim,
+                                        num_attention_heads=heads, joint_attention_dim=3584 if size == "full" else 32,
+                                        axes_dims_rope=(16, 56, 56) if size == "full" else (4, 6, 6))
+        inputs = dict(hidden_states=r(1, hw * hw, 64), encoder_hidden_states=r(1, txt, m.config.joint_attention_dim),
+                      encoder_hidden_states_mask=torch.ones(1, txt, dtype=torch.bool), img_shapes=[[(1, hw, hw)]])
         row_dim = None
     elif family == "wan":
         from diffusers import WanTransformer3DModel
@@ -68,11 +87,11 @@ def build(family: str, layers: int, size: str, device, dtype, seed: int = 0):
         inputs = dict(hidden_states=r(1, 16, t, h, w), encoder_hidden_states=r(1, txt, m.config.text_dim))
         row_dim = -2
     else:
-        raise ValueError(f"family must be flux or wan (got {family!r})")
+        raise ValueError(f"family must be flux, qwen or wan (got {family!r})")
     _randomize(m, seed)
     m = m.to(device=device, dtype=dtype).eval()
-    inputs = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v.to(device))
-              for k, v in inputs.items()}
+    inputs = {k: (v if not isinstance(v, torch.Tensor) else v.to(device=device, dtype=dtype)
+                  if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v.to(device)) for k, v in inputs.items()}
     return m, inputs, row_dim
 
 
@@ -87,14 +106,26 @@ def _rank(ctx, plan: dict) -> dict:
 
     dev = ctx.device
     dtype = getattr(torch, plan["dtype"])
-    model, inputs, row_dim = build(plan["family"], plan["layers"], plan["size"], dev, dtype)
+    model, inputs, row_dim = build(plan["family"], plan["layers"], plan["size"], dev, dtype, text_tokens=plan.get("text_tokens"))
     x0 = torch.randn(inputs["hidden_states"].shape, generator=torch.Generator(device="cpu").manual_seed(7)).to(dev, dtype)
     sig = sigmas(plan["steps"], plan["shift"])
     out = {}
     finals = {}
+    warmups, texts = plan.get("warmups") or [plan["warmup"]], plan.get("texts") or [None]
+    keyed = len(warmups) > 1 or len(texts) > 1
+    runs = []
     for name in plan["presets"]:
-        cfg = preset(name) if name == "full_sync" else preset(name, split_batch=False, warmup_steps=plan["warmup"])
-        h = parallelize_dit(model, ctx, mode="gathered", config=cfg)
+        for w in ([None] if name == "full_sync" else warmups):
+            for text in ([None] if name == "full_sync" else texts):
+                key = name if not keyed or name == "full_sync" else f"{name}/w{w}/{text or 'default'}"
+                runs.append((key, name, w, text))
+    if plan.get("cases"):  # an explicit list of preset/wW/text keys (full_sync always runs: the reference)
+        runs = [r for r in runs if r[0] == "full_sync"] + [(c, c.split("/")[0], int(c.split("/")[1][1:]), c.split("/")[2])
+                                                           for c in plan["cases"]]
+    for key, name, w, text in runs:
+        cfg = preset(name) if name == "full_sync" else preset(name, split_batch=False, warmup_steps=w)
+        shard_text = None if text is None else text == "sharded"
+        h = parallelize_dit(model, ctx, mode=plan.get("mode", "gathered"), config=cfg, shard_text=shard_text, link=plan.get("link"))
         x = x0.clone()
         per_step = []
         t0 = time.perf_counter()
@@ -110,11 +141,11 @@ def _rank(ctx, plan: dict) -> dict:
             per_step.append({"bytes": {k: v for k, v in d["bytes"].items() if v}, "async": {k: v for k, v in d["async_bytes"].items() if v}})
         h.state.finish()
         x = h.finalize_rows(x, row_dim) if row_dim is not None else h.finalize_tokens(x)
-        finals[name] = x.float().cpu()
+        finals[key] = x.float().cpu()
         h.remove()
         tot = [sum(s["bytes"].values()) for s in per_step]
         asy = [sum(s["async"].values()) for s in per_step]
-        out[name] = {"bytes_per_step": tot, "async_bytes_per_step": asy, "mean_bytes_per_step": sum(tot) / len(tot),
+        out[key] = {"preset": name, "warmup": w, "text": text, "bytes_per_step": tot, "async_bytes_per_step": asy, "mean_bytes_per_step": sum(tot) / len(tot),
                      "mean_async_bytes_per_step": sum(asy) / len(asy), "by_kind_last_step": per_step[-1], "wall_s": time.perf_counter() - t0}
     ref = finals.get("full_sync")
     for name in out:
@@ -122,12 +153,19 @@ def _rank(ctx, plan: dict) -> dict:
     return out
 
 
-def run_dit_error(family: str, ranks: int, *, layers: int = 2, size: str = "full", steps: int = 20, warmup: int = 4,
+def run_dit_error(family: str, ranks: int, *, layers: int = 2, size: str = "full", steps: int = 20, warmup=4,
                   shift: float = 3.0, presets=PRESET_NAMES, device: str = "cpu", dtype: str = "float32",
-                  out: Optional[str] = None) -> dict:
+                  out: Optional[str] = None, texts=None, text_tokens: Optional[int] = None, mode: str = "gathered",
+                  link: Optional[str] = None, cases=None) -> dict:
+    """Run the presets on ``ranks`` spawned ranks; ``warmup``: one warm-up count or a list of them; ``texts``: a list
+    of ``"whole"``/``"sharded"`` (``None``: ``parallelize_dit``'s default for each preset); ``cases``: instead of the
+    cross product, these ``preset/wW/text`` keys (and full_sync)."""
     from ..spawn import run_ranks
 
-    plan = dict(family=family, layers=layers, size=size, steps=steps, warmup=warmup, shift=shift, presets=list(presets), dtype=dtype)
+    warmups = [int(warmup)] if isinstance(warmup, int) else [int(w) for w in warmup]
+    plan = dict(family=family, layers=layers, size=size, steps=steps, warmup=warmups[0], warmups=warmups, shift=shift,
+                presets=list(presets), dtype=dtype, texts=list(texts) if texts else None, text_tokens=text_tokens, mode=mode, link=link,
+                cases=list(cases) if cases else None)
     t0 = time.time()
     per_rank = run_ranks(_rank, ranks, plan, device=device, timeout_s=1800)
     doc = {"benchmark": "dit-error", "ranks": ranks, "device": device, **plan, "wall_s": time.time() - t0,
@@ -177,12 +215,19 @@ def chart(paths: List[str], out: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--family", choices=["flux", "wan"], default="flux")
+    ap.add_argument("--family", choices=["flux", "qwen", "wan"], default="flux")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--size", choices=["full", "tiny"], default="full")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--warmup", type=int, action="append", default=None, help="warm-up steps (repeat for several; default 4)")
+    ap.add_argument("--text", action="append", choices=["whole", "sharded"], default=None,
+                    help="joint-attention text tokens whole on every rank or sharded (repeat for both; default: the preset's)")
+    ap.add_argument("--text-tokens", type=int, default=None, help="prompt tokens (default 512 full width, 8 tiny)")
+    ap.add_argument("--attention", default="gathered", help="parallelize_dit's mode (auto: the exact warm-up steps by the link's cheapest)")
+    ap.add_argument("--link", default=None, help="link profile for --attention auto")
+    ap.add_argument("--case", action="append", default=None,
+                    help="run exactly these PRESET/wW/TEXT keys (e.g. compressed/w1/sharded; repeatable) and full_sync")
     ap.add_argument("--shift", type=float, default=3.0)
     ap.add_argument("--preset", action="append", default=None)
     ap.add_argument("--device", default="cpu")
@@ -193,10 +238,11 @@ def main(argv=None) -> int:
     if a.chart_from:
         chart(a.chart_from, a.out)
         return 0
-    doc = run_dit_error(a.family, a.ranks, layers=a.layers, size=a.size, steps=a.steps, warmup=a.warmup, shift=a.shift,
-                        presets=a.preset or PRESET_NAMES, device=a.device, dtype=a.dtype, out=a.out)
+    doc = run_dit_error(a.family, a.ranks, layers=a.layers, size=a.size, steps=a.steps, warmup=a.warmup or [4], shift=a.shift,
+                        presets=a.preset or (["full_sync"] if a.case else PRESET_NAMES), device=a.device, dtype=a.dtype, out=a.out, texts=a.text,
+                        text_tokens=a.text_tokens, mode=a.attention, link=a.link, cases=a.case)
     for name, r in doc["results"].items():
-        print(f"{name:16s} rel L2 vs full_sync {r['rel_l2_vs_full_sync']:.3e}  MB/step {r['mean_bytes_per_step'] / 1e6:8.3f}"
+        print(f"{name:28s} rel L2 vs full_sync {r['rel_l2_vs_full_sync']:.3e}  MB/step {r['mean_bytes_per_step'] / 1e6:8.3f}"
               f"  async {r['mean_async_bytes_per_step'] / 1e6:8.3f}  wall {r['wall_s']:.1f}s")
     return 0
 

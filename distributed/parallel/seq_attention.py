@@ -64,6 +64,8 @@ class SequenceState(StepState):
         self.shards: Optional[TokenShards] = None
         self._memory = memory
         self.steps_in_memory = 0
+        #: whether the current synchronous step refills the stale memory (see :meth:`begin_step`)
+        self.refill = True
         #: the last local key mask verified to treat image keys alike (shared by every attention of the model)
         self.checked_masks: dict = {}
         #: the current stream (a caller that evaluates cond and uncond in separate calls keeps a memory per stream)
@@ -77,24 +79,30 @@ class SequenceState(StepState):
         self.output_exchange: Optional[Callable] = None
 
     def set_shards(self, shards: TokenShards) -> bool:
-        """Use ``shards`` from now on; True (and a fresh, empty stale memory) when the table changed."""
+        """Use ``shards`` from now on; True (and a fresh, empty stale memory for the current stream) when the table
+        changed.
+
+        A stale memory belongs to one table and one stream: another stream's memory (held by :meth:`select_stream`)
+        keeps its own table, so a cond and an uncond prompt of different lengths with their text sharded, evaluated
+        in turn, each keep their memory (the first call of a stream after its table changed must be synchronous)."""
         if shards.world_size != self.ctx.world_size:
             raise ValueError(f"shard table for {shards.world_size} ranks used in a group of {self.ctx.world_size}")
         if shards == self.shards:
             return False
         if self.cm is not None:
             self.cm.wait()
-        for cm, _ in self._held.values():
-            if cm is not None:
-                cm.wait()
-        self._held.clear()
-        self.shards = shards
-        self.rows = shards.seq_counts  # the K/V extents of the exchanges and the stale memory
-        self.bounds = self.latent_bounds = shards.row_bounds
-        self.height, self.width = shards.rows, shards.cols
+        self._use_table(shards)
         self.cm = self._memory(self.ctx, self.rows, self.traffic) if self._memory is not None else None
         self.steps_in_memory = 0
         return True
+
+    def _use_table(self, shards: Optional[TokenShards]) -> None:
+        self.shards = shards
+        if shards is None:
+            return
+        self.rows = shards.seq_counts  # the K/V extents of the exchanges and the stale memory
+        self.bounds = self.latent_bounds = shards.row_bounds
+        self.height, self.width = shards.rows, shards.cols
 
     def set_text_valid(self, valid: Optional[torch.Tensor]) -> None:
         """The current call's text padding mask as ``[B, T]`` validity (``None``: every text token is attended to),
@@ -111,15 +119,21 @@ class SequenceState(StepState):
         self.key_valid = torch.cat([valid, image] if shards.text_side == "before" else [image, valid], dim=1)
 
     def select_stream(self, stream: Any) -> None:
-        """Use ``stream``'s stale memory from now on (each stream has its own, built on its first step)."""
+        """Use ``stream``'s stale memory and shard table from now on (each stream has its own, built on its first
+        step; call before the stream's call sets its grid)."""
         if stream == self.stream:
             return
         if self.cm is not None:
             self.cm.wait()
-        self._held[self.stream] = (self.cm, self.steps_in_memory)
+        self._held[self.stream] = (self.cm, self.steps_in_memory, self.shards)
         self.stream = stream
-        self.cm, self.steps_in_memory = self._held.pop(stream, (None, 0))
-        if self.cm is None and self.shards is not None and self._memory is not None:
+        held = self._held.pop(stream, None)
+        if held is not None and held[2] is not None:
+            self.cm, self.steps_in_memory = held[0], held[1]
+            self._use_table(held[2])
+            return
+        self.cm, self.steps_in_memory = None, 0
+        if self.shards is not None and self._memory is not None:
             self.cm = self._memory(self.ctx, self.shards.seq_counts, self.traffic)
 
     def set_grid(self, frames: int, rows: int, cols: int, row_sizes: Optional[Sequence[int]] = None, *, text: int = 0,
@@ -135,31 +149,41 @@ class SequenceState(StepState):
             raise RuntimeError("sequence-parallel model ran without a token grid; call set_grid() first")
         return self.shards
 
-    def begin_step(self, step: int, sync: bool) -> None:
-        """Start logical step ``step`` (``sync``: exchange exactly and refill the stale memory)."""
+    def begin_step(self, step: int, sync: bool, refill: bool = True) -> None:
+        """Start logical step ``step`` (``sync``: exchange exactly).
+
+        ``refill`` (synchronous steps only): the step leaves the stale memory filled for the next step. A synchronous
+        step followed by another synchronous one (every warm-up step but the last) need not: its attention is exact
+        by the cheapest exact mode (:class:`SequenceAttention`: Ulysses where the heads divide and the link favours
+        it) and the memory is left alone; the last warm-up step and every refresh step refill it."""
         if self.cm is None and not sync:
             raise RuntimeError("a non-synchronous step needs a stale memory: build the SequenceState with memory=")
         if self.steps_in_memory == 0 and not sync:
-            raise RuntimeError("the first step after a new token grid must be synchronous: the stale memory is empty")
+            raise RuntimeError("the first step after a new token grid must be synchronous and refill the stale memory: "
+                               "the stale memory is empty")
         if self.cm is not None:
             self.cm.wait()
         self.step, self.sync, self.active = step, sync, True
+        self.refill = bool(refill) or not sync
 
     def end_step(self) -> None:
+        filled = self.refill
         self.active = False
         self.sync = True
+        self.refill = True
         if self.cm is not None and self.cm.num_slots:
             if not self.cm.laid_out:
                 self.cm.build_layout()
             else:
                 self.cm.flush()
-        self.steps_in_memory += 1
+        if filled:
+            self.steps_in_memory += 1
 
     def finish(self) -> None:
         """Wait for every in-flight exchange (before reading results or releasing the group)."""
         if self.cm is not None:
             self.cm.wait()
-        for cm, _ in self._held.values():
+        for cm, _, _ in self._held.values():
             if cm is not None:
                 cm.wait()
 
@@ -253,7 +277,7 @@ def choose_mode(counts: Sequence[int], heads: int, head_dim: int, itemsize: int,
     costs = {}
     for mode in (SeqMode.GATHERED, SeqMode.ULYSSES):
         c = attention_cost(mode, counts, heads, head_dim, itemsize, batch=batch, replicated=replicated)
-        costs[mode] = model_latency_ms(0.0, c.wire_bytes, c.messages, profile.name)
+        costs[mode] = model_latency_ms(0.0, c.wire_bytes, c.messages, profile)
     return SeqMode.ULYSSES if costs[SeqMode.ULYSSES] < costs[SeqMode.GATHERED] else SeqMode.GATHERED
 
 
@@ -346,9 +370,13 @@ class SequenceAttention:
                 f"{key}: {lq} local tokens ({k4.shape[1]} keys) do not match {before} + {n_me} sharded tokens of rank "
                 f"{ctx.rank} + {after}; check the shard table and the replicated counts"
             )
-        mode = self.mode
+        mode, kv = self.mode, self.kv
+        if st.active and st.sync and not st.refill and not isinstance(kv, ExactExchange):
+            # a synchronous step that need not refill the stale memory (a warm-up step before the last): exact K/V, by
+            # the cheapest exact mode (``auto``: Ulysses where the heads divide and the link favours it)
+            kv = EXACT
         if mode is SeqMode.AUTO:
-            mode = choose_mode(shards.seq_counts, h, d, q4.element_size(), batch=b, replicated=before + after, kv=self.kv, link=self.link)
+            mode = choose_mode(shards.seq_counts, h, d, q4.element_size(), batch=b, replicated=before + after, kv=kv, link=self.link)
         if mode is SeqMode.ULYSSES and h % ctx.world_size:
             raise ValueError(f"{key}: Ulysses needs the heads ({h}) to divide by the ranks ({ctx.world_size}); use mode='gathered' or 'auto'")
         self.last_mode = mode
@@ -356,19 +384,19 @@ class SequenceAttention:
         if shards.text_sharded and st.key_valid is not None and mask is not None:
             mask = _valid_mask(st.key_valid, mask, key)
         if mode is SeqMode.GATHERED:
-            out = self._gathered(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full)
+            out = self._gathered(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full, kv)
         else:
             out = self._ulysses(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full)
         return _from_blhd(out, layout)
 
     # ---------------------------------------------------------------- gathered K/V
 
-    def _gathered(self, q, k, v, attn_fn, layout, before, after, mask, key, lq, lk_full):
+    def _gathered(self, q, k, v, attn_fn, layout, before, after, mask, key, lq, lk_full, kv):
         st, shards = self.state, self.state.shards
         kb, ki, ka = split_replicated(k, 1, before, after)
         vb, vi, va = split_replicated(v, 1, before, after)
         packed = torch.stack([ki, vi], dim=2).contiguous()  # [B, n, 2, H, D]: one exchange for K and V
-        full = self.kv.full_kv(packed, f"{key}.kv", st)  # [B, n_total, 2, H, D], rank-major
+        full = kv.full_kv(packed, f"{key}.kv", st)  # [B, n_total, 2, H, D], rank-major
         if before or after:
             k_all = torch.cat([kb, full[:, :, 0], ka], dim=1)
             v_all = torch.cat([vb, full[:, :, 1], va], dim=1)

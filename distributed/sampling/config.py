@@ -116,7 +116,8 @@ class PatchConfig:
             used on steps that are not synchronous.
         output: ``"gather"`` or ``"otil"`` (see :class:`OutputMode`).
         warmup_steps: the first logical steps run fully synchronous (DistriFusion: 4). Must be >= 1 unless
-            ``layer_mode="full_sync"``: stale modes need one synchronous step to fill their memory.
+            ``layer_mode="full_sync"``: stale modes need one synchronous step to fill their memory. On DiTs only the
+            last one fills it; the ones before run the cheapest exact attention (``sampling/dit.py``).
         refresh_every: every ``refresh_every``-th logical step (step % R == 0) after warm-up runs synchronous,
             refreshing halos, K/V, GroupNorm statistics and the output memory; 0 = never.
         split_batch: put the two CFG halves on two halves of the ranks (needs an even world size and a caller

@@ -151,7 +151,7 @@ class DitSequence:
     """
 
     def __init__(self, ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None, config=None,
-                 shard_text: bool = True):
+                 shard_text: Optional[bool] = None):
         from ...distributed.sampling.comm_manager import CommManager, Traffic
         from ...distributed.sampling.config import LayerMode, OutputMode
         from ...distributed.sampling.dit import TokenOtil, dit_exchange
@@ -162,17 +162,21 @@ class DitSequence:
         # one logical step per model call of a stream (cond/uncond may come in separate calls), as for the UNet
         self.config = config
         self.stepwise = config is not None and (config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER)
-        # joint-attention rows shard their text tokens too (each rank a slice), unless a call must keep them whole; the
-        # exact modes only: a stale memory belongs to one shard table, and a cond and an uncond prompt of different
-        # lengths, evaluated in turn, would change the table (and empty the memory) on every call
-        self.shard_text = shard_text and not self.stepwise
+        # joint-attention rows shard their text tokens too (each rank a slice), unless a call must keep them whole. By
+        # default (None) in the exact modes only: under a stale preset the remote text K/V would be stale too, which
+        # raised the final-latent error by about 4% (1-8%) on tiny FLUX.1 and Qwen-Image (results/cpu-warmup); True
+        # shards it there as well (each stream keeps its own shard table and stale memory, so cond and uncond prompts
+        # may differ in length)
+        self.shard_text = (not self.stepwise) if shard_text is None else bool(shard_text)
         kv = dit_exchange(config, attention) if config is not None else None
         checkpoint = config.comm_checkpoint if config is not None else 60
         memory = (lambda c, rows, t: CommManager(c, rows, t, checkpoint)) if self.stepwise else None
         self.state = seq.SequenceState(ctx, Traffic(), memory=memory)
         if self.stepwise and config.output is OutputMode.OTIL and ctx.world_size > 1:
             self.state.output_exchange = TokenOtil(self.state, config)
-        self.attn = seq.SequenceAttention(self.state, "gathered" if self.stepwise else attention, **({"kv": kv} if kv is not None else {}))
+        # stale presets: ``attention`` (auto) picks the exact mode of the warm-up steps that do not refill the stale
+        # memory (dit_exchange refuses 'ulysses' with them); every other step is gathered
+        self.attn = seq.SequenceAttention(self.state, attention, **({"kv": kv} if kv is not None else {}))
         self._steps: dict = {}
         self.scopes = _Scopes()
         self._applied: list = []
@@ -285,6 +289,7 @@ class DitSequence:
     # ---------------------------------------------------------------- the wrapper
 
     def wrapper(self, executor, x, *args, **kwargs):
+        from ...distributed.sampling.dit import refills
         from .dit_models import call_refusal, text_tokens, token_grid
 
         bound = _bind(executor, x, args, kwargs)
@@ -293,17 +298,18 @@ class DitSequence:
             raise NotImplementedError(why)
         text = text_tokens(self.row, bound.arguments, self.ctx.world_size) if self.shard_text else 0
         side = "after" if self.row.text == "suffix" else "before"
-        self.state.set_grid(*token_grid(self.row, self.dm, x.shape), text=text, text_side=side)
         to = dict(bound.arguments.get("transformer_options") or {})
+        stream = tuple(to.get("cond_or_uncond", ()))
+        if self.stepwise:  # the stream's own stale memory and shard table (its text length may differ)
+            self.state.select_stream(stream)
+        self.state.set_grid(*token_grid(self.row, self.dm, x.shape), text=text, text_side=side)
         to["optimized_attention_override"] = self.override(to.get("optimized_attention_override"))
         bound.arguments["transformer_options"] = to
         with self.counter.call() if self.counter is not None else contextlib.nullcontext():
             if not self.stepwise:
                 return executor(*bound.args, **bound.kwargs)
-            stream = tuple(to.get("cond_or_uncond", ()))
             step = self._steps.get(stream, 0)
-            self.state.select_stream(stream)
-            self.state.begin_step(step, self.config.is_sync_step(step))
+            self.state.begin_step(step, self.config.is_sync_step(step), refills(self.config, step))
             try:
                 return executor(*bound.args, **bound.kwargs)
             finally:
@@ -323,10 +329,10 @@ class DitSequence:
 
 
 def sequence_parallel(ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None, config=None,
-                      shard_text: bool = True) -> DitSequence:
+                      shard_text: Optional[bool] = None) -> DitSequence:
     """:class:`DitSequence` applied to ``dm`` (call ``remove()`` when the run ends); ``config``: the node's preset
     (a ``PatchConfig``; full_sync or ``None``: exact); ``shard_text``: joint-attention rows split their text tokens
-    over the ranks too (False: whole on every rank)."""
+    over the ranks too (False: whole on every rank; None: in the exact modes only)."""
     seq = DitSequence(ctx, row, dm, attention=attention, counter=counter, config=config, shard_text=shard_text)
     seq.apply()
     return seq

@@ -605,6 +605,21 @@ def test_distributed_ksampler_low_traffic_presets_on_a_dit(server, preset):
     assert 1e-6 < rel < 0.3, (preset, rel)
 
 
+def test_distributed_ksampler_stale_preset_warmup_steps_are_exact_on_a_dit(server):
+    """A stale preset whose warm-up covers every step (5 warm-up steps of 3) runs only warm-up steps that never fill
+    the stale memory: each by the exact attention the node's sequence_attention picks, so the result is the stock
+    KSampler's (as full_sync's is)."""
+    url, base = server
+    api = _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 3)
+    api["8"]["inputs"].update(preset="compressed", warmup_steps=5)
+    entry = _run(url, api)
+    stock, ours = _latent(base, entry, "9"), _latent(base, entry, "10")
+    rel = ((ours - stock).norm() / stock.norm()).item()
+    print(f"wan2.1 1.3B sequence x2 preset compressed, every step a warm-up step: relative L2 to the stock KSampler {rel:.2e}")
+    # exact K/V on every step: only the order of the keys in each softmax sum differs (fp32), as for full_sync
+    assert rel <= 1e-5, rel
+
+
 def test_distributed_ksampler_refuses_what_a_dit_cannot_do_before_shipping(server):
     """Stale presets need sequence ranks (and gathered K/V); cfg on three ranks; Ulysses over heads that do not
     divide: refused with the widget named, and the next prompt works."""

@@ -9,6 +9,21 @@ What is checked (each rank returns named results; the parent asserts them):
 * accuracy: the final latent's error against the single-rank result is no worse than uncompressed displaced mode's
   by more than the tolerance below (UNet, tiny SDXL-block model; DiT, tiny Wan 2.1 transformer);
 * the DiT presets displaced, balanced, otil and compressed run through ``parallelize_dit(config=...)`` at N = 2, 3.
+
+The exact warm-up steps of the low-traffic DiT presets, and text sharding under them (the ``warmup`` part of the same
+spawn): a stale preset (``compressed``, 3 warm-up steps of 4) on tiny FLUX.1 (text sharded and whole) and Qwen-Image (text
+sharded, a padded prompt), 6 heads and 5 text tokens, at N = 2 and 3:
+
+* the warm-up steps are exact: each step's model output equals full_sync's on the same latent to 1e-5 (fp32), and
+  the first asynchronous step's does not (it reads stale K/V);
+* the warm-up steps before the last do not touch the stale memory and run the cheapest exact attention for the
+  link: on a link without per-message cost (the byte count decides), Ulysses at N = 3 (it moves 2/N of the
+  gathered bytes) and gathered at N = 2 (equal bytes: ties go to gathered); the last warm-up step gathers K/V to fill
+  the memory. The bytes each step sends (the accounting) equal the cost model ``step_cost`` for that step's mode and
+  strategy (Ulysses / gathered exact / 4-bit residuals), text sharded or whole;
+* streams keep their own shard table: a cond and an uncond prompt of different lengths, text sharded, evaluated in
+  turn under a stale preset, each keep their stale memory, and one stream's outputs are bit for bit those it gives
+  alone.
 """
 
 from __future__ import annotations
@@ -20,6 +35,8 @@ import pytest
 import torch
 
 from patchray.distributed.spawn import run_ranks
+
+from .dit_models import HEAD_DIM, HEADS, build
 
 H = W = 24
 STEPS = 6
@@ -89,8 +106,6 @@ def _unet_part(ctx):
 
 
 def _wan():
-    from .dit_models import build
-
     model, inputs = build("wan")
     inputs = dict(inputs)
     inputs.pop("timestep")
@@ -150,7 +165,8 @@ def _dit_part(ctx, names=DIT_PRESETS):
 
 def _task(ctx, unet):
     torch.manual_seed(0)
-    return {"unet": _unet_part(ctx) if unet else None, "dit": _dit_part(ctx, DIT_PRESETS if unet else DIT_AT_3)}
+    return {"unet": _unet_part(ctx) if unet else None, "dit": _dit_part(ctx, DIT_PRESETS if unet else DIT_AT_3),
+            "warmup": _warmup_part(ctx)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,7 +181,186 @@ def _cases(n, part):
     return _results(n)
 
 
+# ------------------------------------------------------------------------------------------- warm-up steps and text
+
+W_STEPS, W_WARMUP = 4, 3
+W_FAMS = ("flux", "qwen-image", "hunyuan-video")
+#: (family, text sharded): both layouts on FLUX.1, the sharded one (with a padded prompt) on Qwen-Image and
+#: HunyuanVideo (text after the image tokens, 3 frames) (CI time)
+W_CASES = (("flux", True), ("flux", False), ("qwen-image", True), ("hunyuan-video", True))
+W_TEXT = 5
+# attention layers, output features per token, token grid (frames, rows, cols) of the tiny models (dit_models.build)
+W_SHAPES = {"flux": (2, 8, (1, 7, 3)), "qwen-image": (2, 16, (1, 7, 3)), "hunyuan-video": (2, 4, (3, 5, 4))}
+
+
+def _bytes_only_link():
+    from patchray.distributed.topology.links import LinkProfile
+
+    # no per-message cost: ``auto`` then picks the exact mode that moves fewer bytes
+    return LinkProfile("bytes_only", 10.0, 0.0, False, "test link: bandwidth only")
+
+
+def _w_loop(model, inputs, x0, handle, stream=None, log=None):
+    sig = torch.linspace(1.0, 0.0, W_STEPS + 1)
+    sig = 3.0 * sig / (1 + 2.0 * sig)  # shifted flow-matching sigmas (shift 3)
+    x, outs = x0.clone(), []
+    for i in range(W_STEPS):
+        before = handle.traffic.snapshot()
+        if handle.config is not None:
+            handle.begin_step(i, stream=stream)
+        with torch.no_grad():
+            v = model(**dict(inputs, hidden_states=x, timestep=torch.full((x.shape[0],), float(sig[i]))), return_dict=False)[0]
+        if handle.config is not None:
+            handle.end_step()
+        d = handle.traffic.diff(handle.traffic.snapshot(), before)
+        if log is not None:
+            log.append(sum(d["bytes"].values()))
+        outs.append(v.clone())
+        x = x + (sig[i + 1] - sig[i]) * v
+    return outs
+
+
+def _warmup_part(ctx):
+    from patchray.distributed.sampling.config import preset
+    from patchray.distributed.sampling.dit import parallelize_dit
+
+    torch.manual_seed(0)
+    link = _bytes_only_link()
+    res = {}
+    models = {}
+    for fam, shard_text in W_CASES:
+        if fam not in models:
+            model, inputs = build(fam, text=W_TEXT)
+            inputs = dict(inputs)
+            inputs.pop("timestep")
+            models[fam] = model, inputs, torch.randn(inputs["hidden_states"].shape, generator=torch.Generator().manual_seed(7))
+        model, inputs, x0 = models[fam]
+        # full_sync's step outputs on the latents the stale run sees: its warm-up steps run full_sync's latents
+        h = parallelize_dit(model, ctx, config=preset("full_sync"), link=link, shard_text=shard_text)
+        ref = _w_loop(model, inputs, x0, h)
+        h.remove()
+        cfg = preset("compressed", split_batch=False, warmup_steps=W_WARMUP)
+        h = parallelize_dit(model, ctx, mode="auto", config=cfg, link=link, shard_text=shard_text)
+        sent = []
+        outs = _w_loop(model, inputs, x0, h, log=sent)
+        res[(fam, shard_text)] = {"errs": [_rel(o, r) for o, r in zip(outs, ref)], "sent": sent,
+                                  "text_sizes": h.state.shards.text_sizes}
+        h.remove()
+    res["streams"] = _w_streams(ctx, link)
+    return res
+
+
+def _w_streams(ctx, link):
+    """FLUX.1 under displaced K/V with its text sharded: stream "c" (5 text tokens) alone, then interleaved with
+    stream "u" (4 text tokens: another shard table)."""
+    from patchray.distributed.sampling.config import preset
+    from patchray.distributed.sampling.dit import parallelize_dit
+
+    model, inputs = build("flux", text=W_TEXT)
+    inputs = dict(inputs)
+    inputs.pop("timestep")
+    short = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"][:, :4], txt_ids=inputs["txt_ids"][:4])
+    x0 = torch.randn(inputs["hidden_states"].shape, generator=torch.Generator().manual_seed(7))
+    cfg = preset("displaced", split_batch=False, warmup_steps=2)
+    h = parallelize_dit(model, ctx, config=cfg, link=link, shard_text=True)
+    alone = _w_loop(model, inputs, x0, h, stream="c")
+    h.remove()
+    h = parallelize_dit(model, ctx, config=cfg, link=link, shard_text=True)
+    sig = torch.linspace(1.0, 0.0, W_STEPS + 1)
+    sig = 3.0 * sig / (1 + 2.0 * sig)
+    xs = {"c": x0.clone(), "u": x0.clone()}
+    outs = {"c": [], "u": []}
+    for i in range(W_STEPS):
+        for stream, inp in (("c", inputs), ("u", short)):
+            h.begin_step(i, stream=stream)
+            with torch.no_grad():
+                v = model(**dict(inp, hidden_states=xs[stream], timestep=torch.full((2,), float(sig[i]))), return_dict=False)[0]
+            h.end_step()
+            outs[stream].append(v.clone())
+            xs[stream] = xs[stream] + (sig[i + 1] - sig[i]) * v
+    h.remove()
+    return {"same": all(torch.equal(a, b) for a, b in zip(alone, outs["c"])), "steps": len(outs["u"])}
+
+
+def _step_costs(fam, n, shard_text):
+    from patchray.distributed.parallel.exchange import EXACT, compressed
+    from patchray.distributed.sampling.dit import DiTShape, step_cost
+
+    layers, out_features, (frames, rows, cols) = W_SHAPES[fam]
+    shape = DiTShape(layers, HEADS, HEAD_DIM, frames, rows, cols, W_TEXT, out_features)
+    kw = dict(itemsize=4, batch=2, shard_text=shard_text)
+    first = step_cost(shape, n, "ulysses" if n == 3 else "gathered", kv=EXACT, **kw)["wire_bytes"]
+    fill = step_cost(shape, n, "gathered", kv=EXACT, **kw)["wire_bytes"]
+    later = step_cost(shape, n, "gathered", kv=compressed(4), **kw)["wire_bytes"]
+    return [first] * (W_WARMUP - 1) + [fill] + [later] * (W_STEPS - W_WARMUP)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("fam", W_FAMS)
+def test_warmup_steps_equal_full_sync_and_later_steps_do_not(n, fam):
+    for rank, res in enumerate(_results(n)):
+        res = res["warmup"]
+        for shard_text in (t for f, t in W_CASES if f == fam):
+            errs = res[(fam, shard_text)]["errs"]
+            # exact K/V on every warm-up step: only the softmax summation order differs from full_sync's (Ulysses
+            # attends per head group, the text may be whole): fp32 re-association, measured below 1e-6
+            assert max(errs[:W_WARMUP]) < 1e-5, (rank, shard_text, errs)
+            assert errs[W_WARMUP] > 1e-5, (rank, shard_text, errs)  # stale K/V from here on: not exact
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("fam", W_FAMS)
+def test_bytes_per_step_are_the_cost_model_of_each_steps_mode(n, fam):
+    for rank, res in enumerate(_results(n)):
+        res = res["warmup"]
+        for shard_text in (t for f, t in W_CASES if f == fam):
+            r = res[(fam, shard_text)]
+            if shard_text:
+                assert sum(r["text_sizes"]) == W_TEXT
+            want = _step_costs(fam, n, shard_text)
+            if rank == 0:  # the cost model is the busiest rank's: rank 0 holds the tallest band and the longest slice
+                assert r["sent"] == want, (n, fam, shard_text)
+            else:
+                assert all(0 < s <= w for s, w in zip(r["sent"], want)), (n, rank, fam, shard_text)
+    if n == 3:  # Ulysses moves fewer bytes than the gathered exchange of the step that fills the memory
+        costs = _step_costs(fam, n, True)
+        assert costs[0] < costs[W_WARMUP - 1]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_each_stream_keeps_its_shard_table_and_memory(n):
+    for res in _results(n):
+        res = res["warmup"]
+        assert res["streams"]["same"] and res["streams"]["steps"] == W_STEPS
+
+
 # ------------------------------------------------------------------------------------------- no ranks
+
+
+def test_the_modelled_run_uses_the_warmup_attention_that_runs_and_the_token_share():
+    from patchray.distributed.bench.compressed_model import dit_rows
+    from patchray.distributed.sampling.dit import FULL_SIZE_SHAPES, step_cost
+
+    flux = FULL_SIZE_SHAPES["flux1_1024"]
+    for n, warm_mode in ((2, "gathered"), (4, "ulysses")):  # Ulysses moves 2/N of the gathered bytes: fewer from N = 3
+        for text in ("whole", "sharded"):
+            rows = dit_rows("flux1_1024", n, 172.34, None, 28, text=text)
+            r = rows["compressed"]
+            sharded = text == "sharded"
+            assert r["warm_mode_pcie4_x16_no_p2p"] == warm_mode
+            assert r["warm_bytes_per_step"] == step_cost(flux, n, warm_mode, shard_text=sharded)["wire_bytes"]
+            assert r["fill_bytes"] == step_cost(flux, n, "gathered", shard_text=sharded)["wire_bytes"]
+            # FLUX.1 1024x1024: 4,096 image + 512 text tokens; the busiest rank's share, counted by hand
+            mine = {(2, "whole"): 2048 + 512, (2, "sharded"): 2048 + 256, (4, "whole"): 1024 + 512, (4, "sharded"): 1024 + 128}
+            assert r["token_share"] == mine[(n, text)] / 4608
+            for name, row in rows.items():
+                sp = row["modelled"]["pcie4_x16_no_p2p"]
+                # no step is faster than the busiest rank's compute: the speed-up stays below 1 / its token share
+                assert all(v < 1 / row["token_share"] for v in sp.values()), (n, text, name, sp)
+                if name.startswith("compressed"):  # each exact warm-up step costs more than a compressed one
+                    assert sp[1] > sp[2] > sp[4], (n, text, name, sp)
+
+
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
