@@ -85,22 +85,28 @@ def _preset(name: str):
 def _pss_tree(root_pid: int, idle: bool = True) -> int:
     """Summed PSS of ``root_pid`` and its descendants; without ``idle``, Ray's idle worker processes (``ray::IDLE``,
     started and stopped by Ray on its own, a few hundred MB each whatever the model) are left out."""
+    return _pss_totals(root_pid)[0 if idle else 1]
+
+
+def _pss_totals(root_pid: int) -> Tuple[int, int]:
+    """``(with Ray's idle workers, without them)``, from one reading of each process."""
     import psutil
 
-    total = 0
+    total = no_idle = 0
     try:
         root = psutil.Process(root_pid)
         procs = [root] + root.children(recursive=True)
     except psutil.Error:
-        return 0
+        return 0, 0
     for p in procs:
         try:
-            if not idle and " ".join(p.cmdline()).startswith("ray::IDLE"):
-                continue
-            total += p.memory_full_info().pss
+            pss = p.memory_full_info().pss
+            total += pss
+            if not " ".join(p.cmdline()).startswith("ray::IDLE"):
+                no_idle += pss
         except psutil.Error:
             pass
-    return total
+    return total, no_idle
 
 
 class _Sampler:
@@ -111,23 +117,25 @@ class _Sampler:
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
+    def _sample(self):
+        total, no_idle = _pss_totals(os.getpid())
+        self.peak = max(self.peak, total)
+        self.peak_no_idle = max(self.peak_no_idle, no_idle)
+
     def _run(self):
-        pid = os.getpid()
         while not self._stop.is_set():
-            self.peak = max(self.peak, _pss_tree(pid))
-            self.peak_no_idle = max(self.peak_no_idle, _pss_tree(pid, idle=False))
+            self._sample()
             time.sleep(self.period_s)
 
     def __enter__(self):
-        self.peak = _pss_tree(os.getpid())
-        self.peak_no_idle = _pss_tree(os.getpid(), idle=False)
+        self._sample()
         self._t.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._t.join()
-        self.peak = max(self.peak, _pss_tree(os.getpid()))
+        self._sample()
 
 
 def _breakdown(root_pid: int) -> Dict[str, int]:
@@ -325,8 +333,9 @@ def _driver_model(name: str, dtype: torch.dtype, build_device: torch.device) -> 
 
 def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024**2, *, model: str = "wan-small",
             device: str = "cpu", dtype: str = "bfloat16", build_device: str = "auto", later: int = 2,
-            object_store_mb: Optional[int] = None, log=print) -> List[dict]:
-    """Run ``cases`` (``(transport, sharding)`` pairs) one after the other in one cluster; one record each."""
+            object_store_mb: Optional[int] = None, log=print, on_record=None) -> List[dict]:
+    """Run ``cases`` (``(transport, sharding)`` pairs) one after the other in one cluster; one record each
+    (``on_record(record)`` is called as each case ends, so a run cut short keeps the cases it finished)."""
     from ..cluster import ClusterConfig, get_cluster, shutdown_cluster
     from ..sampling.remote import ship_model
     from ..sampling.ship import ship_model_in_parts
@@ -362,8 +371,7 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
             cluster.run(_warm, model, fraction)
             gc.collect()
             time.sleep(1.0)
-            baseline = _pss_tree(os.getpid())
-            baseline_no_idle = _pss_tree(os.getpid(), idle=False)
+            baseline, baseline_no_idle = _pss_totals(os.getpid())
             before = _breakdown(os.getpid())
             t0 = time.perf_counter()
             driver_model = _driver_model(model, torch_dtype, build)
@@ -429,6 +437,8 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
             }
             out.append(rec)
             log(json.dumps(rec))
+            if on_record is not None:
+                on_record(rec)
             cluster.free_cached()
             del driver_model, persistent
             gc.collect()
@@ -459,16 +469,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     " a process that ran a case keeps its freed memory, which the next case would reuse unseen)")
     a = ap.parse_args(argv)
     cases = [tuple(c.split(":")) for c in a.cases.split(",")]
-    records = measure(cases, a.ranks, a.part_mb * 1024**2, model=a.model, device=a.device, build_device=a.build_device,
-                      later=a.later, object_store_mb=a.object_store_mb)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    earlier = []
     if a.append and os.path.exists(a.out):
         with open(a.out) as f:
-            records = json.load(f)["records"] + records
-    with open(a.out, "w") as f:
-        json.dump({"command": "python -m patchray.distributed.bench.host_copy --cases CASE --append --out ... (one process per case)",
-                   "config": CONFIG if a.model == "wan-small" else _preset(a.model).full if MODELS[a.model].size == "full" else _preset(a.model).tiny,
-                   "torch": torch.__version__, "records": records}, f, indent=1)
+            earlier = json.load(f)["records"]
+    spec = MODELS[a.model]
+    header = {"command": "python -m patchray.distributed.bench.host_copy " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "config": CONFIG if spec.preset == "wan-small" else getattr(_preset(a.model), spec.size),
+              "torch": torch.__version__}
+    records = list(earlier)
+
+    def write(rec):
+        records.append(rec)
+        with open(a.out, "w") as f:
+            json.dump(dict(header, records=records), f, indent=1)
+
+    measure(cases, a.ranks, a.part_mb * 1024**2, model=a.model, device=a.device, build_device=a.build_device,
+            later=a.later, object_store_mb=a.object_store_mb, on_record=write)
     return 0
 
 
