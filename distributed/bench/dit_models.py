@@ -165,8 +165,10 @@ def _fp32_paths(model: torch.nn.Module, keep: Sequence[str]) -> List[str]:
     return [p for p, _ in model.named_modules() if p and any(k in p.split(".") for k in keep)]
 
 
-def skeleton(preset: DiTPreset, size: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The preset's model on the meta device, cast to ``dtype`` (the class's ``_keep_in_fp32_modules`` kept in fp32)."""
+def skeleton(preset: DiTPreset, size: str, dtype: torch.dtype, keep_fp32: bool = True) -> torch.nn.Module:
+    """The preset's model on the meta device, cast to ``dtype`` (with ``keep_fp32``, the class's
+    ``_keep_in_fp32_modules`` stay in fp32, as diffusers' ``from_pretrained(torch_dtype=...)`` keeps them; without,
+    every tensor is ``dtype``: what FSDP2 needs of a block, one dtype per unit)."""
     import diffusers
 
     cls = getattr(diffusers, preset.cls)
@@ -178,7 +180,7 @@ def skeleton(preset: DiTPreset, size: str, dtype: torch.dtype) -> torch.nn.Modul
         model = model.to(dtype)
     finally:
         diffusers.utils.logging.set_verbosity(verbosity)
-    keep = list(getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype != torch.float32 else []
+    keep = list(getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype != torch.float32 and keep_fp32 else []
     for path in _fp32_paths(model, keep):
         model.get_submodule(path).to(torch.float32)
     return model
@@ -230,13 +232,14 @@ def init_random_(model: torch.nn.Module, device: torch.device, seed: int = 0) ->
                 p.mul_(0.8 / math.sqrt(fan_in))
 
 
-def build_random(preset: DiTPreset, size: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """The preset's model with random weights, on ``device`` (see the module docstring).
+def build_random(preset: DiTPreset, size: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 keep_fp32: bool = True) -> torch.nn.Module:
+    """The preset's model with random weights, on ``device`` (see the module docstring; ``keep_fp32``: :func:`skeleton`).
 
     Example:
         >>> m = build_random(PRESETS["wan21_14b_480x832x81"], "tiny", torch.device("cpu"), torch.float32)  # doctest: +SKIP
     """
-    model = skeleton(preset, size, dtype)
+    model = skeleton(preset, size, dtype, keep_fp32)
     meta_dtypes = constructor_dtypes(model)
     model = model.to_empty(device=device)
     init_random_(model, device, seed)

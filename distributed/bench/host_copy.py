@@ -48,6 +48,8 @@ CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=12
               text_dim=256, freq_dim=64, ffn_dim=4096, num_layers=16, cross_attn_norm=True, qk_norm="rms_norm_across_heads")
 
 TRANSPORTS = ("torch", "numpy", "parts")
+#: models up to this size also run one forward on the driver (the reference each rank's output must equal)
+REFERENCE_MAX_BYTES = 1 << 30
 SHARDINGS = ("none", "blocks", "none-host")
 
 
@@ -162,11 +164,11 @@ _REFERENCE: Dict[str, Dict[str, torch.Tensor]] = {}  # per rank process: a model
 
 
 def _warm(ctx, model: str, memory_fraction: float):
-    """Import and build what the rank's model needs once (diffusers, FSDP2, the constructor tensors from a one-block
-    build, CUDA's context and a GEMM's libraries), cap the rank's share of a shared GPU, and clear its peak counter:
-    the baseline then holds the libraries and the figures hold the weights."""
+    """Import and build what the rank's model needs once (diffusers, the constructor tensors from a one-block build,
+    CUDA's context and a GEMM's libraries), cap the rank's share of a shared GPU, and clear its peak counters: the
+    baseline then holds the libraries, and the figures the weights and what the first prompt loads (FSDP2's code
+    when sharding, the forward's kernels), as in the node."""
     import diffusers  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
 
     from . import dit_models
 
@@ -180,6 +182,8 @@ def _warm(ctx, model: str, memory_fraction: float):
         del a
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(ctx.device)
+        if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+            torch.cuda.reset_peak_host_memory_stats()
     gc.collect()
     return True
 
@@ -194,7 +198,7 @@ def _begin_model(ctx, payload):
 
     name = payload["model"]
     spec = MODELS[name]
-    model = dit_models.skeleton(_preset(name), spec.size, getattr(torch, payload["dtype"]))
+    model = dit_models.skeleton(_preset(name), spec.size, getattr(torch, payload["dtype"]), keep_fp32=False)
     dtypes = dit_models.constructor_dtypes(model)
     reference = _REFERENCE.get(name) or dit_models.constructor_tensors(_preset(name), spec.size)
 
@@ -250,20 +254,55 @@ def _build(ctx, payload):
     return (model.eval(), handle)
 
 
-def _forward(ctx, model_name: str, dtype: str):
+def _run_model(model, model_name: str, device: torch.device, dtype: str, run_blocks: int) -> float:
+    """The norm of one forward of ``model`` on the bench's input (through the first ``run_blocks`` blocks of each
+    stack and the head when > 0)."""
     from . import dit_models
+
+    inputs = dit_models.make_inputs(_preset(model_name), MODELS[model_name].size, device, getattr(torch, dtype))[0]
+    stacks = [g[:-2] for g in MODELS[model_name].blocks]
+    full = {s: getattr(model, s) for s in stacks}
+    try:
+        if run_blocks > 0:
+            for s in stacks:
+                setattr(model, s, torch.nn.ModuleList(list(full[s])[:run_blocks]))
+        with torch.no_grad():
+            y = model(**inputs)[0]
+    finally:
+        for s in stacks:
+            setattr(model, s, full[s])
+    return float(y.float().norm())
+
+
+def _forward(ctx, model_name: str, dtype: str, run_blocks: int = 0):
+    """One forward on the rank's model (``run_blocks`` > 0: the first blocks of each stack only; the blocks of a
+    stack are identical, and a whole FLUX.1 forward on ranks sharing a GPU under gloo pushes the whole 24 GB through
+    gloo's host staging on every rank); the output's norm."""
     from ..cluster import rank_cache
     from ..sampling.remote import _MODEL
 
     model, _ = rank_cache()[_MODEL][1]
-    inputs = dit_models.make_inputs(_preset(model_name), MODELS[model_name].size, ctx.device, getattr(torch, dtype))[0]
-    with torch.no_grad():
-        y = model(**inputs)[0]
-    return float(y.float().norm())
+    return _run_model(model, model_name, ctx.device, dtype, run_blocks)
+
+
+def _pinned_peak(device: torch.device) -> Optional[int]:
+    """Peak pinned host memory of PyTorch's caching host allocator (gloo stages CUDA collectives there)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if device.type != "cuda" or stats is None:
+        return None
+    try:
+        got = stats()
+    except Exception:  # a build without the counters
+        return None
+    for key in ("allocated_bytes.peak", "allocated_bytes.all.peak", "reserved_bytes.all.peak"):
+        if key in got:
+            return int(got[key])
+    return None
 
 
 def _rank_report(ctx):
-    """``(weight bytes this rank holds, on the host, GPU peak allocated, GPU peak reserved)``; clears the GPU peak."""
+    """``(weight bytes this rank holds, on the host, GPU peak allocated, GPU peak reserved, pinned host peak)``;
+    clears the GPU peak."""
     from .. import comm
     from ..cluster import rank_cache
     from ..sampling.remote import _MODEL
@@ -273,10 +312,11 @@ def _rank_report(ctx):
     held = sum(t.numel() * t.element_size() for t in local)
     host = sum(t.numel() * t.element_size() for t in local if t.device.type == "cpu")
     peak = reserved = None
+    pinned = _pinned_peak(ctx.device)
     if ctx.device.type == "cuda":
         peak, reserved = torch.cuda.max_memory_allocated(ctx.device), torch.cuda.max_memory_reserved(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    return held, host, peak, reserved
+    return held, host, peak, reserved, pinned
 
 
 # ------------------------------------------------------------------------------------------------ driver side
@@ -319,11 +359,12 @@ def _shared_gpu_cluster(ranks: int, object_store_mb: Optional[int]):
 
 
 def _driver_model(name: str, dtype: torch.dtype, build_device: torch.device) -> torch.nn.Module:
-    """The model ComfyUI would hold: random weights (``dit_models.build_random``), in host memory. Drawn on
+    """The model ComfyUI would hold: random weights (``dit_models.build_random``, every tensor in ``dtype``: FSDP2
+    shards a block of one dtype), in host memory. Drawn on
     ``build_device`` (a GPU draws 24 GB in seconds) and copied to the host a tensor at a time."""
     from . import dit_models
 
-    model = dit_models.build_random(_preset(name), MODELS[name].size, build_device, dtype)
+    model = dit_models.build_random(_preset(name), MODELS[name].size, build_device, dtype, keep_fp32=False)
     if build_device.type != "cpu":
         model.to("cpu")
         torch.cuda.synchronize(build_device)
@@ -333,22 +374,24 @@ def _driver_model(name: str, dtype: torch.dtype, build_device: torch.device) -> 
 
 def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024**2, *, model: str = "wan-small",
             device: str = "cpu", dtype: str = "bfloat16", build_device: str = "auto", later: int = 2,
-            object_store_mb: Optional[int] = None, log=print, on_record=None) -> List[dict]:
-    """Run ``cases`` (``(transport, sharding)`` pairs) one after the other in one cluster; one record each
+            object_store_mb: Optional[int] = None, run_blocks: int = 0, log=print, on_record=None) -> List[dict]:
+    """Run ``cases`` (``(transport, sharding)`` pairs, or ``(transport, sharding, model)`` to override ``model``) one
+    after the other in one cluster; one record each
     (``on_record(record)`` is called as each case ends, so a run cut short keeps the cases it finished)."""
     from ..cluster import ClusterConfig, get_cluster, shutdown_cluster
     from ..sampling.remote import ship_model
     from ..sampling.ship import ship_model_in_parts
     from ..sampling.weights import to_arrays
 
-    for transport, sharding in cases:
+    cases = [tuple(c) if len(c) > 2 else (c[0], c[1], model) for c in cases]
+    for transport, sharding, case_model in cases:
+        if case_model not in MODELS:
+            raise ValueError(f"model must be one of {sorted(MODELS)} (got {case_model!r})")
         if transport not in TRANSPORTS or sharding not in SHARDINGS:
             raise ValueError(f"a case is TRANSPORT:SHARDING with a transport of {TRANSPORTS} and a sharding of {SHARDINGS} "
                              f"(got {transport}:{sharding})")
-        if transport != "parts" and (model != "wan-small" or sharding == "none-host"):
+        if transport != "parts" and (case_model != "wan-small" or sharding == "none-host"):
             raise ValueError(f"transport {transport} is measured on model wan-small with sharding none or blocks only")
-    if model not in MODELS:
-        raise ValueError(f"model must be one of {sorted(MODELS)} (got {model!r})")
     torch_dtype = getattr(torch, dtype)
     if build_device == "auto":
         build_device = "cuda" if device == "cuda" else "cpu"
@@ -364,7 +407,7 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
     log(f"host_copy: {ranks} {device} ranks ready in {time.perf_counter() - t_start:.1f} s")
     out = []
     try:
-        for i, (transport, sharding) in enumerate(cases):
+        for i, (transport, sharding, model) in enumerate(cases):
             t_case = time.perf_counter()
             key = ("host-copy", model, i)
             cluster.free_cached()
@@ -401,13 +444,13 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
             after_ship = _breakdown(os.getpid())
             t0 = time.perf_counter()
             with _Sampler() as fwd:
-                norms = cluster.run(_forward, model, dtype)
+                norms = cluster.run(_forward, model, dtype, run_blocks)
             forward_s = time.perf_counter() - t0
             after_first = _breakdown(os.getpid())
             first_report = cluster.run(_rank_report)
             with _Sampler() as later_s:
                 for _ in range(later):
-                    cluster.run(_forward, model, dtype)
+                    cluster.run(_forward, model, dtype, run_blocks)
             later_report = cluster.run(_rank_report)
             first_peak = max(ship.peak, fwd.peak)
             first_peak_no_idle = max(ship.peak_no_idle, fwd.peak_no_idle)
@@ -429,12 +472,18 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
                 "rank_gpu_peak_allocated_bytes_first_prompt": [r[2] for r in first_report],
                 "rank_gpu_peak_reserved_bytes_first_prompt": [r[3] for r in first_report],
                 "rank_gpu_peak_allocated_bytes_later": [r[2] for r in later_report],
+                "rank_pinned_host_peak_bytes": [r[4] for r in later_report],
+                "forward_blocks_per_stack": run_blocks or "all",
                 "pss_growth_by_process_after_shipping": {k: after_ship.get(k, 0) - before.get(k, 0) for k in after_ship},
                 "pss_growth_by_process_after_first_prompt": {k: after_first.get(k, 0) - before.get(k, 0) for k in after_first},
                 "outputs_agree": len({round(n, 3) for n in norms}) == 1, "output_norms": norms,
                 "seconds": {"build": build_s, "ship": ship_s, "first_forward": forward_s,
                             "case": time.perf_counter() - t_case},
             }
+            # the driver's own forward on the same input (small models, on the host, after the figures): what every
+            # rank's output must equal
+            rec["reference_output_norm"] = (_run_model(driver_model, model, torch.device("cpu"), dtype, run_blocks)
+                                            if model_bytes <= REFERENCE_MAX_BYTES else None)
             out.append(rec)
             log(json.dumps(rec))
             if on_record is not None:
@@ -463,6 +512,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "with --device cuda, else the host); they end in host memory either way")
     ap.add_argument("--later", type=int, default=2, help="forwards after the first prompt")
     ap.add_argument("--object-store-mb", type=int, default=None)
+    ap.add_argument("--run-blocks", type=int, default=0, help="the forwards run the first N blocks of each stack (0: all)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--part-mb", type=int, default=32, help="parts transport: MB of weights per part (the node: 256)")
     ap.add_argument("--append", action="store_true", help="add to the records already in --out (one case per process:"
@@ -486,7 +536,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(dict(header, records=records), f, indent=1)
 
     measure(cases, a.ranks, a.part_mb * 1024**2, model=a.model, device=a.device, build_device=a.build_device,
-            later=a.later, object_store_mb=a.object_store_mb, on_record=write)
+            later=a.later, object_store_mb=a.object_store_mb, run_blocks=a.run_blocks, on_record=write)
     return 0
 
 

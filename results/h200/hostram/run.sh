@@ -54,7 +54,7 @@ step() {  # step NAME MIN_SECONDS_LEFT ARGS...
     if [ "$left" -lt "$need" ]; then say "skip $name: ${left} s left, it needs about ${need} s"; return; fi
     say "start $name ($left s left)"
     timeout --signal=TERM --kill-after=5 "$left" "$PY" -m patchray.distributed.bench.host_copy --device "$DEVICE" \
-        --part-mb 256 --later 1 --out "$R/$name.json" "$@" >> "$LOG" 2>&1
+        --part-mb 256 --later 1 --run-blocks "${HOSTRAM_RUN_BLOCKS:-2}" --out "$R/$name.json" "$@" >> "$LOG" 2>&1
     say "end $name (rc $?)"
 }
 for n in $RANKS; do

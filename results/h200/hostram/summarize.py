@@ -31,6 +31,10 @@ def rows(paths):
                 "meets_1_25x": r["first_prompt_ratio"] <= GOAL,
                 "rank_gpu_peak_gib": gib(r["rank_gpu_peak_allocated_bytes_first_prompt"]),
                 "rank_host_weights_gib": gib(r["rank_host_weight_bytes"]),
+                # gloo's staging of CUDA collectives (ranks sharing a GPU; NCCL between GPUs has none): PyTorch's
+                # pinned host pool's peak per rank, and the first prompt's figure without it (derived, not measured)
+                "rank_pinned_host_peak_gib": gib(r.get("rank_pinned_host_peak_bytes") or []),
+                "first_prompt_less_pinned": round(r["first_prompt_ratio"] - sum(x or 0 for x in r.get("rank_pinned_host_peak_bytes") or []) / r["model_bytes"], 3),
                 "pss_growth_gib_after_first_prompt": {k: round(v / 2**30, 2) for k, v in r["pss_growth_by_process_after_first_prompt"].items()},
                 "outputs_agree": r["outputs_agree"], "seconds": {k: round(v, 1) for k, v in r["seconds"].items()},
                 "source": os.path.basename(path),
@@ -39,13 +43,16 @@ def rows(paths):
 
 
 def table(rs):
-    lines = ["| model | ranks | sharding | first prompt | shipping | first forward | later | rank GPU peak (GiB) | agree | case s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | ranks | sharding | first prompt | shipping | first forward | later | first prompt less pinned (derived) "
+             "| rank GPU peak (GiB) | rank pinned peak (GiB) | agree | case s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
         peak = "/".join(f"{x:.1f}" for x in r["rank_gpu_peak_gib"] if x is not None) or "-"
+        pinned = "/".join(f"{x:.2f}" for x in r["rank_pinned_host_peak_gib"] if x is not None) or "-"
         lines.append(f"| {r['model']} ({r['model_gb']} GB) | {r['ranks']} {r['device']} | {r['sharding']} | "
                      f"{r['first_prompt']:.2f}x{'' if r['meets_1_25x'] else ' (>1.25x)'} | {r['shipping']:.2f}x | "
-                     f"{r['first_forward']:.2f}x | {r['later']:.2f}x | {peak} | {r['outputs_agree']} | {r['seconds']['case']:.0f} |")
+                     f"{r['first_forward']:.2f}x | {r['later']:.2f}x | {r['first_prompt_less_pinned']:.2f}x | {peak} | {pinned} | "
+                     f"{r['outputs_agree']} | {r['seconds']['case']:.0f} |")
     return "\n".join(lines)
 
 
