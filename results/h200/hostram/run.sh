@@ -6,7 +6,7 @@
 #
 # Device (from the repository root, carry [".whl", ".stage/raybundle"]; no network, no Ray installed there):
 #   bash results/h200/hostram/run.sh
-# Expected wall time: about 200 s (kept under 235 s by a deadline: a step that would not fit is skipped, a step
+# Expected wall time: about 200 s (kept under 220 s by a deadline: a step that would not fit is skipped, a step
 # that overruns is stopped and its finished cases kept). Output: $OUT/hostram.tar.gz (records, summary.json,
 # hostram.png, log) and a table on stdout.
 # CPU check of the same logic (tiny model, CPU ranks, this machine's Ray bundle):
@@ -14,7 +14,7 @@
 #     PYTHON=.venv/bin/python bash results/h200/hostram/run.sh
 set -uo pipefail
 T0=$(date +%s)
-BUDGET=${HOSTRAM_BUDGET_S:-235}
+BUDGET=${HOSTRAM_BUDGET_S:-220}
 PY=${PYTHON:-python3}
 DEVICE=${HOSTRAM_DEVICE:-cuda}
 MODEL=${HOSTRAM_MODEL:-flux1}
@@ -46,6 +46,7 @@ fi
 say "bundle unpacked"
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader 2>&1 | tee -a "$LOG"
 free -g | tee -a "$LOG"
+df -h /dev/shm /tmp 2>&1 | tee -a "$LOG"  # Ray's object store lives in /dev/shm (in /tmp, slower, when it is too small)
 
 # one process (one Ray cluster) per rank count; each case builds its own driver model and ships it
 step() {  # step NAME MIN_SECONDS_LEFT ARGS...
@@ -54,7 +55,7 @@ step() {  # step NAME MIN_SECONDS_LEFT ARGS...
     if [ "$left" -lt "$need" ]; then say "skip $name: ${left} s left, it needs about ${need} s"; return; fi
     say "start $name ($left s left)"
     timeout --signal=TERM --kill-after=5 "$left" "$PY" -m patchray.distributed.bench.host_copy --device "$DEVICE" \
-        --part-mb 256 --later 1 --run-blocks "${HOSTRAM_RUN_BLOCKS:-2}" --out "$R/$name.json" "$@" >> "$LOG" 2>&1
+        --part-mb 256 --later 1 --object-store-mb "${HOSTRAM_STORE_MB:-2048}" --run-blocks "${HOSTRAM_RUN_BLOCKS:-2}" --out "$R/$name.json" "$@" >> "$LOG" 2>&1
     say "end $name (rc $?)"
 }
 for n in $RANKS; do
