@@ -43,6 +43,9 @@ if ! "$PY" -c "import diffusers" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; t
     export PYTHONPATH="$PYTHONPATH:$W/site"
 fi
 "$PY" -c "import ray, patchray, diffusers, psutil; print('ray', ray.__version__, ray.__file__, 'patchray', patchray.__file__); print('diffusers', diffusers.__version__)" 2>&1 | tee -a "$LOG"
+if [ "${PIPESTATUS[0]}" != 0 ]; then
+    echo "imports failed (log above)"; tar -czf "$OUT/hostram.tar.gz" -C "$W" hostram; exit 3
+fi
 say "bundle unpacked"
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader 2>&1 | tee -a "$LOG"
 free -g | tee -a "$LOG"
