@@ -422,7 +422,15 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
             model_bytes = sum(p.numel() * p.element_size() for p in driver_model.parameters())
             from . import dit_models
 
+            from ..parallel.shard import find_units
+
             computed = set(dit_models.constructor_dtypes(driver_model))
+            largest_unit = max((sum(p.numel() * p.element_size() for p in u.parameters())
+                                for _, u in find_units(driver_model, MODELS[model].blocks)), default=0)
+            # gloo on CUDA tensors (ranks sharing a GPU) gathers each block through the host (comm_fsdp: the whole
+            # block's output buffer and this rank's shard, one block at a time, every rank at once); ranks on separate
+            # GPUs over NCCL stage nothing. Its bound, for the derived first-prompt figure without it:
+            staging = (ranks + 1) * largest_unit if (device == "cuda" and sharding == "blocks" and ranks > 1) else 0
             persistent = {k: v for k, v in driver_model.state_dict().items() if k not in computed}
             log(f"host_copy: case {transport}:{sharding}: {model} ({model_bytes / 1e9:.2f} GB) built on {build} in {build_s:.1f} s")
 
@@ -473,6 +481,9 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
                 "rank_gpu_peak_reserved_bytes_first_prompt": [r[3] for r in first_report],
                 "rank_gpu_peak_allocated_bytes_later": [r[2] for r in later_report],
                 "rank_pinned_host_peak_bytes": [r[4] for r in later_report],
+                "largest_block_bytes": largest_unit,
+                "gloo_host_staging_bound_bytes": staging,
+                "first_prompt_ratio_less_gloo_staging": (first_peak - baseline - staging) / model_bytes,
                 "forward_blocks_per_stack": run_blocks or "all",
                 "pss_growth_by_process_after_shipping": {k: after_ship.get(k, 0) - before.get(k, 0) for k in after_ship},
                 "pss_growth_by_process_after_first_prompt": {k: after_first.get(k, 0) - before.get(k, 0) for k in after_first},
