@@ -200,7 +200,7 @@ def _begin_model(ctx, payload):
     spec = MODELS[name]
     model = dit_models.skeleton(_preset(name), spec.size, getattr(torch, payload["dtype"]), keep_fp32=False)
     dtypes = dit_models.constructor_dtypes(model)
-    reference = _REFERENCE.get(name) or dit_models.constructor_tensors(_preset(name), spec.size)
+    reference = _REFERENCE[name] if name in _REFERENCE else dit_models.constructor_tensors(_preset(name), spec.size)
 
     def init(m, device):
         materialize_meta(m, device)
@@ -378,7 +378,9 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
     """Run ``cases`` (``(transport, sharding)`` pairs, or ``(transport, sharding, model)`` to override ``model``) one
     after the other in one cluster; one record each
     (``on_record(record)`` is called as each case ends, so a run cut short keeps the cases it finished)."""
+    from . import dit_models
     from ..cluster import ClusterConfig, get_cluster, shutdown_cluster
+    from ..parallel.shard import find_units
     from ..sampling.remote import ship_model
     from ..sampling.ship import ship_model_in_parts
     from ..sampling.weights import to_arrays
@@ -420,10 +422,6 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
             driver_model = _driver_model(model, torch_dtype, build)
             build_s = time.perf_counter() - t0
             model_bytes = sum(p.numel() * p.element_size() for p in driver_model.parameters())
-            from . import dit_models
-
-            from ..parallel.shard import find_units
-
             computed = set(dit_models.constructor_dtypes(driver_model))
             largest_unit = max((sum(p.numel() * p.element_size() for p in u.parameters())
                                 for _, u in find_units(driver_model, MODELS[model].blocks)), default=0)
