@@ -66,7 +66,7 @@ for n in $RANKS; do
 done
 if [ "$EXTRA" = 1 ]; then
     step "${MODEL}-n2-none-host" 45 --model "$MODEL" --ranks 2 --cases parts:none-host
-    step "wan21-14b-n4" 55 --model wan21-14b --ranks 4 --cases parts:blocks
+    [ "$DEVICE" = cuda ] && step "wan21-14b-n4" 55 --model wan21-14b --ranks 4 --cases parts:blocks
 fi
 grep -E "^host_copy:|Error|error|Traceback" "$LOG" | tail -20
 "$PY" results/h200/hostram/summarize.py "$R" "$R"/*.json 2>&1 | tee "$R/table.md"
