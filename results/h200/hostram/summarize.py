@@ -76,7 +76,7 @@ def chart(rs, path):
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("peak host PSS above baseline / model bytes")
-    ax.set_title("Host memory of the Distributed KSampler's transport (driver + Ray + ranks)")
+    ax.set_title("Host PSS of driver + Ray + ranks while a model ships", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -85,7 +85,8 @@ def chart(rs, path):
 
 def main(argv):
     outdir, paths = argv[0], argv[1:]
-    rs = rows(paths)
+    order = {"blocks": 0, "none": 1, "none-host": 2}
+    rs = sorted(rows(paths), key=lambda r: (r["model"], r["ranks"], order.get(r["sharding"], 9)))
     with open(os.path.join(outdir, "summary.json"), "w") as f:
         json.dump({"goal_first_prompt_ratio": GOAL, "rows": rs}, f, indent=1)
     print(table(rs))
