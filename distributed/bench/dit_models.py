@@ -35,7 +35,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["DiTPreset", "PRESETS", "MODES", "TEXT_TOKENS", "Case", "build_random", "make_inputs", "plan_cases",
+__all__ = ["DiTPreset", "PRESETS", "MODES", "TEXT_TOKENS", "Case", "build_random", "skeleton", "constructor_tensors",
+           "constructor_dtypes", "set_constructor_tensors", "init_random_", "make_inputs", "plan_cases",
            "dit_shape", "token_share", "ranks_that_fit"]
 
 #: the exact modes (``cfg`` with N > 2 is CFG x sequence, gathered inside each group)
@@ -164,29 +165,62 @@ def _fp32_paths(model: torch.nn.Module, keep: Sequence[str]) -> List[str]:
     return [p for p, _ in model.named_modules() if p and any(k in p.split(".") for k in keep)]
 
 
-def build_random(preset: DiTPreset, size: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """The preset's model with random weights, on ``device`` (see the module docstring).
-
-    Example:
-        >>> m = build_random(PRESETS["wan21_14b_480x832x81"], "tiny", torch.device("cpu"), torch.float32)  # doctest: +SKIP
-    """
+def skeleton(preset: DiTPreset, size: str, dtype: torch.dtype, keep_fp32: bool = True) -> torch.nn.Module:
+    """The preset's model on the meta device, cast to ``dtype`` (with ``keep_fp32``, the class's
+    ``_keep_in_fp32_modules`` stay in fp32, as diffusers' ``from_pretrained(torch_dtype=...)`` keeps them; without,
+    every tensor is ``dtype``: what FSDP2 needs of a block, one dtype per unit)."""
     import diffusers
 
     cls = getattr(diffusers, preset.cls)
-    config = preset.full if size == "full" else preset.tiny
     with torch.device("meta"):
-        model = cls(**config)
+        model = cls(**(preset.full if size == "full" else preset.tiny))
     verbosity = diffusers.utils.logging.get_verbosity()
     diffusers.utils.logging.set_verbosity_error()  # its advice to keep some modules in fp32 is followed below
     try:
         model = model.to(dtype)
     finally:
         diffusers.utils.logging.set_verbosity(verbosity)
-    keep = list(getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype != torch.float32 else []
+    keep = list(getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype != torch.float32 and keep_fp32 else []
     for path in _fp32_paths(model, keep):
         model.get_submodule(path).to(torch.float32)
-    meta_dtypes = {k: v.dtype for k, v in _constructor_tensors(model).items()}
-    model = model.to_empty(device=device)
+    return model
+
+
+def constructor_tensors(preset: DiTPreset, size: str) -> Dict[str, torch.Tensor]:
+    """What the class's constructor computes (RoPE tables: buffers and plain tensor attributes), by qualified name,
+    from a one-block CPU build whose parameters are never initialised (block ``i``'s tensors are block 0's)."""
+    import diffusers
+
+    with _skip_init():
+        reference = getattr(diffusers, preset.cls)(**_one_block(preset.full if size == "full" else preset.tiny))
+    return _constructor_tensors(reference)
+
+
+def set_constructor_tensors(model: torch.nn.Module, names_dtypes: Dict[str, torch.dtype], reference: Dict[str, torch.Tensor],
+                            device: torch.device) -> None:
+    """Set each of ``names_dtypes`` (a constructor tensor's name -> its dtype in the cast model) from ``reference``
+    (:func:`constructor_tensors`) on ``device``."""
+    for name, dt in names_dtypes.items():
+        source = reference.get(name)
+        if source is None:  # a block beyond the first: the same constructor, block 0's tensors
+            parts = name.split(".")
+            idx = next((i for i, s in enumerate(parts) if s.isdigit()), None)
+            if idx is not None:
+                source = reference.get(".".join(parts[:idx] + ["0"] + parts[idx + 1:]))
+        if source is None:
+            raise RuntimeError(f"{type(model).__name__}: no reference for the constructor tensor {name!r}")
+        target_dtype = dt if source.is_floating_point() else source.dtype
+        _set_tensor(model, name, source.to(device=device, dtype=target_dtype))
+
+
+def constructor_dtypes(model: torch.nn.Module) -> Dict[str, torch.dtype]:
+    """The constructor tensors of ``model`` (on any device) and their dtypes."""
+    return {k: v.dtype for k, v in _constructor_tensors(model).items()}
+
+
+def init_random_(model: torch.nn.Module, device: torch.device, seed: int = 0) -> None:
+    """Draw every parameter of ``model`` (allocated on ``device``) in place: weights ``N(0, 1) * 0.8 / sqrt(fan_in)``,
+    norm scales ``1 + 0.2 N(0, 1)`` (none constant)."""
     g = torch.Generator(device=device).manual_seed(seed) if device.type != "meta" else None  # meta: a dry run
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -196,22 +230,21 @@ def build_random(preset: DiTPreset, size: str, device: torch.device, dtype: torc
             else:
                 fan_in = p[0].numel() if p.dim() > 1 else 16
                 p.mul_(0.8 / math.sqrt(fan_in))
+
+
+def build_random(preset: DiTPreset, size: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 keep_fp32: bool = True) -> torch.nn.Module:
+    """The preset's model with random weights, on ``device`` (see the module docstring; ``keep_fp32``: :func:`skeleton`).
+
+    Example:
+        >>> m = build_random(PRESETS["wan21_14b_480x832x81"], "tiny", torch.device("cpu"), torch.float32)  # doctest: +SKIP
+    """
+    model = skeleton(preset, size, dtype, keep_fp32)
+    meta_dtypes = constructor_dtypes(model)
+    model = model.to_empty(device=device)
+    init_random_(model, device, seed)
     # constructor-computed tensors (RoPE tables) from a one-block CPU build, parameters never initialised
-    with _skip_init():
-        reference = cls(**_one_block(config))
-    ref = _constructor_tensors(reference)
-    for name, dt in meta_dtypes.items():
-        source = ref.get(name)
-        if source is None:  # a block beyond the first: the same constructor, block 0's tensors
-            parts = name.split(".")
-            idx = next((i for i, s in enumerate(parts) if s.isdigit()), None)
-            if idx is not None:
-                source = ref.get(".".join(parts[:idx] + ["0"] + parts[idx + 1:]))
-        if source is None:
-            raise RuntimeError(f"{preset.cls}: no reference for the constructor tensor {name!r}")
-        target_dtype = dt if source.is_floating_point() else source.dtype
-        _set_tensor(model, name, source.to(device=device, dtype=target_dtype))
-    del reference
+    set_constructor_tensors(model, meta_dtypes, constructor_tensors(preset, size), device)
     return model.eval().requires_grad_(False)
 
 

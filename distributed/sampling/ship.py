@@ -26,7 +26,7 @@ from ..context import ParallelContext
 from .remote import _MODEL, _SESSION, _has_model
 from .weights import from_arrays, to_arrays
 
-__all__ = ["ship_model_in_parts", "parts_by_bytes", "materialize_meta", "fill_tensors"]
+__all__ = ["ship_model_in_parts", "parts_by_bytes", "materialize_meta", "fill_tensors", "whole_model_device", "tensor_bytes"]
 
 _PARTIAL = "patchray.sampling.partial_model"  # rank_cache() entry while a model arrives: (key, built, module)
 
@@ -61,6 +61,30 @@ def materialize_meta(module: nn.Module, device: torch.device, shard_device: Opti
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.empty_like(b, device=device)
+
+
+def tensor_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers (meta tensors count as allocated)."""
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def whole_model_device(ctx: ParallelContext, module: nn.Module) -> torch.device:
+    """Where a rank that holds ``module`` whole (sharding ``none``) allocates it before the parts arrive: its GPU when
+    the GPU's free memory (counting what PyTorch holds cached there) holds the weights and the activation reserve
+    (``topology.shard_advice.activation_reserve``, the rule ``auto`` sharding decides ``none`` by), else the host.
+
+    Why: allocated on the host and moved to the GPU once sampling starts (ComfyUI's loader), the weights would exist
+    once per GPU rank in host memory while they arrive: N ranks on one machine, N whole host copies beside the
+    driver's, for a model that ends on the GPUs. Filled on the GPU, a part goes from Ray's store straight to the card
+    and the host holds the driver's copy plus the part in flight. A model that does not fit stays on the host, where
+    ComfyUI's loader decides what to offload."""
+    if ctx.device.type != "cuda":
+        return torch.device("cpu")
+    from ..topology.shard_advice import activation_reserve
+
+    free, total = torch.cuda.mem_get_info(ctx.device)
+    free += torch.cuda.memory_reserved(ctx.device) - torch.cuda.memory_allocated(ctx.device)
+    return ctx.device if tensor_bytes(module) + activation_reserve(total) <= free else torch.device("cpu")
 
 
 def _tensor_at(module: nn.Module, name: str):

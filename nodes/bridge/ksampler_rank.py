@@ -52,11 +52,13 @@ def prepare(ctx, comfy_root: str) -> None:
 def begin_parts(ctx, payload: dict):
     """Rank side of ``sampling.ship.ship_model_in_parts``: the skeleton, its blocks sharded on the meta device
     (``sharding=blocks``: each rank allocates only its shards, on its device; ``blocks+offload``: in host memory, where
-    FSDP2's CPU offload keeps them), every other tensor allocated (on the host for ``none``, where ComfyUI's loader
-    moves it). Returns ``(base, base)``: the parts fill the BaseModel by its state-dict names."""
+    FSDP2's CPU offload keeps them), every other tensor allocated (``none``: on the rank's GPU when the model and the
+    activation reserve fit its free memory, so the parts go straight to the card and no rank holds a host copy;
+    otherwise on the host, where ComfyUI's loader decides what to offload: ``sampling.ship.whole_model_device``).
+    Returns ``(base, base)``: the parts fill the BaseModel by its state-dict names."""
     import comfy.model_management as mm
 
-    from ...distributed.sampling.ship import materialize_meta
+    from ...distributed.sampling.ship import materialize_meta, whole_model_device
     from .shard_models import SHARDED, apply_sharding
 
     mm.unload_all_models()
@@ -68,7 +70,7 @@ def begin_parts(ctx, payload: dict):
         handle = apply_sharding(ctx, base, sharding, init=lambda dm: materialize_meta(base, ctx.device, shard_device))
         base.__dict__["_patchray_shards"] = handle
     else:
-        materialize_meta(base, torch.device("cpu"))
+        materialize_meta(base, whole_model_device(ctx, base))
     return base, base
 
 
