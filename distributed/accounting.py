@@ -34,6 +34,10 @@ COUNTED_OPS = (
 
 _C10D_MODULE = "torch.distributed.distributed_c10d"
 
+#: operations logged under another operation's name: the flat all-gather (one output buffer) is an all-gather with
+#: the same bytes on the wire as the list form, and PatchRay uses whichever the shapes allow
+LOGGED_AS = {"all_gather_into_tensor": "all_gather"}
+
 
 @dataclass
 class CommLog:
@@ -56,6 +60,7 @@ class CommLog:
         return sum(self.bytes.values())
 
     def record(self, op: str, nbytes: int, batched: bool) -> None:
+        op = LOGGED_AS.get(op, op)
         target = self.batched_calls if batched else self.calls
         target[op] = target.get(op, 0) + 1
         self.bytes[op] = self.bytes.get(op, 0) + nbytes

@@ -33,7 +33,7 @@ def known_sequence(ctx):
         t = torch.ones(8)  # 32 bytes
         comm.all_reduce(t, ctx)
         comm.all_reduce(t, ctx)
-        comm.all_gather_padded(torch.ones(2, 3), ctx, 0, [2] * ctx.world_size)  # 24 bytes out, n*24 in
+        comm.all_gather_padded(torch.ones(2, 3), ctx, 0, [2] * ctx.world_size)  # 24 bytes out, n*24 in (one flat all-gather)
         comm.exchange_halo(torch.ones(3, 2), ctx, 0, [(1, 1)] * ctx.world_size)  # 8 bytes each way
         comm.broadcast(torch.ones(4), ctx)
     return log.to_dict()

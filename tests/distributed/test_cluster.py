@@ -55,14 +55,15 @@ def test_comm_counts_exact_for_known_sequence():
     cluster = get_cluster(ClusterConfig(num_ranks=3, device="cpu"))
     logs = cluster.run(tasks.known_sequence)
     for r, log in enumerate(logs):
-        # all_reduce x2, all_gather x1, batch_isend_irecv x1, broadcast x1: five API calls on every rank
+        # all_reduce x2, all_gather x1 (equal extents along dim 0: the flat form, logged as an all-gather),
+        # batch_isend_irecv x1, broadcast x1: five API calls on every rank
         assert log["calls"] == {"all_reduce": 2, "all_gather": 1, "batch_isend_irecv": 1, "broadcast": 1}
         assert log["total_calls"] == 5
         neighbours = (r > 0) + (r < 2)
         # the sends/receives inside batch_isend_irecv are labelled batched: bytes, no calls
         assert log["batched_calls"] == {"isend": neighbours, "irecv": neighbours}
         assert log["bytes"]["all_reduce"] == 2 * 32
-        assert log["bytes"]["all_gather"] == 3 * 24 + 24  # output list (3 buffers) + input tensor
+        assert log["bytes"]["all_gather"] == 3 * 24 + 24  # output (3 pieces) + input tensor
         assert log["bytes"]["isend"] == log["bytes"]["irecv"] == neighbours * 8
         assert log["bytes"]["batch_isend_irecv"] == 0  # a list of P2POps is no tensor buffer
         assert log["bytes"]["broadcast"] == 16
