@@ -130,9 +130,11 @@ def all_gather_padded(t: torch.Tensor, ctx: ParallelContext, dim: int, sizes: Se
         # equal extents and nothing but unit dims before ``dim``: the concatenation along ``dim`` is the ranks' tensors
         # one after another in memory, so gather straight into the result (no per-rank buffers, no concatenation)
         send = send.contiguous()
-        out = send.new_empty((ctx.world_size * send.shape[0],) + tuple(send.shape[1:]))
-        if _gather_into(out, send, ctx):
-            return out.view(tuple(t.shape[:dim]) + (ctx.world_size * biggest,) + tuple(t.shape[dim + 1:]))
+        # the result is a tensor of its own (not a view: callers may split it and write into the pieces); the
+        # collective writes through a flat view of it
+        result = send.new_empty(tuple(t.shape[:dim]) + (ctx.world_size * biggest,) + tuple(t.shape[dim + 1:]))
+        if _gather_into(result.view((ctx.world_size * send.shape[0],) + tuple(send.shape[1:])), send, ctx):
+            return result
     bufs = [torch.empty_like(send) for _ in range(ctx.world_size)]
     dist.all_gather(bufs, send, group=ctx.group)
     return torch.cat([b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)], dim=dim)
