@@ -29,6 +29,7 @@ computes on half of the tokens, which at this width is a small part of its time)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -102,8 +103,9 @@ def _profile_one(call) -> Dict[str, int]:
 def measure_rank(ctx, preset_name: str, hidden: int, rows: int, text: int, calls: int, warmup: int,
                  parallel: bool, mode: str = "gathered") -> dict:
     """One rank's figures (see the module docstring); ``parallel=False``: diffusers' own forward."""
-    from ..comm import barrier
+    from ..comm import barrier, intercept
     from .dit_models import build_random, make_inputs
+    from .turns import take_turns
 
     torch.set_num_threads(1)
     preset = issue_preset(preset_name, hidden, rows, text)
@@ -119,26 +121,52 @@ def measure_rank(ctx, preset_name: str, hidden: int, rows: int, text: int, calls
         return model(**inputs)[0]
 
     cpu: List[float] = []
+    comm_cpu: List[float] = []
     wall: List[float] = []
+    in_comm = [0.0]
+
+    def timed(comm_call, proceed):  # the main thread's CPU time inside each collective (its Python and enqueue)
+        c = time.thread_time()
+        try:
+            return proceed()
+        finally:
+            in_comm[0] += time.thread_time() - c
+
     with torch.no_grad():
         out = call()
+        with intercept(timed) if parallel else contextlib.nullcontext():
+            for i in range(warmup + calls):
+                if parallel:
+                    barrier(ctx)
+                in_comm[0] = 0.0
+                t0, c0 = time.perf_counter(), time.thread_time()
+                call()
+                c1, t1 = time.thread_time(), time.perf_counter()
+                if i >= warmup:
+                    cpu.append((c1 - c0) * 1e3)
+                    comm_cpu.append(in_comm[0] * 1e3)
+                    wall.append((t1 - t0) * 1e3)
+        # the ranks computing one at a time between collectives (the benchmark's turn-taking): each stage's CPU
+        # time with the machine to itself, collectives excluded, as the H200 runs report their issue time
+        alone_cpu: List[float] = []
+        alone_wall: List[float] = []
         for i in range(warmup + calls):
-            if parallel:
-                barrier(ctx)
-            t0, c0 = time.perf_counter(), time.thread_time()
-            call()
-            c1, t1 = time.thread_time(), time.perf_counter()
-            if i >= warmup:
-                cpu.append((c1 - c0) * 1e3)
-                wall.append((t1 - t0) * 1e3)
-        if parallel:
             barrier(ctx)
+            with take_turns(ctx, clock=None) as turns:
+                call()
+            if i >= warmup:
+                alone_cpu.append(sum(turns.cpu_ms))
+                alone_wall.append(sum(turns.compute_ms))
+        barrier(ctx)
         counts = _profile_one(call)
     if handle is not None:
         handle.remove()
     blocks = sum(len(m) for n, m in model.named_children() if isinstance(m, torch.nn.ModuleList))
     return {"rank": ctx.rank, "world_size": ctx.world_size if parallel else 1, "blocks": blocks,
             "cpu_ms": round(statistics.median(cpu), 3), "cpu_ms_min": round(min(cpu), 3),
+            "issue_ms": round(statistics.median([c - m for c, m in zip(cpu, comm_cpu)]), 3),
+            "comm_cpu_ms": round(statistics.median(comm_cpu), 3),
+            "alone_cpu_ms": round(statistics.median(alone_cpu), 3), "alone_wall_ms": round(statistics.median(alone_wall), 3),
             "wall_ms": round(statistics.median(wall), 3), **counts, "output": out.float()}
 
 
@@ -160,10 +188,15 @@ def run(preset: str = "flux1_1024", hidden: int = 32, rows: int = 8, text: int =
         out = r.pop("output")
         err.append(float((out - ref).norm() / ref.norm()))
     worst = max(r["cpu_ms"] for r in two)
+    worst_issue = max(r["issue_ms"] for r in two)
+    worst_alone = max(r["alone_cpu_ms"] for r in two)
     return {"preset": preset, "hidden": hidden, "grid": [1, rows, rows], "text": text, "mode": mode,
             "torch": torch.__version__, "threads_per_rank": 1, "n1": one, "n1_pair": pair, "n2": two,
             "n2_over_n1_cpu": round(worst / one["cpu_ms"], 3),
-            "n2_over_n1_pair_cpu": round(worst / max(r["cpu_ms"] for r in pair), 3), "rel_l2_n2_vs_n1": max(err)}
+            "n2_over_n1_pair_cpu": round(worst / max(r["cpu_ms"] for r in pair), 3),
+            "n2_issue_over_n1": round(worst_issue / one["issue_ms"], 3),
+            "n2_issue_over_n1_pair": round(worst_issue / max(r["issue_ms"] for r in pair), 3),
+            "n2_alone_over_n1": round(worst_alone / one["alone_cpu_ms"], 3), "rel_l2_n2_vs_n1": max(err)}
 
 
 def _table(rec: dict) -> str:
@@ -171,13 +204,15 @@ def _table(rec: dict) -> str:
             + [(f"N=2 PatchRay rank {r['rank']}", r) for r in rec["n2"]])
     lines = [f"{rec['preset']} hidden {rec['hidden']}, {rec['n1']['blocks']} blocks, grid {rec['grid'][1]}x{rec['grid'][2]}, "
              f"{rec['text']} text tokens, mode {rec['mode']}",
-             "| run | cpu ms/call | wall ms/call | torch calls | py calls | PatchRay calls | routed torch calls |",
-             "|---|---|---|---|---|---|---|"]
+             "| run | CPU ms/call, alone (turns) | CPU ms/call, ranks at once | of it in collectives | issue ms/call (CPU - "
+             "collectives) | wall ms/call | torch calls | py calls | PatchRay calls | routed torch calls |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows:
-        lines.append(f"| {name} | {r['cpu_ms']:.1f} | {r['wall_ms']:.1f} | {r['torch_calls']} | {r['py_calls']} | "
-                     f"{r['patchray_calls']} | {r['routed_calls']} |")
-    lines.append(f"N=2 / N=1 CPU per call: {rec['n2_over_n1_cpu']:.3f} (alone), {rec['n2_over_n1_pair_cpu']:.3f} (2 copies at "
-                 f"once); rel L2 N=2 vs N=1: {rec['rel_l2_n2_vs_n1']:.1e}")
+        lines.append(f"| {name} | {r['alone_cpu_ms']:.1f} | {r['cpu_ms']:.1f} | {r['comm_cpu_ms']:.1f} | {r['issue_ms']:.1f} | {r['wall_ms']:.1f} | "
+                     f"{r['torch_calls']} | {r['py_calls']} | {r['patchray_calls']} | {r['routed_calls']} |")
+    lines.append(f"N=2 / N=1 CPU per call, alone (turns): {rec['n2_alone_over_n1']:.3f}; ranks at once: {rec['n2_over_n1_cpu']:.3f} (N=1 alone), {rec['n2_over_n1_pair_cpu']:.3f} (2 copies "
+                 f"at once); issue time (collectives excluded): {rec['n2_issue_over_n1']:.3f} / {rec['n2_issue_over_n1_pair']:.3f}; "
+                 f"rel L2 N=2 vs N=1: {rec['rel_l2_n2_vs_n1']:.1e}")
     return "\n".join(lines)
 
 
