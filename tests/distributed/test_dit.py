@@ -340,6 +340,28 @@ def _refused(fn):
         return str(e)
 
 
+def _modes_inside_attention(ctx):
+    """Torch function modes active while an adapted FLUX.1 attention module projects its q (none: the processor's
+    torch calls run at full speed) and routed attention calls per module and call (one)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from patchray.distributed.sampling.dit import parallelize_dit
+
+    model, inputs = build("flux")
+    seen = []
+    hooks = [m.to_q.register_forward_hook(lambda mod, i, o: seen.append(len(_get_current_function_mode_stack())))
+             for m in (model.transformer_blocks[0].attn, model.single_transformer_blocks[0].attn)]
+    handle = parallelize_dit(model, ctx, mode="gathered")
+    slot = type(model.transformer_blocks[0].attn.processor)._patchray_slot
+    with torch.no_grad():
+        model(**inputs)
+    calls = slot.calls
+    handle.remove()
+    for h in hooks:
+        h.remove()
+    return {"modes": seen, "routed": calls}
+
+
 def _backend_task(ctx):
     """A processor that computes attention itself: refused when the plan is applied (before any work), and at the
     call when it is set after the plan (the backstop). One processor object shared by every attention module
@@ -362,6 +384,7 @@ def _backend_task(ctx):
     with torch.no_grad():
         res["call"] = _refused(lambda: model(**inputs))
     handle.remove()
+    res["modes"] = _modes_inside_attention(ctx)
     for name, proc in (("shared-dispatch", LTXVideoAttnProcessor()), ("shared-sdpa", _SdpaProcessor())):
         model, inputs = build("ltx-video")
         model.set_attn_processor(proc)
@@ -388,6 +411,13 @@ def test_an_attention_implementation_that_bypasses_the_dispatch_is_refused():
             assert "native" in msg[when] and "attn1" in msg[when] and "F.scaled_dot_product_attention" in msg[when], msg
         assert "_HandWrittenAttention" in msg["apply"], msg  # named, before any work
         assert msg["apply_leftovers"] == [], msg  # the refusal leaves the model as it was
+
+
+def test_no_function_mode_runs_over_an_adapted_attention_module():
+    for res in _results(2):
+        r = res["backend"]["modes"]
+        assert r["modes"] == [0, 0], r  # to_q of a double and of a single block, each projected once per call
+        assert r["routed"] == 1, r  # the last module's forward: its one attention call took the route
 
 
 @pytest.mark.parametrize("which", ["shared-dispatch", "shared-sdpa"])
