@@ -70,7 +70,8 @@ same layout as ``q``.
 
 Modules: :mod:`.tokens` (the shard table, shard/gather), :mod:`.seq_attention` (the state and the attention),
 :mod:`.seq_masks` (key masks re-expressed for a rank's keys), :mod:`.seq_styles` (the styles a host model's plan
-uses), :mod:`.seq_route` (the route from a host processor's attention call to the attention). This module gathers their public names.
+uses), :mod:`.seq_route` (the route from a host processor's attention call to the attention). This module gathers
+their public names.
 """
 
 from __future__ import annotations
