@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
 from .exchange import EXACT, PeerExchange
 from .plan import Applied, Style, replace_forward
 from .seq_attention import SequenceAttention
