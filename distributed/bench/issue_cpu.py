@@ -1,6 +1,6 @@
 """The CPU cost of issuing one DiT call: diffusers' own forward (N = 1) against a PatchRay sequence rank (N = 2).
 
-``python -m patchray.distributed.bench.issue_cpu [--preset flux1_1024] [--hidden 64] [--calls 30] [--out FILE]``
+``python -m patchray.distributed.bench.issue_cpu [--preset flux1_1024] [--hidden 32] [--calls 30] [--out FILE]``
 
 On an H200 a 1,024x1,024 FLUX.1 sequence rank is launch-bound: its kernels run faster than the CPU issues them from
 Python, so every Python-level call PatchRay adds per block shows in the step time. This benchmark measures that
@@ -9,21 +9,26 @@ single blocks; Qwen-Image: 60) but a tiny width (``--hidden``) and a small token
 all Python and dispatch, as on the H200 at full size. Every rank runs one compute thread
 (``torch.set_num_threads(1)``).
 
-Per call it reports, for N = 1 (unmodified diffusers, one process; and two such processes at once, the machine as
-loaded as by two ranks) and for each rank of N = 2 (``parallelize_dit``, gathered attention by default, text
-sharded, two real gloo ranks):
+Per call it reports, for N = 1 (unmodified diffusers, one process; and two such processes, "the pair") and for each
+rank of N = 2 (``parallelize_dit``, gathered attention by default, text sharded, two real gloo ranks):
 
-* ``cpu_ms``: the main thread's CPU time per call (``time.thread_time``; gloo's transfers run on its own worker
-  threads, and a blocked wait costs no CPU): the issue time plus the (small) compute. Median over ``--calls``.
-* ``wall_ms``: wall time per call (N = 2: includes waiting for the peer; informative only on a shared machine).
+* ``alone_cpu_ms`` / ``alone_cpu_ms_min`` (the headline): the ranks take turns between collectives
+  (``bench/turns.py``, as the GPU benchmark measures issue time), a stage is also closed at every transformer
+  block's start, and each stage's process CPU time is recorded (collectives excluded); per stage the median / the
+  minimum over ``--calls``, summed. In the two-process runs every stage starts after a process switch (cold caches),
+  which one process never pays, so the pair passes the baton where the ranks do (every block start and every
+  attention module): ``n2_alone_over_pair`` is PatchRay's overhead at equal switching.
+* ``cpu_ms``: the main thread's CPU time per call with the processes running at once (``time.thread_time``; gloo's
+  transfers run on its worker threads and a blocked wait costs no CPU); ``comm_cpu_ms``: of it, inside collectives
+  (``comm.intercept``); ``issue_ms`` the difference. ``wall_ms``: wall time per call.
 * from one further call under ``cProfile`` with a counting ``TorchFunctionMode`` installed outside the model (an
   instrument of this script only): ``torch_calls`` (Python-level torch function calls the call makes),
   ``py_calls`` (Python function calls), ``patchray_calls`` (of those, calls of functions in PatchRay's
   ``distributed/`` package) and ``routed_calls`` (calls of a ``__torch_function__`` handler defined in PatchRay:
   torch calls that passed through a PatchRay function mode).
 
-The ratio ``N = 2 cpu_ms / N = 1 cpu_ms`` is PatchRay's issue overhead at this block count (the N = 2 rank also
-computes on half of the tokens, which at this width is a small part of its time).
+The N = 2 rank also computes on half of the tokens, a small part of its time at this width. ``--summary FILE...``
+prints the headline figures of saved records. results/cpu-issue/README.md has the figures.
 """
 
 from __future__ import annotations
