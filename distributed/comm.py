@@ -137,6 +137,8 @@ def all_gather_padded(t: torch.Tensor, ctx: ParallelContext, dim: int, sizes: Se
             return result
     bufs = [torch.empty_like(send) for _ in range(ctx.world_size)]
     dist.all_gather(bufs, send, group=ctx.group)
+    if min(sizes) == biggest:  # nothing padded: no pieces to cut (one call per layer and step)
+        return torch.cat(bufs, dim=dim)
     return torch.cat([b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)], dim=dim)
 
 

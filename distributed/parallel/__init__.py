@@ -11,7 +11,8 @@ applied by a plan that is data; the exchange mode of each is a strategy, not ano
   corrected, separate); ``imagewide``: the image-wide mode for tiles.
 * ``sequence``: sequence (token) parallelism for DiTs: token shards by latent rows (:class:`TokenShards`), shard /
   gather / RoPE slicing by one index, and :class:`SequenceAttention` (gathered K/V through the exchange strategies,
-  or Ulysses all-to-all; exact), with the styles that apply it to a host model.
+  or Ulysses all-to-all; exact), with the styles that apply it to a host model (``seq_route``: a diffusers
+  processor's attention call rerouted by rebinding the one name it calls).
 * ``resnet``: a diffusers resnet block on a band with one two-row halo exchange instead of one per convolution.
 * ``attention``: gathered attention (local queries, all keys/values), incl. frame-causal video attention, and
   the K/V-strategy path for host-application attention modules.

@@ -329,6 +329,8 @@ class SequenceAttention:
         #: the mode of the last call (after ``auto`` resolved), for reports and tests
         self.last_mode: Optional[SeqMode] = None
         self._checked = state.checked_masks
+        #: ``auto``'s choice per shapes (:func:`choose_mode` reads only them)
+        self._auto: Dict[tuple, SeqMode] = {}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_fn: AttentionFn, *, layout: str = "BHLD",
                  heads: Optional[int] = None, before: int = 0, after: int = 0, cross: bool = False,
@@ -359,11 +361,15 @@ class SequenceAttention:
         if cross or ctx.world_size == 1:
             return attn_fn(q, k, v, mask, heads or q.shape[1 if layout == "BHLD" else 2])
         shards = st.require_shards()
-        q4, k4, v4 = (_to_blhd(t, layout, heads) for t in (q, k, v))
+        if layout == "BLHD":
+            q4, k4, v4 = q, k, v
+        else:
+            q4, k4, v4 = _to_blhd(q, layout, heads), _to_blhd(k, layout, heads), _to_blhd(v, layout, heads)
         b, lq, h, d = q4.shape
-        if shards.text_sharded and (before or after):
-            raise ValueError(f"{key}: the shard table shards the text; a joint sequence has no replicated tokens "
-                             f"(got before={before}, after={after})")
+        if before or after:
+            if shards.text_sharded:
+                raise ValueError(f"{key}: the shard table shards the text; a joint sequence has no replicated tokens "
+                                 f"(got before={before}, after={after})")
         n_me = shards.seq_counts[ctx.rank]
         if lq - before - after != n_me or k4.shape[1] != lq:
             raise ValueError(
@@ -376,34 +382,49 @@ class SequenceAttention:
             # the cheapest exact mode (``auto``: Ulysses where the heads divide and the link favours it)
             kv = EXACT
         if mode is SeqMode.AUTO:
-            mode = choose_mode(shards.seq_counts, h, d, q4.element_size(), batch=b, replicated=before + after, kv=kv, link=self.link)
+            # decided from shapes every rank shares (and the K/V strategy of this call: a warm-up step runs exact
+            # K/V); the same shapes recur in every layer and step: decided once
+            choice = (shards.seq_counts, h, d, q4.element_size(), b, before + after, id(kv))
+            mode = self._auto.get(choice)
+            if mode is None:
+                mode = self._auto[choice] = choose_mode(shards.seq_counts, h, d, choice[3], batch=b,
+                                                        replicated=before + after, kv=kv, link=self.link)
         if mode is SeqMode.ULYSSES and h % ctx.world_size:
             raise ValueError(f"{key}: Ulysses needs the heads ({h}) to divide by the ranks ({ctx.world_size}); use mode='gathered' or 'auto'")
         self.last_mode = mode
         lk_full = before + shards.seq_total + after
-        if shards.text_sharded and st.key_valid is not None and mask is not None:
+        if mask is not None and shards.text_sharded and st.key_valid is not None:
             mask = _valid_mask(st.key_valid, mask, key)
         if mode is SeqMode.GATHERED:
             out = self._gathered(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full, kv)
         else:
             out = self._ulysses(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full)
-        return _from_blhd(out, layout)
+        return out if layout == "BLHD" else _from_blhd(out, layout)
 
     # ---------------------------------------------------------------- gathered K/V
 
     def _gathered(self, q, k, v, attn_fn, layout, before, after, mask, key, lq, lk_full, kv):
         st, shards = self.state, self.state.shards
-        kb, ki, ka = split_replicated(k, 1, before, after)
-        vb, vi, va = split_replicated(v, 1, before, after)
-        packed = torch.stack([ki, vi], dim=2).contiguous()  # [B, n, 2, H, D]: one exchange for K and V
+        replicated = before or after
+        if replicated:
+            kb, ki, ka = split_replicated(k, 1, before, after)
+            vb, vi, va = split_replicated(v, 1, before, after)
+        else:
+            ki, vi = k, v
+        packed = torch.stack([ki, vi], dim=2)  # [B, n, 2, H, D] (a new contiguous tensor): one exchange for K and V
         full = kv.full_kv(packed, f"{key}.kv", st)  # [B, n_total, 2, H, D], rank-major
-        if before or after:
+        if replicated:
             k_all = torch.cat([kb, full[:, :, 0], ka], dim=1)
             v_all = torch.cat([vb, full[:, :, 1], va], dim=1)
-        else:  # nothing replicated (text sharded, or an image-only attention): views of the gathered buffer, no copy
-            k_all, v_all = full[:, :, 0], full[:, :, 1]
-        m = _key_mask(mask, lq, lk_full, before, after, shards.seq_total, shards.part_order("joint", mask.device if mask is not None else None), key, self._checked)
+        else:  # views: attention reads K and V with their strides (the head dim stays contiguous), no copies
+            k_all, v_all = full.unbind(2)
+        m = None
+        if mask is not None:
+            m = _key_mask(mask, lq, lk_full, before, after, shards.seq_total, shards.part_order("joint", mask.device),
+                          key, self._checked)
         h = q.shape[2]
+        if layout == "BLHD":
+            return attn_fn(q, k_all, v_all, m, h)
         return _to_blhd(attn_fn(_from_blhd(q, layout), _from_blhd(k_all, layout), _from_blhd(v_all, layout), m, h), layout, h)
 
     # ---------------------------------------------------------------- Ulysses
@@ -416,8 +437,12 @@ class SequenceAttention:
         hn = h // n
         counts = shards.seq_counts
         n_max = max(counts)
-        parts = [split_replicated(t, 1, before, after) for t in (q, k, v)]
-        img = torch.stack([p[1] for p in parts], dim=0)  # [3, B, n_me, H, D]
+        replicated = before or after
+        if replicated:
+            parts = [split_replicated(t, 1, before, after) for t in (q, k, v)]
+            img = torch.stack([p[1] for p in parts], dim=0)  # [3, B, n_me, H, D]
+        else:
+            img = torch.stack([q, k, v], dim=0)
         if img.shape[2] < n_max:
             img = torch.cat([img, img.new_zeros(3, b, n_max - img.shape[2], h, d)], dim=2)
         send = img.unflatten(3, (n, hn)).permute(3, 0, 1, 2, 4, 5)  # [N, 3, B, n_max, H/N, D]
@@ -426,17 +451,29 @@ class SequenceAttention:
         st.traffic.add("kv", send.numel() * es * (n - 1) // n, collectives=1)
         img_all = torch.cat([recv[s, :, :, : counts[s]] for s in range(n)], dim=2)  # [3, B, n_total, H/N, D]
         heads_me = slice(me * hn, (me + 1) * hn)
-        seqs = []
-        for i, (pb, _, pa) in enumerate(parts):
-            seqs.append(torch.cat([pb[:, :, heads_me], img_all[i], pa[:, :, heads_me]], dim=1))
-        qa, ka, va = seqs
-        m = _key_mask(mask, lq, lk_full, before, after, shards.seq_total, shards.part_order("joint", mask.device if mask is not None else None), key, self._checked)
+        if replicated:
+            seqs = []
+            for i, (pb, _, pa) in enumerate(parts):
+                seqs.append(torch.cat([pb[:, :, heads_me], img_all[i], pa[:, :, heads_me]], dim=1))
+            qa, ka, va = seqs
+        else:
+            qa, ka, va = img_all.unbind(0)
+        m = None
+        if mask is not None:
+            m = _key_mask(mask, lq, lk_full, before, after, shards.seq_total, shards.part_order("joint", mask.device),
+                          key, self._checked)
         if m is not None and m.dim() >= 2 and m.shape[-2] not in (1,):
             raise NotImplementedError(f"{key}: Ulysses supports key masks only (a mask that varies per query needs mode='gathered')")
         if m is not None and m.dim() == 4 and m.shape[1] not in (1,):
             m = m[:, heads_me]
-        out = _to_blhd(attn_fn(_from_blhd(qa, layout), _from_blhd(ka, layout), _from_blhd(va, layout), m, hn), layout, hn)
-        ob, oi, oa = split_replicated(out, 1, before, after)  # oi: [B, n_total, H/N, D] rank-major
+        if layout == "BLHD":
+            out = attn_fn(qa, ka, va, m, hn)
+        else:
+            out = _to_blhd(attn_fn(_from_blhd(qa, layout), _from_blhd(ka, layout), _from_blhd(va, layout), m, hn), layout, hn)
+        if replicated:
+            ob, oi, oa = split_replicated(out, 1, before, after)  # oi: [B, n_total, H/N, D] rank-major
+        else:
+            oi = out
         back = []
         for s, piece in enumerate(oi.split(list(counts), dim=1)):
             if piece.shape[1] < n_max:

@@ -10,11 +10,11 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from .exchange import EXACT, PeerExchange
 from .plan import Applied, Style, replace_forward
 from .seq_attention import SequenceAttention
+from .seq_route import DISPATCH_NAME, reroute_processor
 from .tokens import gather_tokens, shard_tokens
 
 __all__ = ["ShardTokens", "ShardGridRows", "GatherTokens", "SequenceAttentionStyle"]
@@ -157,28 +157,12 @@ class GatherTokens(Style):
         return Applied(module.register_forward_hook(hook).remove)
 
 
-class _SdpaRoute(TorchFunctionMode):
-    """Routes ``F.scaled_dot_product_attention`` calls made inside one attention module to its
-    :class:`SequenceAttention` (every other torch function runs as is)."""
-
-    def __init__(self, route):
-        super().__init__()
-        self.route = route
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return self.route(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SequenceAttentionStyle(Style):
-    """A host model's attention module whose processor ends in ``F.scaled_dot_product_attention`` (every
-    diffusers DiT processor on the native backend): that call is routed to a :class:`SequenceAttention`.
+    """A host model's attention module whose processor ends in diffusers' ``dispatch_attention_fn`` (every diffusers
+    DiT processor since 0.35, on any attention backend) or in ``F.scaled_dot_product_attention``: that one call is
+    routed to a :class:`SequenceAttention`, with the processor's own attention function (and backend) as the
+    function it calls.
 
     Args:
         text: where the text tokens sit in the module's joint sequence (``"before"``: FLUX, Qwen-Image;
@@ -189,9 +173,10 @@ class SequenceAttentionStyle(Style):
         kv: the gathered mode's K/V strategy.
         link: the link profile the ``auto`` rule models.
 
-    The route is a ``TorchFunctionMode`` entered only while this module's forward runs (thread-local, no module
-    global patched); an attention module that calls SDPA more than once, or a processor on another backend, is
-    refused by the shape check of :class:`SequenceAttention`.
+    The processor's call of that function is rerouted by :func:`~.seq_route.reroute_processor` (the name rebound
+    in a copy of its ``__call__``'s globals: no library global patched, no cost on the processor's other torch
+    calls); the module's forward sets the route for its own length and refuses a call in which the processor did
+    not take it. A processor that names neither function is refused when the plan is applied.
     """
 
     text: Optional[str] = None
@@ -202,51 +187,73 @@ class SequenceAttentionStyle(Style):
     def _apply(self, module, path, state):
         attn = SequenceAttention(state, self.mode, self.kv, self.link)
         text = self.text
+        rank = state.ctx.rank
 
-        def route(*args, **kwargs):
-            call = dict(zip(_SDPA_ARGS, args))
-            call.update(kwargs)
-            if call.get("is_causal") or call.get("dropout_p", 0.0) or call.get("enable_gqa"):
+        def route(call, layout, dispatch):
+            if call.get("is_causal") or call.get("dropout_p") or call.get("enable_gqa"):
                 raise NotImplementedError(f"{path}: causal, dropout or GQA attention is not supported in sequence-parallel mode")
-            scale = call.get("scale")
-
-            def sdpa(q, k, v, mask, heads):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-
+            if call.get("parallel_config") is not None:
+                raise NotImplementedError(f"{path}: diffusers' own context parallelism is enabled on this model; sequence "
+                                          f"parallelism replaces it: disable it (no parallel_config) first")
             q, k, v = call["query"], call["key"], call["value"]
+            mask = call.get("attn_mask")
+            seq = 1 if layout == "BLHD" else 2
+            lq = q.shape[seq]
+            if dispatch is not None:
+                if mask is not None and mask.dim() == 2 and mask.shape[0] == q.shape[0] and mask.shape[1] == k.shape[1]:
+                    mask = mask[:, None, None, :]  # how diffusers' native backend reads a 2-D mask: [batch, keys]
+                rest = {name: call[name] for name in ("scale", "attention_kwargs", "backend") if name in call}
+
+                def attn_fn(q, k, v, m, heads):
+                    return dispatch(q, k, v, attn_mask=m, **rest)
+            else:
+                scale = call.get("scale")
+
+                def attn_fn(q, k, v, m, heads):
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)
+
             shards = state.require_shards()
-            lq = q.shape[-2]
-            cross = k.shape[-2] != lq
+            cross = k.shape[seq] != lq
             before = after = 0
             if not cross and shards.text_sharded:
                 if text is None:  # backstop: a table shards text only for a family whose attentions are joint
                     raise ValueError(f"{path}: an image-only self-attention in a model whose text is sharded")
             elif not cross:
-                before, after = _replicated(lq - shards.counts[state.ctx.rank] + shards.total, shards.total, text, path)
-            return attn(q, k, v, sdpa, layout="BHLD", before=before, after=after, cross=cross, mask=call.get("attn_mask"), key=path)
+                before, after = _replicated(lq - shards.counts[rank] + shards.total, shards.total, text, path)
+            return attn(q, k, v, attn_fn, layout=layout, before=before, after=after, cross=cross, mask=mask, key=path)
 
-        routed = [0]
-
-        def counted_route(*args, **kwargs):
-            routed[0] += 1
-            return route(*args, **kwargs)
+        slot, unroute = reroute_processor(module, path)
 
         def build(prior):
             def forward(*args, **kwargs):
                 if state.ctx.world_size == 1:
                     return prior(*args, **kwargs)
-                routed[0] = 0
-                with _SdpaRoute(counted_route):
+                previous = slot.route
+                slot.route, slot.calls = route, 0
+                try:
                     out = prior(*args, **kwargs)
-                if not routed[0]:
+                finally:
+                    slot.route = previous
+                if not slot.calls:
                     # its tokens would have attended to this rank's keys only: a wrong result, not a slow one
                     raise NotImplementedError(
-                        f"{path}: {type(module).__name__} computed attention without F.scaled_dot_product_attention "
-                        f"(another attention backend, e.g. flash or sage); sequence parallelism needs diffusers' native "
-                        f"backend for this model"
+                        f"{path}: {type(module).__name__} computed attention without diffusers' {DISPATCH_NAME} or "
+                        f"F.scaled_dot_product_attention (another attention implementation, e.g. a processor set after "
+                        f"the plan was applied); sequence parallelism needs its processor on diffusers' attention "
+                        f"dispatch (the native backend or another registered one)"
                     )
                 return out
 
             return forward
 
-        return Applied(replace_forward(module, path, build))
+        try:
+            undo_forward = replace_forward(module, path, build)
+        except BaseException:
+            unroute()
+            raise
+
+        def undo():
+            undo_forward()
+            unroute()
+
+        return Applied(undo)

@@ -57,8 +57,9 @@ Design decisions:
 * **Cross-attention exchanges nothing**: the queries are the band's, keys and values come from replicated text.
 * **Host integration is thin.** ComfyUI's ``optimized_attention_override`` hands the local q, k, v and its attention
   function straight to :meth:`SequenceAttention.__call__`; diffusers' attention processors end in
-  ``F.scaled_dot_product_attention``, which :class:`SequenceAttentionStyle` intercepts (a ``TorchFunctionMode``
-  active only during the adapted attention module's forward: no module global is patched).
+  ``dispatch_attention_fn`` (or ``F.scaled_dot_product_attention``), a name :class:`SequenceAttentionStyle` rebinds
+  for the adapted processors only (:mod:`.seq_route`: a copy of the processor's ``__call__`` with that global
+  rerouted; no library global patched, no cost on the processor's other torch calls).
 
 Accepted layouts (``layout=``): ``"BHLD"`` (``[batch, heads, tokens, head_dim]``, SDPA's), ``"BLHD"``
 (``[batch, tokens, heads, head_dim]``, diffusers' processors and flash-attn), ``"BLC"`` (``[batch, tokens,
@@ -69,7 +70,8 @@ same layout as ``q``.
 
 Modules: :mod:`.tokens` (the shard table, shard/gather), :mod:`.seq_attention` (the state and the attention),
 :mod:`.seq_masks` (key masks re-expressed for a rank's keys), :mod:`.seq_styles` (the styles a host model's plan
-uses). This module gathers their public names.
+uses), :mod:`.seq_route` (the route from a host processor's attention call to the attention). This module gathers
+their public names.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ sequence is ``[its text slice, its image band]`` (or the other way round), in th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
@@ -76,7 +77,8 @@ class TokenShards:
     row_sizes: Tuple[int, ...]
     text_sizes: Tuple[int, ...] = ()
     text_side: str = "before"
-    #: index tensors per (rank or "order", device), built once: every attention call of a step reuses them
+    #: index tensors per (rank or "order", device), built once: every attention call of a step reuses them (the
+    #: derived counts are ``functools.cached_property`` values, kept in the instance dict for the same reason)
     _cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self):
@@ -110,42 +112,42 @@ class TokenShards:
     def world_size(self) -> int:
         return len(self.row_sizes)
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
         """Image/video tokens in all."""
         return self.frames * self.rows * self.cols
 
-    @property
+    @functools.cached_property
     def counts(self) -> Tuple[int, ...]:
         """Tokens per rank."""
         return tuple(self.frames * r * self.cols for r in self.row_sizes)
 
-    @property
+    @functools.cached_property
     def row_bounds(self) -> Tuple[int, ...]:
         return bounds_of(self.row_sizes)
 
-    @property
+    @functools.cached_property
     def text_sharded(self) -> bool:
         """Whether the text of a joint sequence is sharded (part of every rank's local sequence)."""
         return bool(self.text_sizes)
 
-    @property
+    @functools.cached_property
     def text(self) -> int:
         """Sharded text tokens in all (0: none, or the text is replicated)."""
         return sum(self.text_sizes)
 
-    @property
+    @functools.cached_property
     def text_counts(self) -> Tuple[int, ...]:
         """Sharded text tokens per rank (zeros when the text is not sharded)."""
         return self.text_sizes or (0,) * self.world_size
 
-    @property
+    @functools.cached_property
     def seq_counts(self) -> Tuple[int, ...]:
         """Sharded tokens per rank of the joint sequence: its text slice and its image band (the image band alone
         without sharded text). Every rank holds at least one (an image band is never empty)."""
         return tuple(t + i for t, i in zip(self.text_counts, self.counts))
 
-    @property
+    @functools.cached_property
     def seq_total(self) -> int:
         return self.text + self.total
 

@@ -21,6 +21,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from patchray.distributed.spawn import run_ranks
 
@@ -314,24 +315,115 @@ class _HandWrittenAttention:
         return attn.to_out[0](w @ v)
 
 
-def _backend_task(ctx):
-    from patchray.distributed.sampling.dit import parallelize_dit
+class _SdpaProcessor:
+    """LTX-Video's attention written as diffusers' processors were before its attention dispatch (0.35) and as
+    hand-written processors still are: ``F.scaled_dot_product_attention`` on ``[batch, heads, tokens, head_dim]``.
+    Its encoder mask is ignored (the inputs' mask is all ones)."""
 
-    model, inputs = build("ltx-video")
-    for block in model.transformer_blocks:
-        block.attn1.processor = _HandWrittenAttention()
-    handle = parallelize_dit(model, ctx, mode="gathered")
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
+
+        ctx = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        q, k, v = attn.norm_q(attn.to_q(hidden_states)), attn.norm_k(attn.to_k(ctx)), attn.to_v(ctx)
+        if image_rotary_emb is not None and encoder_hidden_states is None:
+            q, k = apply_rotary_emb(q, image_rotary_emb), apply_rotary_emb(k, image_rotary_emb)
+        q, k, v = (t.unflatten(2, (attn.heads, -1)).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _refused(fn):
     try:
-        with torch.no_grad():
-            model(**inputs)
+        fn()
         return "accepted"
     except NotImplementedError as e:
         return str(e)
-    finally:
+
+
+def _modes_inside_attention(ctx):
+    """Torch function modes active while an adapted FLUX.1 attention module projects its q (none: the processor's
+    torch calls run at full speed) and routed attention calls per module and call (one)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from patchray.distributed.sampling.dit import parallelize_dit
+
+    model, inputs = build("flux")
+    seen = []
+    hooks = [m.to_q.register_forward_hook(lambda mod, i, o: seen.append(len(_get_current_function_mode_stack())))
+             for m in (model.transformer_blocks[0].attn, model.single_transformer_blocks[0].attn)]
+    handle = parallelize_dit(model, ctx, mode="gathered")
+    slot = type(model.transformer_blocks[0].attn.processor)._patchray_slot
+    with torch.no_grad():
+        model(**inputs)
+    calls = slot.calls
+    handle.remove()
+    for h in hooks:
+        h.remove()
+    return {"modes": seen, "routed": calls}
+
+
+def _backend_task(ctx):
+    """A processor that computes attention itself: refused when the plan is applied (before any work), and at the
+    call when it is set after the plan (the backstop). One processor object shared by every attention module
+    (``attn1`` adapted, ``attn2`` not): diffusers' dispatch-calling one and an SDPA-calling one equal the stock
+    forward with that processor, and the processor's class comes back after ``remove()``."""
+    from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
+
+    from patchray.distributed.sampling.dit import parallelize_dit
+
+    res = {}
+    model, inputs = build("ltx-video")
+    for block in model.transformer_blocks:
+        block.attn1.processor = _HandWrittenAttention()
+    res["apply"] = _refused(lambda: parallelize_dit(model, ctx, mode="gathered").remove())
+    res["apply_leftovers"] = _leftovers(model)
+    model, inputs = build("ltx-video")
+    handle = parallelize_dit(model, ctx, mode="gathered")
+    for block in model.transformer_blocks:
+        block.attn1.processor = _HandWrittenAttention()
+    with torch.no_grad():
+        res["call"] = _refused(lambda: model(**inputs))
+    handle.remove()
+    res["modes"] = _modes_inside_attention(ctx)
+    for name, proc in (("shared-dispatch", LTXVideoAttnProcessor()), ("shared-sdpa", _SdpaProcessor())):
+        model, inputs = build("ltx-video")
+        model.set_attn_processor(proc)
+        with torch.no_grad():
+            ref = model(**inputs, return_dict=False)[0]
+        original = type(proc)
+        handle = parallelize_dit(model, ctx, mode="gathered")
+        with torch.no_grad():
+            out = model(**inputs, return_dict=False)[0]
+        routed_class = type(proc)
         handle.remove()
+        with torch.no_grad():
+            after = model(**inputs, return_dict=False)[0]
+        res[name] = {"err": _rel(out, ref), "rerouted": routed_class is not original, "class_back": type(proc) is original,
+                     "restored_exactly": torch.equal(after, ref), "leftovers": _leftovers(model),
+                     "same_object": all(b.attn1.processor is proc and b.attn2.processor is proc for b in model.transformer_blocks)}
+    return res
 
 
-def test_an_attention_backend_that_bypasses_sdpa_is_refused():
+def test_an_attention_implementation_that_bypasses_the_dispatch_is_refused():
     for res in _results(2):
         msg = res["backend"]
-        assert "native" in msg and "attn1" in msg, msg
+        for when in ("apply", "call"):
+            assert "native" in msg[when] and "attn1" in msg[when] and "F.scaled_dot_product_attention" in msg[when], msg
+        assert "_HandWrittenAttention" in msg["apply"], msg  # named, before any work
+        assert msg["apply_leftovers"] == [], msg  # the refusal leaves the model as it was
+
+
+def test_no_function_mode_runs_over_an_adapted_attention_module():
+    for res in _results(2):
+        r = res["backend"]["modes"]
+        assert r["modes"] == [0, 0], r  # to_q of a double and of a single block, each projected once per call
+        assert r["routed"] == 1, r  # the last module's forward: its one attention call took the route
+
+
+@pytest.mark.parametrize("which", ["shared-dispatch", "shared-sdpa"])
+def test_a_processor_shared_by_adapted_and_unadapted_modules_is_routed_for_the_adapted_ones(which):
+    for res in _results(2):
+        r = res["backend"][which]
+        assert r["err"] <= TOL and r["rerouted"] and r["same_object"], r
+        assert r["class_back"] and r["restored_exactly"], r
+        assert r["leftovers"] == [], r

@@ -1,0 +1,198 @@
+"""The route from a host attention processor's attention call to :class:`~.seq_attention.SequenceAttention`.
+
+A diffusers DiT attention module computes its q, k, v, RoPE and norms in its *processor* and ends in one call of
+``dispatch_attention_fn`` (diffusers >= 0.35: ``[batch, tokens, heads, head_dim]`` tensors and the processor's
+backend) or, in older and hand-written processors, ``F.scaled_dot_product_attention``. Sequence parallelism has to
+replace that one call by the exchange; everything else in the processor must run as it is.
+
+Design decisions:
+
+* **Rebind the name the processor calls, not the library.** :func:`reroute_processor` gives the processor a
+  ``__call__`` with the same code, defaults, closure and signature as its class's, whose globals are a copy of
+  the defining module's namespace in which that one name (``dispatch_attention_fn``, or ``F`` with its
+  ``scaled_dot_product_attention`` replaced) is PatchRay's route. The processor keeps its identity (it is the same
+  object, its class is swapped for a subclass that differs only in ``__call__``), nothing in diffusers' or
+  torch's modules is patched, and every torch call of the processor other than the attention runs at full
+  speed: the route costs one Python call per attention call. (The earlier route, a ``TorchFunctionMode`` active
+  over the module's forward, passed all ~64 torch calls of a FLUX.1 attention module through Python to find the
+  one it reroutes: about 40-55 ms of CPU per FLUX.1 call on an H200 host, where the ranks are launch-bound.)
+* **Why not a registered diffusers attention backend.** diffusers' registry (``_AttentionBackendRegistry``) is
+  keyed by the members of its ``AttentionBackendName`` enum: a new backend means a new member of a library enum
+  and an entry in a process-wide registry, and the processor's ``_attention_backend`` then names it for every
+  model that shares the processor class. Its context-parallel hook (``parallel_config``) runs diffusers' own ring
+  and Ulysses exchanges on a device mesh, not PatchRay's exchange strategies. The rebound name is local to the
+  processors PatchRay adapts.
+* **The module's forward still brackets the call.** The attention module keeps a forward wrapper
+  (:func:`~.plan.replace_forward`) that sets the :class:`RouteSlot` to the module's route for the length of its
+  forward and checks that the processor did call it. One processor object may serve several modules (diffusers'
+  ``set_attn_processor`` with one instance): they share one rerouted class; a module the plan does not adapt
+  finds the slot empty and gets the original function.
+* **Refused before any work.** A processor whose ``__call__`` names neither function (a hand-written softmax, a
+  flash/sage kernel called directly) is refused when the plan is applied, with its class and module path; the
+  call-time check stays as the backstop for a processor that names the function but skips it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import types
+from typing import Any, Callable, Iterator, Optional, Tuple
+
+import torch.nn.functional as F
+
+__all__ = ["RouteSlot", "reroute_processor", "DISPATCH_NAME"]
+
+logger = logging.getLogger(__name__)
+
+#: the diffusers function every DiT processor of diffusers >= 0.35 calls for its attention
+DISPATCH_NAME = "dispatch_attention_fn"
+#: the class attribute that marks a rerouted processor class (the value is the original class)
+_BASE_ATTR = "_patchray_route_base"
+
+
+class RouteSlot:
+    """The route of the adapted module whose forward is running (``None``: run the original function)."""
+
+    __slots__ = ("route", "calls")
+
+    def __init__(self):
+        self.route: Optional[Callable] = None
+        #: routed calls since the last reset (the modules' forward wrappers check that the route was taken)
+        self.calls = 0
+
+
+class _Functional:
+    """``torch.nn.functional`` as a rerouted processor sees it: ``scaled_dot_product_attention`` routed, every
+    other name the real one."""
+
+    def __init__(self, sdpa: Callable):
+        self.scaled_dot_product_attention = sdpa
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(F, name)
+
+
+def _code_names(code: types.CodeType) -> Iterator[str]:
+    """Global and attribute names a function's code uses, nested code (comprehensions, closures) included."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_names(const)
+
+
+def _route_kind(fn: Callable) -> Optional[str]:
+    """``"dispatch"`` / ``"sdpa"``: how ``fn`` reaches its attention (``None``: neither way)."""
+    if not isinstance(fn, types.FunctionType):
+        return None
+    names = set(_code_names(fn.__code__))
+    if DISPATCH_NAME in names and callable(fn.__globals__.get(DISPATCH_NAME)):
+        return "dispatch"
+    if "scaled_dot_product_attention" in names and fn.__globals__.get("F") is F:
+        return "sdpa"
+    return None
+
+
+def _rebound(fn: types.FunctionType, name: str, value: Any) -> types.FunctionType:
+    """``fn`` with the global ``name`` resolved to ``value`` (a copy of its globals; same code, defaults, closure)."""
+    scope = dict(fn.__globals__)
+    scope[name] = value
+    new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    new.__annotations__ = dict(getattr(fn, "__annotations__", {}))
+    new.__dict__.update(fn.__dict__)
+    return new
+
+
+def _dispatch_route(original: Callable, slot: RouteSlot) -> Callable:
+    names = tuple(inspect.signature(original).parameters)
+
+    def dispatch(*args, **kwargs):
+        route = slot.route
+        if route is None:  # a module the plan does not adapt, sharing the processor
+            return original(*args, **kwargs)
+        call = dict(zip(names, args))
+        call.update(kwargs)
+        slot.calls += 1
+        return route(call, "BLHD", original)
+
+    return dispatch
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _sdpa_route(slot: RouteSlot) -> Callable:
+    original = F.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):
+        route = slot.route
+        if route is None:
+            return original(*args, **kwargs)
+        call = dict(zip(_SDPA_ARGS, args))
+        call.update(kwargs)
+        slot.calls += 1
+        return route(call, "BHLD", None)
+
+    return sdpa
+
+
+def reroute_processor(module, path: str) -> Tuple[RouteSlot, Callable[[], None]]:
+    """Reroute the attention call of ``module.processor`` through a :class:`RouteSlot`; return it and the undo.
+
+    The slot's ``route`` (set by the caller around the module's forward) is called as ``route(call, layout,
+    dispatch)``: ``call`` the attention call's arguments by name (``query``, ``key``, ``value``, ``attn_mask``, ...),
+    ``layout`` ``"BLHD"`` (``dispatch_attention_fn``) or ``"BHLD"`` (``F.scaled_dot_product_attention``), and
+    ``dispatch`` diffusers' original function (``None`` for SDPA).
+
+    Raises:
+        NotImplementedError: the module has no processor, or its processor's ``__call__`` calls neither function.
+    """
+    processor = getattr(module, "processor", None)
+    if processor is None:
+        raise NotImplementedError(f"{path}: {type(module).__name__} has no attention processor; sequence parallelism "
+                                  f"reroutes a diffusers processor's attention call")
+    cls = type(processor)
+    base = cls.__dict__.get(_BASE_ATTR)
+    if base is not None:  # already rerouted (one processor object serving several modules)
+        cls._patchray_users += 1
+        return cls._patchray_slot, _undo(processor, cls, path)
+    fn = getattr(cls, "__call__", None)
+    kind = _route_kind(fn)
+    if kind is None:
+        raise NotImplementedError(
+            f"{path}: its attention processor {cls.__name__} computes attention without diffusers' "
+            f"{DISPATCH_NAME} or F.scaled_dot_product_attention (a hand-written or flash/sage kernel called "
+            f"directly); sequence parallelism needs a processor that calls one of them (diffusers' own processors, "
+            f"on the native backend or another registered one)"
+        )
+    slot = RouteSlot()
+    if kind == "dispatch":
+        call = _rebound(fn, DISPATCH_NAME, _dispatch_route(fn.__globals__[DISPATCH_NAME], slot))
+    else:
+        call = _rebound(fn, "F", _Functional(_sdpa_route(slot)))
+    namespace = {"__call__": call, "__slots__": (), "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                 "__doc__": cls.__doc__, _BASE_ATTR: cls, "_patchray_slot": slot, "_patchray_users": 1}
+    routed = type(cls)(cls.__name__, (cls,), namespace)
+    processor.__class__ = routed
+    return slot, _undo(processor, routed, path)
+
+
+def _undo(processor, routed: type, path: str) -> Callable[[], None]:
+    done = [False]
+
+    def undo():
+        if done[0]:
+            return
+        done[0] = True
+        routed._patchray_users -= 1
+        if routed._patchray_users:
+            return
+        if type(processor) is not routed:
+            # someone changed the processor's class after us: putting the original back would undo theirs
+            logger.warning("%s: its attention processor's class was changed after PatchRay rerouted it; left as it is", path)
+            return
+        processor.__class__ = routed.__dict__[_BASE_ATTR]
+
+    return undo
