@@ -14,8 +14,8 @@ from .rank_harness import comfyui_marks, run_rank_script
 pytestmark = comfyui_marks()
 
 STEPS = 3  # dit_ranks.py samples 3 steps; euler, euler_ancestral and dpmpp_2m call the model once per step
-#: 7 text tokens (every conditioning of dit_ranks.py) over 2 and 3 sequence ranks, by hand
-TEXT_SPLIT = {2: [4, 3], 3: [3, 2, 2]}
+#: 7 text tokens (every conditioning of dit_ranks.py) over 2, 3 and 4 sequence ranks, by hand
+TEXT_SPLIT = {2: [4, 3], 3: [3, 2, 2], 4: [2, 2, 2, 1]}
 
 RUNS = {
     2: ["flux-seq", "flux-seq-ulysses", "flux-cfg", "flux-batch", "wan21-seq", "wan21-seq-ulysses", "wan21-cfg",
