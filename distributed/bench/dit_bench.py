@@ -54,7 +54,7 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
                   iters: Optional[int] = None, deadline_s: float = 1e9, out: Optional[str] = None,
                   timeout_s: float = 900.0, watchdog_s: float = 0.0, cfg_inner: str = "gathered",
                   alone_clock: str = "prefilled", profile_dir: Optional[str] = None,
-                  compile_mode: Optional[str] = None) -> dict:
+                  compile_mode: Optional[str] = None, compile_attention: str = "compiled") -> dict:
     """Run the benchmark on ``ranks`` spawned rank processes (gloo) and return the report (see the module docstring).
 
     Raises:
@@ -78,10 +78,12 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
 
     if alone_clock not in ALONE_CLOCKS:
         raise ValueError(f"alone_clock must be one of {list(ALONE_CLOCKS)} (got {alone_clock!r})")
-    from ..sampling.compiled import COMPILE_MODES
+    from ..sampling.compiled import ATTENTION_SCOPES, COMPILE_MODES
 
     if compile_mode is not None and compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {list(COMPILE_MODES)} (got {compile_mode!r})")
+    if compile_attention not in ATTENTION_SCOPES:
+        raise ValueError(f"compile_attention must be one of {list(ATTENTION_SCOPES)} (got {compile_attention!r})")
     kind = "cuda" if device == "cuda" else "cpu"
     dtype = dtype or ("bf16" if kind == "cuda" else "fp32")
     doc = {
@@ -97,6 +99,7 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
         "modes": list(modes),
         "cfg_inner": cfg_inner,
         "compile": compile_mode,
+        "compile_attention": compile_attention if compile_mode else None,
         "alone_clock": resolve_clock(torch.device(kind), alone_clock),
         "modelled": ["records[].modelled_step_ms", "records[].speedup_modelled"],
         "method": ("N rank processes share one device (gloo). compute: each rank's compute per call measured alone "
@@ -118,7 +121,8 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
     }
     plan = dict(presets=list(presets), ns=sorted(set(ns)), modes=list(modes), size=size, dtype=dtype, warmup=warmup,
                 iters=iters, deadline_s=deadline_s, out=out, doc=doc, watchdog_s=watchdog_s, cfg_inner=cfg_inner,
-                alone_clock=alone_clock, profile_dir=profile_dir, compile=compile_mode)
+                alone_clock=alone_clock, profile_dir=profile_dir, compile=compile_mode,
+                compile_attention=compile_attention)
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
     started = time.time()
@@ -164,8 +168,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help=f"--estimate only: text tokens of joint-attention models replicated on every sequence rank or "
                          f"split across them (default: dit_models.TEXT_TOKENS = {TEXT_TOKENS!r})")
     ap.add_argument("--compile", default=None, choices=["default", "max-autotune-no-cudagraphs"],
-                    help="compile every transformer block (torch.compile, attention kept eager) on every N, N = 1 "
-                         "included; the warm-up calls compile")
+                    help="compile every transformer block (torch.compile around the attention exchange) on every N, "
+                         "N = 1 included; the warm-up calls compile")
+    ap.add_argument("--compile-attention", default="compiled", choices=["compiled", "eager"],
+                    help="with --compile: compile the attention modules' projections too, the attention call one opaque "
+                         "operation (compiled), or keep each attention module eager (eager)")
     ap.add_argument("--profile-dir", default=None,
                     help="after each case's timed calls, one more call per rank under torch.profiler (not timed); its "
                          "kernels by name and by class (GEMM, attention, copies, elementwise...) go to this folder")
@@ -192,7 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = run_dit_bench(presets, ranks=args.ranks, ns=ns, modes=modes, size=args.size, device=args.device,
                            dtype=args.dtype, warmup=args.warmup, iters=args.iters, deadline_s=args.deadline_s,
                            out=args.out, timeout_s=args.timeout_s, watchdog_s=args.watchdog_s, cfg_inner=args.cfg_inner,
-                           alone_clock=args.alone_clock, profile_dir=args.profile_dir, compile_mode=args.compile)
+                           alone_clock=args.alone_clock, profile_dir=args.profile_dir, compile_mode=args.compile,
+                           compile_attention=args.compile_attention)
     print(format_table(report))
     if args.out:
         try:

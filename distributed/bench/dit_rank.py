@@ -86,13 +86,14 @@ def _gloo_cuda_all_to_all(ctx):
 
 def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: int, keep_output: bool,
                   cfg_inner: str = "gathered", clock: str = "prefilled",
-                  profile: Optional[str] = None, compile_mode: Optional[str] = None) -> Tuple[dict, Optional[torch.Tensor]]:
+                  profile: Optional[str] = None, compile_mode: Optional[str] = None,
+                  compile_attention: str = "compiled") -> Tuple[dict, Optional[torch.Tensor]]:
     """Run ``warmup + iters`` calls with the ranks taking turns; the first call is also the logged one.
 
     With ``profile`` (a path prefix) one more call runs under ``torch.profiler`` after the timed ones (not timed
     itself: the profiler slows the CPU side) and its kernels are written per rank (:func:`.kernel_profile.write`).
-    With ``compile_mode`` every transformer block is compiled (:func:`~..sampling.compiled.compile_blocks`, the
-    attention kept eager) after the sequence plan is installed; the warm-up calls compile.
+    With ``compile_mode`` every transformer block is compiled (:func:`~..sampling.compiled.compile_blocks`, its
+    ``attention`` scope ``compile_attention``) after the sequence plan is installed; the warm-up calls compile.
 
     Returns this rank's measurements and, with ``keep_output``, the first call's output (fp32, on the host).
     """
@@ -128,9 +129,9 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
     if compile_mode:
         from ..sampling.compiled import compile_blocks
 
-        compiled = compile_blocks(model, mode=compile_mode)
+        compiled = compile_blocks(model, mode=compile_mode, attention=compile_attention)
     out: Dict[str, Any] = {"rank": ctx.rank, "attention": attention, "runs": [], "counted": None, "calls": None,
-                           "compile": compile_mode}
+                           "compile": compile_mode, "compile_attention": compile_attention if compile_mode else None}
     output = None
     transport = (_gloo_cuda_all_to_all(ctx) if attention == "ulysses" else contextlib.nullcontext("default"))
     prefill = Prefill()  # the warm-up calls size the timed calls' spins, stage by stage
@@ -234,6 +235,7 @@ def _summarise(preset: DiTPreset, case: Case, per_rank: List[dict], warmup: int,
         "peak_metric": per_rank[0].get("peak_metric"),
         "finite": all(r.get("finite", False) for r in per_rank),
         "all_to_all_transport": per_rank[0].get("all_to_all_transport"), "compile": per_rank[0].get("compile"),
+        "compile_attention": per_rank[0].get("compile_attention"),
         "iterations": {"warmup": warmup, "timed": len(timed[0])},
     }
     if case.n > 1:
@@ -339,7 +341,8 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
                                                   iters, keep_output=ctx.rank == 0, cfg_inner=plan["cfg_inner"],
                                                   clock=plan.get("alone_clock", "prefilled"),
                                                   profile=(os.path.join(plan["profile_dir"], name) if plan.get("profile_dir") else None),
-                                                  compile_mode=plan.get("compile"))
+                                                  compile_mode=plan.get("compile"),
+                                                  compile_attention=plan.get("compile_attention", "compiled"))
                     if case.mode == "none" and ctx.rank == 0 and (preset.cfg or "cfg" in plan["modes"]):
                         with torch.no_grad():  # the uncond branch of the reference, for the CFG rows' check
                             ref_out[1] = model(**inputs[1])[0].float().cpu()

@@ -35,10 +35,14 @@ Design decisions:
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
+import re
+import sys
 import types
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+import torch
 import torch.nn.functional as F
 
 __all__ = ["RouteSlot", "reroute_processor", "DISPATCH_NAME"]
@@ -54,12 +58,77 @@ _BASE_ATTR = "_patchray_route_base"
 class RouteSlot:
     """The route of the adapted module whose forward is running (``None``: run the original function)."""
 
-    __slots__ = ("route", "calls")
+    __slots__ = ("route", "calls", "original", "ident")
 
-    def __init__(self):
+    def __init__(self, original: Optional[Callable] = None):
         self.route: Optional[Callable] = None
         #: routed calls since the last reset (the modules' forward wrappers check that the route was taken)
         self.calls = 0
+        #: the function the route replaces (diffusers' dispatch, or ``F.scaled_dot_product_attention``)
+        self.original = original
+        #: the slot's key in :data:`_SLOTS` (how the compiled graphs' opaque attention op finds it)
+        self.ident = next(_SLOT_IDS)
+        _SLOTS[self.ident] = self
+
+
+_SLOT_IDS = itertools.count()
+#: live slots by :attr:`RouteSlot.ident` (one per rerouted processor class)
+_SLOTS: Dict[int, RouteSlot] = {}
+#: the rerouted class of each processor class, shared by every processor object of that class (see below)
+_ROUTED: Dict[type, type] = {}
+#: ``id(processor) -> [processor, modules using it]`` for rerouted processor objects
+_USERS: Dict[int, List[Any]] = {}
+
+
+# --------------------------------------------------------------------------------------------------
+# the attention call inside a compiled graph
+
+
+#: the operation's name: one per importing package (the pack may be imported under its folder's name in ComfyUI and
+#: as ``patchray`` elsewhere in one process; an operation name can be registered once)
+_OP_NAME = "routed_attention_" + re.sub(r"\W", "_", __name__.split(".")[0])
+
+
+@torch.library.custom_op(f"patchray::{_OP_NAME}", mutates_args=())
+def _routed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                      scale: Optional[float], backend: Optional[str], layout: str, slot: int) -> torch.Tensor:
+    """The routed attention call as one operation a compiled graph keeps opaque (its collectives run eagerly, in
+    graph order). ``layout`` ``"BLHD"``: diffusers' dispatch call; ``"BHLD"``: SDPA."""
+    s = _SLOTS[slot]
+    call: Dict[str, Any] = {"query": query, "key": key, "value": value, "attn_mask": attn_mask, "scale": scale}
+    if layout == "BLHD":
+        if backend is not None:
+            from diffusers.models.attention_dispatch import AttentionBackendName
+
+            call["backend"] = AttentionBackendName(backend)
+        else:
+            call["backend"] = None
+    if s.route is None:
+        out = s.original(**call)
+    else:
+        s.calls += 1
+        out = s.route(call, layout, s.original if layout == "BLHD" else None)
+    # a custom operation returns a fresh tensor in the layout its fake says (contiguous): diffusers' native
+    # dispatch returns a transposed view of SDPA's output
+    return out if out.is_contiguous() else out.contiguous()
+
+
+@_routed_attention.register_fake
+def _(query, key, value, attn_mask, scale, backend, layout, slot):
+    return query.new_empty(tuple(query.shape[:-1]) + (value.shape[-1],))
+
+
+def _compiled_call(slot: RouteSlot, call: Dict[str, Any], layout: str) -> torch.Tensor:
+    """What the route does under ``torch.compile``: the opaque operation above (a graph break at the attention
+    would make the compiler resume inside the processor's rebound ``__call__``, whose globals are not its module's)."""
+    if call.get("is_causal") or call.get("dropout_p") or call.get("enable_gqa") or call.get("attention_kwargs") \
+            or call.get("parallel_config") is not None:
+        raise NotImplementedError("a compiled sequence-parallel attention takes query, key, value, mask, scale and "
+                                  "backend only (no causal, dropout, GQA, attention_kwargs or parallel_config)")
+    backend = call.get("backend")
+    return getattr(torch.ops.patchray, _OP_NAME)(
+        call["query"], call["key"], call["value"], call.get("attn_mask"), call.get("scale"),
+        None if backend is None else str(getattr(backend, "value", backend)), layout, slot.ident)
 
 
 class _Functional:
@@ -94,9 +163,19 @@ def _route_kind(fn: Callable) -> Optional[str]:
 
 
 def _rebound(fn: types.FunctionType, name: str, value: Any) -> types.FunctionType:
-    """``fn`` with the global ``name`` resolved to ``value`` (a copy of its globals; same code, defaults, closure)."""
-    scope = dict(fn.__globals__)
+    """``fn`` with the global ``name`` resolved to ``value`` (same code, defaults, closure).
+
+    Its globals are a copy of its module's namespace held by a module object of their own, registered in
+    ``sys.modules`` under a private name: ``torch.compile`` finds a function's globals through the module named by
+    their ``__name__`` (to guard on them), so a bare copied dict that kept the library module's name would be
+    checked against the library's own, unchanged namespace."""
+    home = types.ModuleType("_patchray_route_%d_%s" % (next(_SLOT_IDS), re.sub(r"\W", "_", fn.__module__ or "x")))
+    scope = home.__dict__
+    for key, item in fn.__globals__.items():
+        if key not in ("__name__", "__spec__", "__loader__"):
+            scope[key] = item
     scope[name] = value
+    sys.modules[home.__name__] = home
     new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
@@ -109,6 +188,10 @@ def _dispatch_route(original: Callable, slot: RouteSlot) -> Callable:
     names = tuple(inspect.signature(original).parameters)
 
     def dispatch(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            call = dict(zip(names, args))
+            call.update(kwargs)
+            return _compiled_call(slot, call, "BLHD")
         route = slot.route
         if route is None:  # a module the plan does not adapt, sharing the processor
             return original(*args, **kwargs)
@@ -127,6 +210,10 @@ def _sdpa_route(slot: RouteSlot) -> Callable:
     original = F.scaled_dot_product_attention
 
     def sdpa(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            call = dict(zip(_SDPA_ARGS, args))
+            call.update(kwargs)
+            return _compiled_call(slot, call, "BHLD")
         route = slot.route
         if route is None:
             return original(*args, **kwargs)
@@ -154,10 +241,23 @@ def reroute_processor(module, path: str) -> Tuple[RouteSlot, Callable[[], None]]
         raise NotImplementedError(f"{path}: {type(module).__name__} has no attention processor; sequence parallelism "
                                   f"reroutes a diffusers processor's attention call")
     cls = type(processor)
-    base = cls.__dict__.get(_BASE_ATTR)
-    if base is not None:  # already rerouted (one processor object serving several modules)
+    if cls.__dict__.get(_BASE_ATTR) is not None:  # already rerouted (one processor object serving several modules)
+        _USERS[id(processor)][1] += 1
         cls._patchray_users += 1
         return cls._patchray_slot, _undo(processor, cls, path)
+    routed = _ROUTED.get(cls)
+    if routed is None:
+        routed = _ROUTED[cls] = _routed_class(cls, path)
+    routed._patchray_users += 1
+    _USERS[id(processor)] = [processor, 1]
+    processor.__class__ = routed
+    return routed._patchray_slot, _undo(processor, routed, path)
+
+
+def _routed_class(cls: type, path: str) -> type:
+    """The rerouted subclass of processor class ``cls``: one per class, shared by all its processor objects (and so
+    one slot per class: the adapted modules' forwards set it in turn), so that a compiler sees one class and one
+    ``__call__`` in every block instead of a new one per module."""
     fn = getattr(cls, "__call__", None)
     kind = _route_kind(fn)
     if kind is None:
@@ -167,16 +267,15 @@ def reroute_processor(module, path: str) -> Tuple[RouteSlot, Callable[[], None]]
             f"directly); sequence parallelism needs a processor that calls one of them (diffusers' own processors, "
             f"on the native backend or another registered one)"
         )
-    slot = RouteSlot()
     if kind == "dispatch":
-        call = _rebound(fn, DISPATCH_NAME, _dispatch_route(fn.__globals__[DISPATCH_NAME], slot))
+        slot = RouteSlot(fn.__globals__[DISPATCH_NAME])
+        call = _rebound(fn, DISPATCH_NAME, _dispatch_route(slot.original, slot))
     else:
+        slot = RouteSlot(F.scaled_dot_product_attention)
         call = _rebound(fn, "F", _Functional(_sdpa_route(slot)))
     namespace = {"__call__": call, "__slots__": (), "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                 "__doc__": cls.__doc__, _BASE_ATTR: cls, "_patchray_slot": slot, "_patchray_users": 1}
-    routed = type(cls)(cls.__name__, (cls,), namespace)
-    processor.__class__ = routed
-    return slot, _undo(processor, routed, path)
+                 "__doc__": cls.__doc__, _BASE_ATTR: cls, "_patchray_slot": slot, "_patchray_users": 0}
+    return type(cls)(cls.__name__, (cls,), namespace)
 
 
 def _undo(processor, routed: type, path: str) -> Callable[[], None]:
@@ -187,8 +286,17 @@ def _undo(processor, routed: type, path: str) -> Callable[[], None]:
             return
         done[0] = True
         routed._patchray_users -= 1
-        if routed._patchray_users:
+        if not routed._patchray_users and _ROUTED.get(routed.__dict__[_BASE_ATTR]) is routed:
+            del _ROUTED[routed.__dict__[_BASE_ATTR]]
+            _SLOTS.pop(routed._patchray_slot.ident, None)
+            sys.modules.pop(routed.__dict__["__call__"].__globals__["__name__"], None)
+        users = _USERS.get(id(processor))
+        if users is None or users[0] is not processor:
             return
+        users[1] -= 1
+        if users[1]:
+            return
+        del _USERS[id(processor)]
         if type(processor) is not routed:
             # someone changed the processor's class after us: putting the original back would undo theirs
             logger.warning("%s: its attention processor's class was changed after PatchRay rerouted it; left as it is", path)

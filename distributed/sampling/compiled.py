@@ -6,12 +6,17 @@ Design decisions:
   work per call in ~3,600 kernels, and eager PyTorch needs more CPU time than that to launch them. Compiling each
   block fuses its elementwise work (norms, modulation, gating, residuals: about half the kernels) into a few Triton
   kernels, which cuts both the GPU time and the launches; the GEMMs and the attention keep their library kernels.
-* **The attention stays eager.** Each adapted attention module (the one whose scaled-dot-product attention goes to
-  the rank's :class:`~patchray.distributed.parallel.seq_attention.SequenceAttention`) runs under
-  ``torch.compiler.disable``: its collectives, its bookkeeping and its routing are Python that the compiler must
-  not trace, so each block compiles into the parts before and after its attention (a graph break), the same on
-  every rank and with any attention mode (gathered, Ulysses, the stale presets). The N = 1 reference is compiled
-  the same way, so a speed-up compares like with like.
+* **Where the compiled graphs stop** (``attention``). The rank's exchange (collectives, bookkeeping, the stale
+  strategies' Python) must never be traced. ``"eager"``: each adapted attention module (the one whose attention
+  goes to the rank's :class:`~patchray.distributed.parallel.seq_attention.SequenceAttention`) runs under
+  ``torch.compiler.disable``, so each block compiles into the parts before and after its attention module (a
+  graph break). ``"compiled"`` (the default): only the module's thin forward wrapper (which points the route at
+  the module, Python state) is skipped; the compiler descends into the module and its processor (projections,
+  norms, RoPE: about half a FLUX.1 block's kernels, and most of the CPU's launch work), and the one attention call
+  the processor makes enters each graph as a single opaque operation (``seq_route``'s custom operation), whose
+  body, the exchange and the attention, runs eagerly in graph order. Both work with every attention mode
+  (gathered, Ulysses, the stale presets) and the same on every rank. The N = 1 reference is compiled the same way,
+  so a speed-up compares like with like.
 * **Per block, not the whole model**: blocks of one class share one compiled graph (the module's parameters are
   graph inputs), so compiling 57 FLUX.1 blocks costs two graphs' compile time; the model's entry and exit (token
   sharding, RoPE slicing, the output gather) stay eager.
@@ -36,11 +41,14 @@ import torch.nn as nn
 
 from .dit_families import family_of
 
-__all__ = ["COMPILE_MODES", "CompiledBlocks", "compile_blocks", "block_attention_paths"]
+__all__ = ["COMPILE_MODES", "ATTENTION_SCOPES", "CompiledBlocks", "compile_blocks", "block_attention_paths"]
 
 #: ``torch.compile`` modes offered: ``default`` (fusion, no CUDA graphs) and ``max-autotune-no-cudagraphs``;
 #: CUDA-graph modes are not offered: the eager attention between a block's two graphs would re-enter them every call
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+#: ``compile_blocks(attention=...)``: ``compiled`` (the attention modules' projections compiled with the block, the
+#: attention call an opaque operation) or ``eager`` (each attention module runs eagerly)
+ATTENTION_SCOPES = ("compiled", "eager")
 
 
 def block_attention_paths(model: nn.Module) -> List[Tuple[str, str]]:
@@ -76,8 +84,9 @@ class CompiledBlocks:
         self.blocks, self.attentions = [], []
 
 
-def compile_blocks(model: nn.Module, *, mode: str = "default", dynamic: bool = False, backend: str = "inductor") -> CompiledBlocks:
-    """Compile each transformer block of a sequence-parallel DiT family, its attention module kept eager.
+def compile_blocks(model: nn.Module, *, mode: str = "default", dynamic: bool = False, backend: str = "inductor",
+                   attention: str = "compiled") -> CompiledBlocks:
+    """Compile each transformer block of a sequence-parallel DiT family around its attention exchange.
 
     Args:
         model: a diffusers DiT of :data:`~.dit_families.DIT_FAMILIES` (with or without :func:`~.dit.parallelize_dit`
@@ -86,21 +95,28 @@ def compile_blocks(model: nn.Module, *, mode: str = "default", dynamic: bool = F
         dynamic: ``torch.compile``'s ``dynamic`` (False: one graph per token count, which a sampling run keeps).
         backend: ``torch.compile``'s backend (``inductor``: fused kernels; ``aot_eager``: the same graphs and graph
             breaks without code generation, which the CPU tests use).
+        attention: one of :data:`ATTENTION_SCOPES` (see the module docstring).
 
     Raises:
-        ValueError: an unknown ``mode``.
+        ValueError: an unknown ``mode`` or ``attention``.
         NotImplementedError: a model whose family table has no per-block attention rows.
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {list(COMPILE_MODES)} (got {mode!r})")
+    if attention not in ATTENTION_SCOPES:
+        raise ValueError(f"compile attention must be one of {list(ATTENTION_SCOPES)} (got {attention!r})")
     blocks: List[nn.Module] = []
     attentions: List[Tuple[nn.Module, Optional[Any]]] = []
     for blocks_name, attn_name in block_attention_paths(model):
         for block in getattr(model, blocks_name, None) or []:
             attn = block.get_submodule(attn_name)
             prior = attn.__dict__.get("forward")
-            attn.forward = torch.compiler.disable(attn.forward)
-            attentions.append((attn, prior))
+            if attention == "eager":
+                attn.forward = torch.compiler.disable(attn.forward)
+                attentions.append((attn, prior))
+            elif prior is not None:  # the rank's forward wrapper: skipped, what it calls compiled
+                attn.forward = torch.compiler.disable(prior, recursive=False)
+                attentions.append((attn, prior))
             if block not in blocks:
                 block.compile(mode=None if backend != "inductor" else mode, dynamic=dynamic, backend=backend)
                 blocks.append(block)
