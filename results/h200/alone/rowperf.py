@@ -14,7 +14,10 @@ What it does (every figure is one rank's compute with the device to itself, by t
   (``ratio``; ``ratio_gpu`` for the GPU time alone), collective counts;
 * ``--profile CASE:N:TREE`` profiles rank 1's turn-taking decode (torch.profiler, CPU + CUDA activities) and
   writes the kernel table plus a summary grouped by adapter (``rp:`` ranges set around the adapters' functions
-  while profiling) and by kernel kind;
+  while profiling) and by kernel kind; ``compute_kernel_ms`` is the sum of its kernels without the clock's spin
+  and without gloo's staging of CUDA tensors through host memory (its host<->device copies and ranges: ranks on
+  separate GPUs exchanging with NCCL do not run them), and the case's plain decode is profiled once too
+  (``plain.kernel_ms``), so ``compute_kernel_ms / plain.kernel_ms`` compares kernels with kernels;
 * ``--check`` compares row decode against the plain decode in fp32 on the device (kl, small) for the new tree.
 
 Run from the repository root with both packages on the path, e.g. (the device command in README.md):
@@ -111,10 +114,16 @@ def _kind(name):
     return "other"
 
 
+#: device events that are not the rank's compute: the clock's busy-wait, and gloo's staging of CUDA tensors through
+#: host memory (its copies and its own ranges), which ranks on separate GPUs exchanging with NCCL do not run
+_NOT_COMPUTE = re.compile(r"spin_kernel|_sleep|Memcpy HtoD|Memcpy DtoH|^gloo:")
+
+
 def _summarise_profile(prof):
     kernels, ranges, kinds = {}, {}, {}
     n_kernels = 0
     gpu_total = 0.0
+    compute_total = 0.0
     cpu_ops = 0
     for e in prof.events():
         dev = str(getattr(e, "device_type", ""))
@@ -126,6 +135,8 @@ def _summarise_profile(prof):
         if dev.endswith("CUDA"):
             n_kernels += 1
             gpu_total += t
+            if not _NOT_COMPUTE.search(e.name):
+                compute_total += t
             kernels.setdefault(e.name, [0, 0.0])
             kernels[e.name][0] += 1
             kernels[e.name][1] += t
@@ -146,6 +157,7 @@ def _summarise_profile(prof):
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:40]
     return {
         "gpu_kernel_ms": round(gpu_total / 1e3, 3),
+        "compute_kernel_ms": round(compute_total / 1e3, 3),
         "kernels": n_kernels,
         "aten_ops": cpu_ops,
         "by_kind": {k: {"kernels": v[0], "ms": round(v[1] / 1e3, 3)} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][1])},
@@ -274,6 +286,17 @@ def _rank(ctx, args):
                     times.append(t)
                 rec["plain"] = {"ms": round(statistics.median(times), 3), "iterations": [round(t, 3) for t in times]}
                 log(f"{label} plain {rec['plain']['ms']} ms")
+                if label in profiles and dev.type == "cuda":
+                    # the kernel-time reference of the profiled ranks' kernel time: one plain decode's kernels
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        families.plain_decode(vae, z)
+                        sync()
+                    summ = _summarise_profile(prof)
+                    rec["plain"]["kernel_ms"] = summ["compute_kernel_ms"]
+                    rec["plain"]["kernels"] = summ["kernels"]
+                    log(f"{label} plain kernels {summ['compute_kernel_ms']} ms ({summ['kernels']} kernels)")
             comm.barrier(ctx)
             for n in args.ranks:
                 if n == 1:
@@ -324,6 +347,10 @@ def _rank(ctx, args):
                                     runs = measure.measure_alone(c, fn, 1, clock)
                             if c.rank == prank:
                                 summ = _summarise_profile(prof)
+                                # the prefilled clock runs one untimed pilot invocation before the timed one: the
+                                # profile holds both decodes' kernels
+                                summ["invocations"] = 2 if measure.resolve_clock(dev, clock) == "gpu-prefilled" else 1
+                                summ["compute_kernel_ms_per_decode"] = round(summ["compute_kernel_ms"] / summ["invocations"], 3)
                                 summ["stage_compute_ms"] = round(sum(runs[0]["compute_ms"]), 3)
                                 summ["stages"] = len(runs[0]["compute_ms"])
                                 tag = f"{fam}-{h}x{w}x{f}-N{n}-{tree}-rank{prank}"
@@ -334,7 +361,8 @@ def _rank(ctx, args):
                                         row_limit=60, max_name_column_width=60, max_shapes_column_width=70))
                                 sys.stdout.flush()
                                 print(f"profile {tag}: stage compute {summ['stage_compute_ms']} ms, kernels "
-                                      f"{summ['kernels']} ({summ['gpu_kernel_ms']} ms busy), aten ops {summ['aten_ops']}; "
+                                      f"{summ['kernels']} ({summ['gpu_kernel_ms']} ms busy, {summ['compute_kernel_ms']} ms "
+                                      f"without the clock's spin and gloo's staging), aten ops {summ['aten_ops']}; "
                                       f"by kind {json.dumps({k: v['ms'] for k, v in summ['by_kind'].items()})}", flush=True)
                                 entry_p = {"tag": tag, **{k: v for k, v in summ.items() if k != "top_kernels"}}
                                 out.setdefault("profiles", []).append(entry_p)
