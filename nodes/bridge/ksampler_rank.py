@@ -230,7 +230,9 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
     group_session = None
     seq = None
     if layout.batch:
-        model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.BATCH_KEY, dit_rank.batch_parallel(ctx, counter))
+        # around BaseModel.apply_model, which every model class goes through (several diffusion models of ComfyUI
+        # 0.3.64, SD3's MMDiT among them, never call DIFFUSION_MODEL wrappers); its rows are per-row independent too
+        model.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, dit_rank.BATCH_KEY, dit_rank.batch_parallel(ctx, counter))
         agree = ctx
     else:
         if layout.mode == "replicated":  # cfg = 1 on a model without a sequence split: every rank samples it whole
@@ -257,8 +259,8 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
             group_session = _group_session(seq_ctx, session)
             group_session.begin()
             model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, patch_parallel(group_session))
-        else:
-            model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, _counted(counter))
+        else:  # the whole model on this rank: counted around apply_model, which every model class goes through
+            model.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, dit_rank.SEQ_KEY, _counted(counter))
     if layout.batch or layout.seq_ranks > 1:
         # every rank of a group must batch cond/uncond alike: its model calls hold collectives
         model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching(dit_rank.Agree(agree), mm.get_free_memory))
@@ -277,7 +279,7 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
 
 
 def _counted(counter):
-    """A DIFFUSION_MODEL wrapper that only counts (the whole model runs on this rank: CFG split, no sequence split)."""
+    """An APPLY_MODEL wrapper that only counts (the whole model runs on this rank: CFG split, no sequence split)."""
 
     def wrapper(executor, *args, **kwargs):
         with counter.call():

@@ -91,7 +91,9 @@ def sequence_refusal(mp):
             return f"PatchRay Distributed KSampler: sequence parallelism does not cover a {dm.dims}-D UNet yet; parallelism=cfg or batch work with every model"
         return None
     if find_row(type(dm).__name__) is None:
-        return refusal(type(dm).__name__, type(dm).__module__)
+        from .errors import model_name
+
+        return refusal(type(dm).__name__, type(dm).__module__, family=model_name(mp))
     return None
 
 

@@ -1,0 +1,48 @@
+"""The Distributed KSampler's layout refusals: said once, in the widgets' terms, with a value that works for the
+cluster at hand (pure bookkeeping: no ComfyUI, no ranks)."""
+
+import pytest
+
+from patchray.nodes.bridge.dit_layout import plan_layout
+from patchray.nodes.bridge.dit_models import refusal
+
+PREFIX = "PatchRay Distributed KSampler: "
+NO_ROW = refusal("OpenAISignatureMMDITWrapper", "comfy.ldm.modules.diffusionmodules.mmdit", family="SD3")
+
+
+def _refused(*args, **kwargs) -> str:
+    with pytest.raises(ValueError) as exc:
+        plan_layout(*args, **kwargs)
+    text = str(exc.value)
+    assert text.startswith(PREFIX) and text.count(PREFIX) == 1, text
+    return text
+
+
+def test_an_uncovered_model_is_named_by_family_and_class():
+    assert "SD3's diffusion model OpenAISignatureMMDITWrapper (comfy.ldm.modules.diffusionmodules.mmdit)" in NO_ROW
+    assert "parallelism=cfg or batch" in NO_ROW
+    # without a family (or one equal to the class) the class alone is named
+    assert "the diffusion model Foo (m)" in refusal("Foo", "m") and "the diffusion model Foo (m)" in refusal("Foo", "m", family="Foo")
+
+
+@pytest.mark.parametrize("cfg, fix", [(4.0, "set num_ranks to 2"), (1.0, "raise batch_size to 3")])
+def test_auto_without_any_split_says_why_and_what_works(cfg, fix):
+    text = _refused("auto", 3, cfg, 1, sequence_refusal=NO_ROW)
+    assert "OpenAISignatureMMDITWrapper" in text and "batch of 1 is smaller than the 3 ranks" in text and fix in text
+    if cfg == 1.0:
+        assert "cfg = 1 leaves no CFG split" in text and "num_ranks to 2" not in text
+
+
+def test_cfg_on_an_odd_cluster_suggests_what_fits_it():
+    text = _refused("cfg", 3, 5.0, 1)
+    assert "set num_ranks to 2" in text and "cfg+sequence" not in text  # cfg+sequence needs an even count from 4
+    assert "pick cfg+sequence" in _refused("cfg", 4, 5.0, 1)
+
+
+def test_cfg_sequence_on_two_ranks_points_at_cfg():
+    assert "pick parallelism cfg (2 ranks)" in _refused("cfg+sequence", 2, 5.0, 1)
+    assert "pick parallelism sequence" in _refused("cfg+sequence", 3, 5.0, 1)
+
+
+def test_sequence_refusal_is_prefixed_once():
+    assert "SD3's diffusion model" in _refused("sequence", 2, 5.0, 1, sequence_refusal=NO_ROW)
