@@ -22,7 +22,7 @@ from .shim import CANONICAL
 __all__ = [
     "PRESET_NAMES", "PRESET_HELP", "PARALLELISM_NAMES", "ATTENTION_NAMES", "BALANCE_NAMES", "SHARDING_NAMES", "patch_config",
     "auto_inputs",
-    "link_profile", "sample",
+    "link_profile", "sample", "rank_call_shape", "check_call_memory",
 ]
 
 log = logging.getLogger(__name__)
@@ -231,10 +231,13 @@ def sample(
         weights = cluster_band_weights(rank_cluster, balance) if layout.seq_ranks > 1 else None
         free_min = total_min = None
         host_ranks = False
-        if sharding == "auto" and n > 1:
+        if n > 1:
             mem = rank_cluster.run(f"{_RANK}:device_memory", timeout_s=60.0, cancel_check=cancel_check)
-            free_min, total_min = min(m[0] for m in mem), min(m[1] for m in mem)
-            host_ranks = all(len(m) > 2 and m[2] == "cpu" for m in mem)
+            # a size no rank can hold is refused here, before any weight ships or a rank allocates
+            check_call_memory(model, tuple(latent.shape), layout, mem)
+            if sharding == "auto":
+                free_min, total_min = min(m[0] for m in mem), min(m[1] for m in mem)
+                host_ranks = all(len(m) > 2 and m[2] == "cpu" for m in mem)
         # the link only words the advice (is an offloaded sharded step slower than one card with ComfyUI's offload?)
         link = link_profile(cluster_config) if sharding in ("auto", "blocks+offload") and n > 1 else None
         resolved, why = bridge_shard.resolve_sharding(sharding, dm, n, free_min, total_min, link=link, host_ranks=host_ranks)
@@ -277,6 +280,65 @@ def sample(
     out = latent_image.copy()
     out["samples"] = result["latent"]
     return out
+
+
+_GIB = 1024**3
+
+
+def rank_call_shape(latent_shape: tuple, layout) -> tuple:
+    """The smallest model call a rank of ``layout`` makes for a latent of ``latent_shape``: ComfyUI evaluates one
+    conditioning at a time when memory is short (all of the latent's batch rows), ``batch`` gives each rank its share
+    of those rows, and sequence ranks take a band of the rows (the last but one dimension, all frames)."""
+    shape = list(latent_shape)
+    n = max(1, int(layout.num_ranks))
+    if layout.batch:
+        shape[0] = -(-shape[0] // n)
+    if layout.seq_ranks > 1:
+        shape[-2] = -(-shape[-2] // int(layout.seq_ranks))
+    return tuple(shape)
+
+
+def check_call_memory(model, latent_shape: tuple, layout, memory) -> None:
+    """Refuse, before anything ships, a latent whose smallest model call on a rank ComfyUI itself estimates larger than
+    the memory that rank can use (``BaseModel.memory_required``, the figure ComfyUI plans its loads and batching with).
+
+    What a rank can use: GPU ranks their card (ComfyUI offloads weights to make room for the activations); CPU ranks
+    the host's available memory shared by the ranks on it (they run their calls at the same time, so N CPU ranks each
+    sized against the whole free memory would together exhaust the machine).
+
+    Args:
+        model: the ComfyUI MODEL (its ``memory_required``).
+        latent_shape: the latent as sampled (``[B, C, H, W]`` or ``[B, C, T, H, W]``).
+        layout: the run's :class:`.dit_layout.Layout`.
+        memory: per rank ``(free bytes, total bytes, device type)`` (``ksampler_rank.device_memory``).
+    """
+    estimate = getattr(getattr(model, "model", None), "memory_required", None)
+    if estimate is None or not memory:
+        return
+    call = rank_call_shape(latent_shape, layout)
+    try:
+        need = float(estimate(list(call)))
+    except Exception as exc:  # an estimate is advice: a model that cannot give one is not refused over it
+        log.debug("memory estimate unavailable: %s", exc)
+        return
+    cpu = all(len(m) > 2 and m[2] == "cpu" for m in memory)
+    if cpu:
+        have = min(float(m[0]) for m in memory) / len(memory)  # embedded CPU ranks share one host's memory
+        where = f"the host's available memory ({min(float(m[0]) for m in memory) / _GIB:.1f} GiB) shared by its {len(memory)} CPU ranks"
+    else:
+        have = min(float(m[1]) for m in memory)
+        where = "the smallest rank's card"
+    if need <= have:
+        return
+    shrink = (need / have) ** 0.5
+    batch_hint = f" or batch_size (each rank's calls hold {call[0]} of the batch's {latent_shape[0]} rows)" if call[0] > 1 else ""
+    raise ValueError(
+        f"latent_image: ComfyUI estimates {need / _GIB:.1f} GiB for one model call on each rank at this size (latent "
+        f"{'x'.join(str(d) for d in latent_shape[2:])}, {layout.mode} over {layout.num_ranks} ranks: each rank's call "
+        f"covers {'x'.join(str(d) for d in call[2:])}); a rank has {have / _GIB:.1f} GiB ({where}). Lower width and "
+        f"height about {shrink:.1f}x{batch_hint}, or use more ranks"
+        + (" with parallelism sequence" if layout.seq_ranks <= 1 else "")
+    )
 
 
 def config_name(config) -> str:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = [
-    "WRAPPER_KEY", "prepare", "begin_parts", "end_parts", "device_memory", "host_memory", "sample", "agreed_batching",
+    "WRAPPER_KEY", "prepare", "share_host_memory", "begin_parts", "end_parts", "device_memory", "host_memory", "sample", "agreed_batching",
     "patch_parallel",
 ]
 
@@ -47,6 +47,33 @@ def prepare(ctx, comfy_root: str) -> None:
     dev = mm.get_torch_device()
     if dev.type != ctx.device.type:
         raise RuntimeError(f"ComfyUI on this rank chose device {dev}, the rank runs on {ctx.device}")
+    if ctx.device.type == "cpu":
+        share_host_memory(mm, ctx.world_size)
+
+
+_SHARED = "_patchray_host_share"
+
+
+def share_host_memory(mm, ranks: int) -> None:
+    """Make this CPU rank's ComfyUI size its work (attention chunks, cond batching, weight offload) to its share of the
+    host's free memory: ``comfy.model_management.get_free_memory`` answers the host's available memory divided by
+    ``ranks`` for CPU devices. ComfyUI's attention functions size their chunks from that figure at every call; N CPU
+    ranks on one host each sized against all of it would together take N times the free memory. The rank process is
+    PatchRay's own (ComfyUI's process is never changed); idempotent; a larger ``ranks`` than share the host only makes
+    the chunks smaller (same results, chunked sums)."""
+    current = mm.get_free_memory
+    original = getattr(current, _SHARED, current)
+    ranks = max(1, int(ranks))
+
+    def get_free_memory(dev=None, torch_free_too=False):
+        out = original(dev, torch_free_too)
+        device = mm.get_torch_device() if dev is None else dev
+        if getattr(device, "type", None) != "cpu" or ranks == 1:
+            return out
+        return tuple(v / ranks for v in out) if isinstance(out, tuple) else out / ranks
+
+    setattr(get_free_memory, _SHARED, original)
+    mm.get_free_memory = get_free_memory
 
 
 def begin_parts(ctx, payload: dict):
