@@ -20,7 +20,7 @@ from .errors import rank_errors_for_user
 from .shim import CANONICAL
 
 __all__ = [
-    "PRESET_NAMES", "PRESET_HELP", "PARALLELISM_NAMES", "ATTENTION_NAMES", "BALANCE_NAMES", "SHARDING_NAMES", "patch_config",
+    "PRESET_NAMES", "PRESET_HELP", "PARALLELISM_NAMES", "sequence_families", "ATTENTION_NAMES", "BALANCE_NAMES", "SHARDING_NAMES", "patch_config",
     "auto_inputs",
     "link_profile", "sample", "rank_call_shape", "check_call_memory",
 ]
@@ -49,6 +49,20 @@ PRESET_HELP = {
     "balanced": "stale layers refreshed every 5 steps, full output exchange",
 }
 PARALLELISM_NAMES = ["auto", "sequence", "cfg", "cfg+sequence", "batch"]  # dit_layout.MODES, without importing it here
+
+
+def sequence_families() -> str:
+    """The models ``parallelism=sequence`` covers, as the node's description names them (from the DiT table, so the
+    description follows the table)."""
+    from .dit_models import ROWS
+
+    names = []
+    for row in ROWS:
+        name = row.family.split(" (")[0]
+        if name not in names:
+            names.append(name)
+    return "UNets SD 1.x/2.x/SDXL and the DiTs " + ", ".join(names)
+
 ATTENTION_NAMES = ["auto", "gathered", "ulysses"]
 BALANCE_NAMES = ["equal", "speed"]  # topology.throughput.BALANCE_MODES, without importing it here
 SHARDING_NAMES = bridge_shard.SHARDING_NAMES

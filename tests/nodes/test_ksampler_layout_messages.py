@@ -46,3 +46,14 @@ def test_cfg_sequence_on_two_ranks_points_at_cfg():
 
 def test_sequence_refusal_is_prefixed_once():
     assert "SD3's diffusion model" in _refused("sequence", 2, 5.0, 1, sequence_refusal=NO_ROW)
+
+
+def test_the_node_description_names_every_family_of_the_dit_table():
+    from patchray.nodes.bridge.dit_models import ROWS
+    from patchray.nodes.ksampler import PatchRayKSampler
+
+    schema = PatchRayKSampler.define_schema()
+    for row in ROWS:
+        assert row.family.split(" (")[0] in schema.description, row.family
+    cluster = next(i for i in schema.inputs if i.id == "cluster")
+    assert "parallelism" in cluster.tooltip and "rows are split" not in cluster.tooltip  # cfg and batch split no rows
