@@ -10,7 +10,7 @@ Schema only; the work is one call into the bridge (:mod:`.bridge.ksampler`).
 
 from __future__ import annotations
 
-from ._comfy import interrupt_check, io, progress_callback, sampler_lists
+from ._comfy import interrupt_check, io, progress_callback, sampler_lists, ui
 from .bridge import ksampler as bridge_ksampler
 from .bridge.ksampler import ATTENTION_NAMES, BALANCE_NAMES, PARALLELISM_NAMES, PRESET_HELP, PRESET_NAMES, SHARDING_NAMES
 from .types import CATEGORY, CLUSTER
@@ -124,11 +124,12 @@ class PatchRayKSampler(io.ComfyNode):
         auto = bridge_ksampler.auto_inputs(model, cluster, parallelism) if preset == "auto" else {}
         config = bridge_ksampler.patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size, **auto)
         progress = progress_callback(steps)
+        lines = []
         latent = bridge_ksampler.sample(
             model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster, config,
             parallelism=parallelism, attention=sequence_attention, balance=balance, sharding=sharding,
-            cancel_check=interrupt_check(), progress=progress,
+            cancel_check=interrupt_check(), progress=progress, report=lines.append,
         )
         if progress is not None:
             progress(steps, steps)
-        return io.NodeOutput(latent)
+        return io.NodeOutput(latent, ui=ui.PreviewText("\n".join(lines)) if lines else None)

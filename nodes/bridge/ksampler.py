@@ -22,7 +22,7 @@ from .shim import CANONICAL
 __all__ = [
     "PRESET_NAMES", "PRESET_HELP", "PARALLELISM_NAMES", "sequence_families", "ATTENTION_NAMES", "BALANCE_NAMES", "SHARDING_NAMES", "patch_config",
     "auto_inputs",
-    "link_profile", "sample", "rank_call_shape", "check_call_memory",
+    "link_profile", "sample", "rank_call_shape", "check_call_memory", "layout_summary",
 ]
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ def sample(
     model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster_config, config,
     *, parallelism: str = "auto", attention: str = "auto", balance: str = "equal", sharding: str = "none",
     cancel_check: Optional[Callable[[], None]] = None, progress: Optional[Callable[[int, int], None]] = None,
+    report: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """Run the KSampler on the ranks of ``cluster_config``; return the LATENT dict.
 
@@ -154,6 +155,8 @@ def sample(
             ``auto`` (none -> blocks -> blocks+offload, from the smallest card's free memory).
         cancel_check: ComfyUI's interrupt check, polled while the ranks work.
         progress: ``fn(done, total)`` for ComfyUI's progress bar.
+        report: ``fn(line)`` receives what the user should read on the node: how the ranks shared the work, and
+            why a requested parallelism was changed (cfg = 1).
 
     Raises:
         ValueError / TypeError / NotImplementedError: refused inputs, before anything is shipped.
@@ -289,11 +292,27 @@ def sample(
             "PatchRay Distributed KSampler: the ranks sampled without calling the model through PatchRay's wrapper "
             "(another extension replaced ComfyUI's diffusion-model call?); refusing to return an unsharded result"
         )
-    log.info("PatchRay KSampler: %d model calls on %d ranks (%s: %d CFG group(s) x %d sequence rank(s)%s)",
-             result["calls"], n, layout.mode, layout.cfg_groups, layout.seq_ranks, ", batch rows split" if layout.batch else "")
+    summary = layout_summary(layout, result["calls"])
+    log.info("PatchRay KSampler: %s", summary)
+    if report is not None:
+        report(summary)
+        if layout.note:
+            report(f"note: {layout.note}")
     out = latent_image.copy()
     out["samples"] = result["latent"]
     return out
+
+
+def layout_summary(layout, calls: int) -> str:
+    """One line: how the ranks shared the work (the node shows it; the log has it too)."""
+    how = {
+        "sequence": f"each of the {layout.seq_ranks} ranks a band of the latent's rows",
+        "cfg": "cond and uncond on different ranks",
+        "cfg+sequence": f"2 CFG groups x {layout.seq_ranks} sequence ranks",
+        "batch": "the batch rows split across the ranks",
+        "replicated": "the whole model on every rank (no split)",
+    }.get(layout.mode, layout.mode)
+    return f"parallelism {layout.mode} on {layout.num_ranks} rank(s): {how}; {calls} model calls"
 
 
 _GIB = 1024**3

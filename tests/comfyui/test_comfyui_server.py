@@ -677,6 +677,12 @@ def test_a_model_without_a_sequence_split_runs_cfg_and_batch_and_refuses_sequenc
         rel = ((ours - stock).norm() / stock.norm()).item()
         print(f"sd3 {parallelism} x{ranks} batch {batch} cfg {cfg}: relative L2 to the stock KSampler {rel:.2e}")
         assert rel <= 1e-5, (parallelism, batch, cfg, rel)
+        # the node says how the ranks shared the work, and why a requested split was changed
+        shown = "\n".join(entry["outputs"]["8"]["text"])
+        want = {"cfg": "parallelism cfg on 2", "batch": "parallelism batch on 2", "auto": "parallelism cfg on 2"}[parallelism]
+        if cfg == 1.0:
+            want = "note: cfg = 1 has no unconditional prediction to split"
+        assert want in shown, shown
     with pytest.raises(AssertionError) as refused:
         _run(url, _sd3_prompt("sequence", 2, 1, 4.0))
     text = str(refused.value)

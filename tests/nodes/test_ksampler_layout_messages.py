@@ -57,3 +57,12 @@ def test_the_node_description_names_every_family_of_the_dit_table():
         assert row.family.split(" (")[0] in schema.description, row.family
     cluster = next(i for i in schema.inputs if i.id == "cluster")
     assert "parallelism" in cluster.tooltip and "rows are split" not in cluster.tooltip  # cfg and batch split no rows
+
+
+def test_the_node_summary_says_how_the_ranks_shared_the_work():
+    from patchray.nodes.bridge.ksampler import layout_summary
+
+    assert layout_summary(plan_layout("cfg", 2, 5.0, 1), 6) == "parallelism cfg on 2 rank(s): cond and uncond on different ranks; 6 model calls"
+    lay = plan_layout("cfg", 2, 1.0, 1)  # cfg = 1: sequence instead, and the layout says why
+    assert layout_summary(lay, 3).startswith("parallelism sequence on 2 rank(s): each of the 2 ranks a band")
+    assert "cfg = 1" in lay.note
