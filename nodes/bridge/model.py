@@ -133,6 +133,11 @@ def check_conditioning(name: str, conditioning, mode: str = "sequence") -> None:
             if key in _SEQUENCE_ONLY_COND_KEYS and "sequence" not in mode:
                 continue
             if extra.get(key) is not None:
+                if key in _SEQUENCE_ONLY_COND_KEYS:
+                    raise NotImplementedError(
+                        f"PatchRay Distributed KSampler: {why} in {name} cannot be split into row bands "
+                        f"(parallelism={mode}); parallelism=cfg or batch run it whole, or use the stock KSampler"
+                    )
                 raise _refuse(f"{why} in {name}")
 
 

@@ -66,3 +66,19 @@ def test_the_node_summary_says_how_the_ranks_shared_the_work():
     lay = plan_layout("cfg", 2, 1.0, 1)  # cfg = 1: sequence instead, and the layout says why
     assert layout_summary(lay, 3).startswith("parallelism sequence on 2 rank(s): each of the 2 ranks a band")
     assert "cfg = 1" in lay.note
+
+
+def test_area_conditioning_under_sequence_points_at_the_splits_that_run_it():
+    import torch
+
+    from patchray.nodes.bridge.model import check_conditioning
+
+    cond = [[torch.zeros(1, 77, 8), {"area": (8, 8, 0, 0), "strength": 1.0}]]
+    with pytest.raises(NotImplementedError) as exc:
+        check_conditioning("positive", cond, "sequence")
+    text = str(exc.value)
+    assert "area conditioning" in text and "positive" in text and "parallelism=cfg or batch run it whole" in text
+    check_conditioning("positive", cond, "cfg")  # cfg and batch evaluate the whole latent: area conditioning runs
+    check_conditioning("positive", cond, "batch")
+    with pytest.raises(NotImplementedError, match="ControlNet conditioning"):  # refused under every parallelism
+        check_conditioning("positive", [[torch.zeros(1, 77, 8), {"control": object()}]], "cfg")
