@@ -10,7 +10,7 @@ Schema only; the work is one call into the bridge (:mod:`.bridge.ksampler`).
 
 from __future__ import annotations
 
-from ._comfy import interrupt_check, io, progress_callback, sampler_lists
+from ._comfy import interrupt_check, io, progress_callback, sampler_lists, ui
 from .bridge import ksampler as bridge_ksampler
 from .bridge.ksampler import ATTENTION_NAMES, BALANCE_NAMES, PARALLELISM_NAMES, PRESET_HELP, PRESET_NAMES, SHARDING_NAMES
 from .types import CATEGORY, CLUSTER
@@ -28,9 +28,9 @@ class PatchRayKSampler(io.ComfyNode):
             category=f"{CATEGORY}/sampling",
             description=(
                 "The KSampler across the cluster's ranks: every rank runs ComfyUI's own sampler and scheduler on the "
-                "MODEL as loaded. parallelism: a band of latent rows per rank (sequence; UNets SD 1.x/2.x/SDXL and the "
-                "DiTs FLUX.1, Chroma, Wan 2.1/2.2), cond and uncond on different ranks (cfg; every model), or the "
-                "batch split (batch; every model). Exact (equal to the stock KSampler) with preset full_sync; "
+                f"MODEL as loaded. parallelism: a band of latent rows per rank (sequence; {bridge_ksampler.sequence_families()}), "
+                "cond and uncond on different ranks (cfg; every model), or the batch split (batch; every model). "
+                "Exact (equal to the stock KSampler) with preset full_sync; "
                 "displaced/compressed/otil/balanced trade exactness for less traffic (UNets and DiTs); auto picks from the link and the number of ranks."
             ),
             inputs=[
@@ -44,7 +44,7 @@ class PatchRayKSampler(io.ComfyNode):
                 io.Conditioning.Input("negative", tooltip="Negative conditioning."),
                 io.Latent.Input("latent_image", tooltip="The latent to denoise (an Empty Latent Image for txt2img)."),
                 io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01, tooltip="How much of the schedule to run (1.0 = all; less for img2img)."),
-                CLUSTER.Input("cluster", tooltip="The rank cluster, from PatchRay Cluster. The latent's rows are split across its ranks."),
+                CLUSTER.Input("cluster", tooltip="The rank cluster, from PatchRay Cluster. How its ranks share the work: parallelism."),
                 io.Combo.Input(
                     "preset",
                     options=PRESET_NAMES,
@@ -124,11 +124,12 @@ class PatchRayKSampler(io.ComfyNode):
         auto = bridge_ksampler.auto_inputs(model, cluster, parallelism) if preset == "auto" else {}
         config = bridge_ksampler.patch_config(preset, warmup_steps, refresh_every, k_ratio, block_size, **auto)
         progress = progress_callback(steps)
+        lines = []
         latent = bridge_ksampler.sample(
             model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster, config,
             parallelism=parallelism, attention=sequence_attention, balance=balance, sharding=sharding,
-            cancel_check=interrupt_check(), progress=progress,
+            cancel_check=interrupt_check(), progress=progress, report=lines.append,
         )
         if progress is not None:
             progress(steps, steps)
-        return io.NodeOutput(latent)
+        return io.NodeOutput(latent, ui=ui.PreviewText("\n".join(lines)) if lines else None)

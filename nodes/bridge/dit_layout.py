@@ -61,8 +61,16 @@ class Layout(NamedTuple):
         return [g * self.seq_ranks + position for g in range(self.cfg_groups)]
 
 
+_PREFIX = "PatchRay Distributed KSampler: "
+
+
 def _err(msg: str) -> ValueError:
-    return ValueError(f"PatchRay Distributed KSampler: {msg}")
+    return ValueError(_PREFIX + msg)
+
+
+def _bare(msg: str) -> str:
+    """A message without the node's prefix (:func:`_err` adds it once)."""
+    return msg[len(_PREFIX):] if msg.startswith(_PREFIX) else msg
 
 
 def plan_layout(
@@ -106,7 +114,12 @@ def plan_layout(
             return Layout("sequence", n, seq_ranks=n)
         if batch_size >= n:
             return Layout("batch", n, batch=True)
-        raise _err(f"{sequence_refusal} (and the batch of {batch_size} is smaller than the {n} ranks, so batch cannot help)")
+        why = "cfg = 1 leaves no CFG split" if not cfg_on else f"a CFG split alone runs on exactly 2 ranks (the cluster has {n})"
+        raise _err(
+            f"{_bare(sequence_refusal)} parallelism=auto found no other split: the batch of {batch_size} is smaller than "
+            f"the {n} ranks, so batch cannot help, and {why}; raise batch_size to {n} or more"
+            + (", or set num_ranks to 2" if cfg_on else "")
+        )
     if parallelism == "batch":
         if batch_size < n:
             raise _err(
@@ -123,13 +136,17 @@ def plan_layout(
         if n != 2:
             raise _err(
                 f"parallelism=cfg puts the conditional and unconditional predictions on two ranks (the cluster has {n}); "
-                "pick cfg+sequence for an even number of ranks from four"
+                + ("set num_ranks to 2, or pick parallelism sequence, batch or auto"
+                   if n % 2 else "pick cfg+sequence (2 CFG groups of N/2 sequence ranks), or set num_ranks to 2")
             )
         return Layout("cfg", n, cfg_groups=2)
     if not seq_ok:
-        raise _err(sequence_refusal.replace("PatchRay Distributed KSampler: ", ""))
+        raise _err(_bare(sequence_refusal))
     if parallelism == "cfg+sequence":
         if n % 2 or n < 4:
-            raise _err(f"parallelism=cfg+sequence needs an even number of ranks from four (2 CFG groups x N/2 sequence ranks); the cluster has {n}")
+            raise _err(
+                f"parallelism=cfg+sequence needs an even number of ranks from four (2 CFG groups x N/2 sequence ranks); "
+                f"the cluster has {n}: " + ("pick parallelism cfg (2 ranks)" if n == 2 else "pick parallelism sequence, or set num_ranks to an even number from 4")
+            )
         return Layout("cfg+sequence", n, cfg_groups=2, seq_ranks=n // 2)
     return Layout("sequence", n, seq_ranks=n)

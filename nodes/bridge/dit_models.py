@@ -161,16 +161,18 @@ def find_row(class_name: str) -> Optional[DitRow]:
     return None
 
 
-def refusal(class_name: str, module: str = "") -> str:
-    """Why a class without a row cannot be sharded by sequence, in the user's terms, with what would be needed."""
+def refusal(class_name: str, module: str = "", family: str = "") -> str:
+    """Why a class without a row cannot be sharded by sequence, in the user's terms, with what would be needed.
+    ``family``: ComfyUI's name of the model (``SD3``, ``PixArtSigma``...), said first when it differs from the class."""
     where = f" ({module})" if module else ""
+    owner = f"{family}'s diffusion model " if family and family != class_name else "the diffusion model "
     known = KNOWN_UNCOVERED.get(class_name)
     need = known or (
         "a row in PatchRay's DiT table naming where its image tokens are made, where its positional embedding is, "
         "where the tokens leave the last block, and which of its attentions are self/joint or cross"
     )
     return (
-        f"PatchRay Distributed KSampler: sequence parallelism does not cover the diffusion model {class_name}{where} "
+        f"PatchRay Distributed KSampler: sequence parallelism does not cover {owner}{class_name}{where} "
         f"yet ({need}). parallelism=cfg or batch work with every model; the stock KSampler always does."
     )
 

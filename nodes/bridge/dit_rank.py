@@ -342,7 +342,9 @@ def sequence_parallel(ctx, row, dm, *, attention: str = "auto", counter: Optiona
 
 
 def batch_parallel(ctx, counter: Optional[Counter] = None):
-    """A DIFFUSION_MODEL wrapper: each rank runs its share of the call's rows, the outputs are all-gathered (the
+    """A model-call wrapper (the rank installs it around ``BaseModel.apply_model``, which every model class goes
+    through; it works around a diffusion model's forward as well): each rank runs its share of the call's rows, the
+    outputs are all-gathered (the
     library's ``split.batch_parallel``: every tensor argument whose first dimension is the call's row count — the
     latent, timesteps, text context, pooled vectors, guidance, CLIP features, masks — is cut like the latent; the
     model is per-row independent)."""

@@ -90,7 +90,24 @@ def user_message(exc: BaseException) -> str:
         >>> user_message(ValueError("\\x1b[36mray::_RankActor.call()\\x1b[39m (pid=1, ip=127.0.0.1)\\nValueError: bad"))
         'ValueError: bad'
     """
-    return _clean_text(str(_ray_cause(exc)))
+    cause = _ray_cause(exc)
+    if type(cause).__name__ == "OutOfMemoryError" and type(cause).__module__.startswith("ray"):
+        return _ray_oom_message(str(cause))
+    return _clean_text(str(cause))
+
+
+_RAY_OOM_USAGE = re.compile(r"was ([\d.]+\s*GB used / [\d.]+\s*GB limit)")
+
+
+def _ray_oom_message(text: str) -> str:
+    """Ray's memory monitor stopped a rank: its 40-line report (process table, object store counters, tuning
+    variables) becomes one sentence with the figure and what to change; the full report stays in the log."""
+    usage = _RAY_OOM_USAGE.search(text)
+    figure = f" ({usage.group(1)})" if usage else ""
+    return (
+        f"Ray stopped a rank because the machine ran out of memory{figure}: lower the latent's size or batch_size, use "
+        "fewer CPU ranks, or close other programs; the ranks are rebuilt on the next prompt"
+    )
 
 
 def for_user(exc: BaseException) -> BaseException:

@@ -20,9 +20,9 @@ from .errors import rank_errors_for_user
 from .shim import CANONICAL
 
 __all__ = [
-    "PRESET_NAMES", "PRESET_HELP", "PARALLELISM_NAMES", "ATTENTION_NAMES", "BALANCE_NAMES", "SHARDING_NAMES", "patch_config",
+    "PRESET_NAMES", "PRESET_HELP", "PARALLELISM_NAMES", "sequence_families", "ATTENTION_NAMES", "BALANCE_NAMES", "SHARDING_NAMES", "patch_config",
     "auto_inputs",
-    "link_profile", "sample",
+    "link_profile", "sample", "rank_call_shape", "check_call_memory", "layout_summary",
 ]
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,20 @@ PRESET_HELP = {
     "balanced": "stale layers refreshed every 5 steps, full output exchange",
 }
 PARALLELISM_NAMES = ["auto", "sequence", "cfg", "cfg+sequence", "batch"]  # dit_layout.MODES, without importing it here
+
+
+def sequence_families() -> str:
+    """The models ``parallelism=sequence`` covers, as the node's description names them (from the DiT table, so the
+    description follows the table)."""
+    from .dit_models import ROWS
+
+    names = []
+    for row in ROWS:
+        name = row.family.split(" (")[0]
+        if name not in names:
+            names.append(name)
+    return "UNets SD 1.x/2.x/SDXL and the DiTs " + ", ".join(names)
+
 ATTENTION_NAMES = ["auto", "gathered", "ulysses"]
 BALANCE_NAMES = ["equal", "speed"]  # topology.throughput.BALANCE_MODES, without importing it here
 SHARDING_NAMES = bridge_shard.SHARDING_NAMES
@@ -123,6 +137,7 @@ def sample(
     model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster_config, config,
     *, parallelism: str = "auto", attention: str = "auto", balance: str = "equal", sharding: str = "none",
     cancel_check: Optional[Callable[[], None]] = None, progress: Optional[Callable[[int, int], None]] = None,
+    report: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """Run the KSampler on the ranks of ``cluster_config``; return the LATENT dict.
 
@@ -140,6 +155,8 @@ def sample(
             ``auto`` (none -> blocks -> blocks+offload, from the smallest card's free memory).
         cancel_check: ComfyUI's interrupt check, polled while the ranks work.
         progress: ``fn(done, total)`` for ComfyUI's progress bar.
+        report: ``fn(line)`` receives what the user should read on the node: how the ranks shared the work, and
+            why a requested parallelism was changed (cfg = 1).
 
     Raises:
         ValueError / TypeError / NotImplementedError: refused inputs, before anything is shipped.
@@ -231,10 +248,13 @@ def sample(
         weights = cluster_band_weights(rank_cluster, balance) if layout.seq_ranks > 1 else None
         free_min = total_min = None
         host_ranks = False
-        if sharding == "auto" and n > 1:
+        if n > 1:
             mem = rank_cluster.run(f"{_RANK}:device_memory", timeout_s=60.0, cancel_check=cancel_check)
-            free_min, total_min = min(m[0] for m in mem), min(m[1] for m in mem)
-            host_ranks = all(len(m) > 2 and m[2] == "cpu" for m in mem)
+            # a size no rank can hold is refused here, before any weight ships or a rank allocates
+            check_call_memory(model, tuple(latent.shape), layout, mem)
+            if sharding == "auto":
+                free_min, total_min = min(m[0] for m in mem), min(m[1] for m in mem)
+                host_ranks = all(len(m) > 2 and m[2] == "cpu" for m in mem)
         # the link only words the advice (is an offloaded sharded step slower than one card with ComfyUI's offload?)
         link = link_profile(cluster_config) if sharding in ("auto", "blocks+offload") and n > 1 else None
         resolved, why = bridge_shard.resolve_sharding(sharding, dm, n, free_min, total_min, link=link, host_ranks=host_ranks)
@@ -272,11 +292,86 @@ def sample(
             "PatchRay Distributed KSampler: the ranks sampled without calling the model through PatchRay's wrapper "
             "(another extension replaced ComfyUI's diffusion-model call?); refusing to return an unsharded result"
         )
-    log.info("PatchRay KSampler: %d model calls on %d ranks (%s: %d CFG group(s) x %d sequence rank(s)%s)",
-             result["calls"], n, layout.mode, layout.cfg_groups, layout.seq_ranks, ", batch rows split" if layout.batch else "")
+    summary = layout_summary(layout, result["calls"])
+    log.info("PatchRay KSampler: %s", summary)
+    if report is not None:
+        report(summary)
+        if layout.note:
+            report(f"note: {layout.note}")
     out = latent_image.copy()
     out["samples"] = result["latent"]
     return out
+
+
+def layout_summary(layout, calls: int) -> str:
+    """One line: how the ranks shared the work (the node shows it; the log has it too)."""
+    how = {
+        "sequence": f"each of the {layout.seq_ranks} ranks a band of the latent's rows",
+        "cfg": "cond and uncond on different ranks",
+        "cfg+sequence": f"2 CFG groups x {layout.seq_ranks} sequence ranks",
+        "batch": "the batch rows split across the ranks",
+        "replicated": "the whole model on every rank (no split)",
+    }.get(layout.mode, layout.mode)
+    return f"parallelism {layout.mode} on {layout.num_ranks} rank(s): {how}; {calls} model calls"
+
+
+_GIB = 1024**3
+
+
+def rank_call_shape(latent_shape: tuple, layout) -> tuple:
+    """The smallest model call a rank of ``layout`` makes for a latent of ``latent_shape``: ComfyUI evaluates one
+    conditioning at a time when memory is short (all of the latent's batch rows), ``batch`` gives each rank its share
+    of those rows, and sequence ranks take a band of the rows (the last but one dimension, all frames)."""
+    shape = list(latent_shape)
+    n = max(1, int(layout.num_ranks))
+    if layout.batch:
+        shape[0] = -(-shape[0] // n)
+    if layout.seq_ranks > 1:
+        shape[-2] = -(-shape[-2] // int(layout.seq_ranks))
+    return tuple(shape)
+
+
+def check_call_memory(model, latent_shape: tuple, layout, memory) -> None:
+    """Refuse, before anything ships, a latent whose smallest model call on a rank ComfyUI itself estimates larger than
+    the memory that rank can use (``BaseModel.memory_required``, the figure ComfyUI plans its loads and batching with).
+
+    What a rank can use: GPU ranks their card (ComfyUI offloads weights to make room for the activations); CPU ranks
+    the host's available memory shared by the ranks on it (they run their calls at the same time, so N CPU ranks each
+    sized against the whole free memory would together exhaust the machine).
+
+    Args:
+        model: the ComfyUI MODEL (its ``memory_required``).
+        latent_shape: the latent as sampled (``[B, C, H, W]`` or ``[B, C, T, H, W]``).
+        layout: the run's :class:`.dit_layout.Layout`.
+        memory: per rank ``(free bytes, total bytes, device type)`` (``ksampler_rank.device_memory``).
+    """
+    estimate = getattr(getattr(model, "model", None), "memory_required", None)
+    if estimate is None or not memory:
+        return
+    call = rank_call_shape(latent_shape, layout)
+    try:
+        need = float(estimate(list(call)))
+    except Exception as exc:  # an estimate is advice: a model that cannot give one is not refused over it
+        log.debug("memory estimate unavailable: %s", exc)
+        return
+    cpu = all(len(m) > 2 and m[2] == "cpu" for m in memory)
+    if cpu:
+        have = min(float(m[0]) for m in memory) / len(memory)  # embedded CPU ranks share one host's memory
+        where = f"the host's available memory ({min(float(m[0]) for m in memory) / _GIB:.1f} GiB) shared by its {len(memory)} CPU ranks"
+    else:
+        have = min(float(m[1]) for m in memory)
+        where = "the smallest rank's card"
+    if need <= have:
+        return
+    shrink = (need / have) ** 0.5
+    batch_hint = f" or batch_size (each rank's calls hold {call[0]} of the batch's {latent_shape[0]} rows)" if call[0] > 1 else ""
+    raise ValueError(
+        f"latent_image: ComfyUI estimates {need / _GIB:.1f} GiB for one model call on each rank at this size (latent "
+        f"{'x'.join(str(d) for d in latent_shape[2:])}, {layout.mode} over {layout.num_ranks} ranks: each rank's call "
+        f"covers {'x'.join(str(d) for d in call[2:])}); a rank has {have / _GIB:.1f} GiB ({where}). Lower width and "
+        f"height about {shrink:.1f}x{batch_hint}, or use more ranks"
+        + (" with parallelism sequence" if layout.seq_ranks <= 1 else "")
+    )
 
 
 def config_name(config) -> str:

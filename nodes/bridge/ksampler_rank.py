@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = [
-    "WRAPPER_KEY", "prepare", "begin_parts", "end_parts", "device_memory", "host_memory", "sample", "agreed_batching",
+    "WRAPPER_KEY", "prepare", "share_host_memory", "begin_parts", "end_parts", "device_memory", "host_memory", "sample", "agreed_batching",
     "patch_parallel",
 ]
 
@@ -47,6 +47,33 @@ def prepare(ctx, comfy_root: str) -> None:
     dev = mm.get_torch_device()
     if dev.type != ctx.device.type:
         raise RuntimeError(f"ComfyUI on this rank chose device {dev}, the rank runs on {ctx.device}")
+    if ctx.device.type == "cpu":
+        share_host_memory(mm, ctx.world_size)
+
+
+_SHARED = "_patchray_host_share"
+
+
+def share_host_memory(mm, ranks: int) -> None:
+    """Make this CPU rank's ComfyUI size its work (attention chunks, cond batching, weight offload) to its share of the
+    host's free memory: ``comfy.model_management.get_free_memory`` answers the host's available memory divided by
+    ``ranks`` for CPU devices. ComfyUI's attention functions size their chunks from that figure at every call; N CPU
+    ranks on one host each sized against all of it would together take N times the free memory. The rank process is
+    PatchRay's own (ComfyUI's process is never changed); idempotent; a larger ``ranks`` than share the host only makes
+    the chunks smaller (same results, chunked sums)."""
+    current = mm.get_free_memory
+    original = getattr(current, _SHARED, current)
+    ranks = max(1, int(ranks))
+
+    def get_free_memory(dev=None, torch_free_too=False):
+        out = original(dev, torch_free_too)
+        device = mm.get_torch_device() if dev is None else dev
+        if getattr(device, "type", None) != "cpu" or ranks == 1:
+            return out
+        return tuple(v / ranks for v in out) if isinstance(out, tuple) else out / ranks
+
+    setattr(get_free_memory, _SHARED, original)
+    mm.get_free_memory = get_free_memory
 
 
 def begin_parts(ctx, payload: dict):
@@ -230,7 +257,9 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
     group_session = None
     seq = None
     if layout.batch:
-        model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.BATCH_KEY, dit_rank.batch_parallel(ctx, counter))
+        # around BaseModel.apply_model, which every model class goes through (several diffusion models of ComfyUI
+        # 0.3.64, SD3's MMDiT among them, never call DIFFUSION_MODEL wrappers); its rows are per-row independent too
+        model.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, dit_rank.BATCH_KEY, dit_rank.batch_parallel(ctx, counter))
         agree = ctx
     else:
         if layout.mode == "replicated":  # cfg = 1 on a model without a sequence split: every rank samples it whole
@@ -257,8 +286,8 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
             group_session = _group_session(seq_ctx, session)
             group_session.begin()
             model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, patch_parallel(group_session))
-        else:
-            model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, _counted(counter))
+        else:  # the whole model on this rank: counted around apply_model, which every model class goes through
+            model.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, dit_rank.SEQ_KEY, _counted(counter))
     if layout.batch or layout.seq_ranks > 1:
         # every rank of a group must batch cond/uncond alike: its model calls hold collectives
         model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching(dit_rank.Agree(agree), mm.get_free_memory))
@@ -277,7 +306,7 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
 
 
 def _counted(counter):
-    """A DIFFUSION_MODEL wrapper that only counts (the whole model runs on this rank: CFG split, no sequence split)."""
+    """An APPLY_MODEL wrapper that only counts (the whole model runs on this rank: CFG split, no sequence split)."""
 
     def wrapper(executor, *args, **kwargs):
         with counter.call():

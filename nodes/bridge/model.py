@@ -91,7 +91,9 @@ def sequence_refusal(mp):
             return f"PatchRay Distributed KSampler: sequence parallelism does not cover a {dm.dims}-D UNet yet; parallelism=cfg or batch work with every model"
         return None
     if find_row(type(dm).__name__) is None:
-        return refusal(type(dm).__name__, type(dm).__module__)
+        from .errors import model_name
+
+        return refusal(type(dm).__name__, type(dm).__module__, family=model_name(mp))
     return None
 
 
@@ -131,6 +133,11 @@ def check_conditioning(name: str, conditioning, mode: str = "sequence") -> None:
             if key in _SEQUENCE_ONLY_COND_KEYS and "sequence" not in mode:
                 continue
             if extra.get(key) is not None:
+                if key in _SEQUENCE_ONLY_COND_KEYS:
+                    raise NotImplementedError(
+                        f"PatchRay Distributed KSampler: {why} in {name} cannot be split into row bands "
+                        f"(parallelism={mode}); parallelism=cfg or batch run it whole, or use the stock KSampler"
+                    )
                 raise _refuse(f"{why} in {name}")
 
 

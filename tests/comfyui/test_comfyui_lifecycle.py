@@ -182,6 +182,83 @@ def test_cancel_stops_a_cluster_start_and_the_next_prompt_works(lifecycle_server
     _run(url, _decode_prompt())  # the next prompt starts its cluster and completes
 
 
+def _sampling_prompt(steps=2, size=64, num_ranks=2):
+    """The checkpoint's UNet (make_models.py) through the Distributed KSampler on CPU ranks."""
+    return {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "sd_xl_base_1.0.safetensors"}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red boat", "clip": ["1", 1]}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry", "clip": ["1", 1]}},
+        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": size, "height": size, "batch_size": 1}},
+        "5": {"class_type": "PatchRayCluster", "inputs": {"num_ranks": num_ranks, "device": "cpu", "address": "", "gpu_ids": ""}},
+        "6": {"class_type": "PatchRayKSampler", "inputs": {
+            "model": ["1", 0], "seed": 7, "steps": steps, "cfg": 5.0, "sampler_name": "euler", "scheduler": "normal",
+            "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0, "cluster": ["5", 0],
+            "preset": "full_sync", "warmup_steps": -1, "refresh_every": -1, "k_ratio": 0.25, "block_size": 8,
+            "parallelism": "sequence"}},
+        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": "lifecycle"}},
+    }
+
+
+def _queue_and_wait_until_sampling(url, api, base):
+    """Queue ``api`` and return its id once the Distributed KSampler's ranks are sampling (its progress shows)."""
+    status, body = _post(url + "/prompt", {"prompt": api, "client_id": uuid.uuid4().hex})
+    assert status == 200 and not body.get("node_errors"), body
+    pid = body["prompt_id"]
+    time.sleep(8)  # 400 steps at 256x256 take minutes on CPU ranks: the prompt is sampling now
+    assert pid not in json.loads(_get(f"{url}/history/{pid}")[1]), "the sampling run finished before the test could act"
+    return pid
+
+
+def _ended(url, pid, bound_s=60):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < bound_s:  # a hang check: the driver polls the ranks and Cancel twice a second
+        hist = json.loads(_get(f"{url}/history/{pid}")[1])
+        if pid in hist and hist[pid].get("status", {}).get("completed") is not None:
+            return hist[pid]["status"]["messages"]
+        time.sleep(0.25)
+    raise AssertionError(f"the prompt did not end within {bound_s} s")
+
+
+def test_a_sampling_run_survives_interrupt_a_killed_rank_and_an_absurd_size(lifecycle_server):
+    """What a user meets while sampling: Cancel during a run, a rank process that dies mid-run (a clear error within a
+    bound), a size no rank can hold (refused before anything ships); after each the next prompt works. The embedded
+    Ray listens on loopback only, with no dashboard HTTP port."""
+    import psutil
+
+    url, base, proc = lifecycle_server
+    _run(url, _sampling_prompt())  # the cluster is up and the model is on the ranks
+    pid = _queue_and_wait_until_sampling(url, _sampling_prompt(steps=400, size=256), base)
+    _post(url + "/interrupt", {})
+    events = [m[0] for m in _ended(url, pid)]
+    assert "execution_interrupted" in events, events
+    _run(url, _sampling_prompt())
+
+    pid = _queue_and_wait_until_sampling(url, _sampling_prompt(steps=401, size=256), base)
+    ranks = _rank_processes(proc.pid)
+    assert len(ranks) == 2, [p.cmdline() for p in ranks]
+    ranks[-1].kill()
+    errors = [m[1] for m in _ended(url, pid) if m[0] == "execution_error"]
+    assert errors and errors[0]["node_type"] == "PatchRayKSampler", errors
+    text = errors[0]["exception_message"]
+    assert "died" in text and "rebuilt on the next call" in text and "ActorID" not in text, text
+    _run(url, _sampling_prompt())  # new ranks, the model shipped again
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"latent_image: ComfyUI estimates [\d.]+ GiB for one model call on each rank"):
+        _run(url, _sampling_prompt(size=16384))
+    assert time.monotonic() - t0 < 60  # refused before the weights ship or a rank allocates
+    _run(url, _sampling_prompt())
+
+    listening = []
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            listening += [c.laddr for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            pass
+    assert listening and all(a.ip in ("127.0.0.1", "::ffff:127.0.0.1") for a in listening), listening
+    assert 8265 not in {a.port for a in listening}  # Ray's dashboard HTTP port: the dashboard is off
+
+
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss")
 def test_sigterm_stops_comfyui_and_its_embedded_ray(lifecycle_server):
     import psutil

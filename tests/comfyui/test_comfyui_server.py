@@ -66,6 +66,8 @@ def server(tmp_path_factory):
     shutil.copy(Path(COMFYUI_DIR) / "input" / "example.png", base / "input" / "example.png")
     subprocess.run([PYTHON, str(Path(__file__).with_name("make_models.py")), COMFYUI_DIR, str(base / "models")],
                    check=True, timeout=900, cwd=str(base))
+    subprocess.run([PYTHON, str(Path(__file__).with_name("make_sd3_model.py")), COMFYUI_DIR, str(base / "models")],
+                   check=True, timeout=300, cwd=str(base))
     port = _free_port()
     log = open(base / "server.log", "w")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -639,3 +641,51 @@ def test_distributed_ksampler_refuses_what_a_dit_cannot_do_before_shipping(serve
     with pytest.raises(AssertionError, match="sequence_attention=ulysses"):
         _run(url, api)
     assert _latent(base, _run(url, _dit_prompt("wan2.1_t2v_1.3B_fp16.safetensors", "sequence", 2, 1, 2)), "10").shape[2] == 3
+
+
+def _sd3_prompt(parallelism, ranks, batch, cfg):
+    """The tiny SD3 (make_sd3_model.py) through the stock KSampler and the Distributed KSampler."""
+    common = {"seed": 3, "steps": 2, "cfg": cfg, "sampler_name": "euler", "scheduler": "simple", "positive": ["3", 0],
+              "negative": ["4", 0], "latent_image": ["5", 0], "denoise": 1.0, "model": ["2", 0]}
+    tag = f"sd3_{parallelism}_{ranks}_{batch}_{cfg}"
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "sd3_tiny.safetensors", "weight_dtype": "default"}},
+        "2": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["1", 0], "shift": 3.0}},
+        "3": {"class_type": "PatchRayTestConditioning", "inputs": {"seed": 1, "tokens": 9, "width": 4096, "pooled": 2048}},
+        "4": {"class_type": "PatchRayTestConditioning", "inputs": {"seed": 2, "tokens": 6, "width": 4096, "pooled": 2048}},
+        "5": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 48, "batch_size": batch}},
+        "6": {"class_type": "KSampler", "inputs": dict(common)},
+        "7": {"class_type": "PatchRayCluster", "inputs": {"num_ranks": ranks, "device": "cpu", "address": "", "gpu_ids": ""}},
+        "8": {"class_type": "PatchRayKSampler", "inputs": dict(common, cluster=["7", 0], preset="full_sync", warmup_steps=-1,
+                                                               refresh_every=-1, k_ratio=0.25, block_size=8, parallelism=parallelism)},
+        "9": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": f"stock_{tag}"}},
+        "10": {"class_type": "SaveLatent", "inputs": {"samples": ["8", 0], "filename_prefix": f"patchray_{tag}"}},
+    }
+
+
+def test_a_model_without_a_sequence_split_runs_cfg_and_batch_and_refuses_sequence(server):
+    """SD3's MMDiT has no row in PatchRay's DiT table, and its forward in ComfyUI 0.3.64 calls no DIFFUSION_MODEL
+    wrappers: cfg, batch, auto and cfg = 1 (every rank samples it whole) still run and equal the stock KSampler;
+    sequence is refused naming the model family, the class and what a row needs; the next prompt works."""
+    url, base = server
+    for parallelism, ranks, batch, cfg in (("cfg", 2, 1, 4.0), ("batch", 2, 3, 4.0), ("auto", 2, 1, 4.0), ("cfg", 2, 1, 1.0)):
+        entry = _run(url, _sd3_prompt(parallelism, ranks, batch, cfg))
+        stock, ours = _latent(base, entry, "9"), _latent(base, entry, "10")
+        assert stock.shape == ours.shape and stock.shape[0] == batch
+        # fp32: whole-model calls on each rank (cfg, cfg = 1) are bit-identical, a batch share reorders nothing but
+        # the GEMMs' row blocking; 1e-5 is the suite's bound, a lost CFG half or a wrong row share gives > 1e-2
+        rel = ((ours - stock).norm() / stock.norm()).item()
+        print(f"sd3 {parallelism} x{ranks} batch {batch} cfg {cfg}: relative L2 to the stock KSampler {rel:.2e}")
+        assert rel <= 1e-5, (parallelism, batch, cfg, rel)
+        # the node says how the ranks shared the work, and why a requested split was changed
+        shown = "\n".join(entry["outputs"]["8"]["text"])
+        want = {"cfg": "parallelism cfg on 2", "batch": "parallelism batch on 2", "auto": "parallelism cfg on 2"}[parallelism]
+        if cfg == 1.0:
+            want = "note: cfg = 1 has no unconditional prediction to split"
+        assert want in shown, shown
+    with pytest.raises(AssertionError) as refused:
+        _run(url, _sd3_prompt("sequence", 2, 1, 4.0))
+    text = str(refused.value)
+    assert "SD3's diffusion model OpenAISignatureMMDITWrapper" in text and "parallelism=cfg or batch" in text, text
+    assert text.count("PatchRay Distributed KSampler:") == 1, text
+    _run(url, _sd3_prompt("cfg", 2, 1, 4.0))

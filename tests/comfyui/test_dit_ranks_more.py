@@ -17,7 +17,7 @@ pytestmark = comfyui_marks()
 
 STEPS = 3  # three steps; euler, euler_ancestral and dpmpp_2m call the model once per step
 #: 7 text tokens (every conditioning of dit_ranks_more.py) over 2 and 3 sequence ranks, by hand
-TEXT_SPLIT = {2: [4, 3], 3: [3, 2, 2]}
+TEXT_SPLIT = {2: [4, 3], 3: [3, 2, 2], 4: [2, 2, 2, 1]}
 # a masked prompt and an unmasked one cannot be batched (HunyuanImage 2.1 case): ComfyUI calls the model twice a step
 CALLS_PER_STEP = {"hyimage": 2}
 LAYERS = 2  # attention layers whose K/V are exchanged (Qwen-Image 2 blocks; HunyuanVideo 1 double + 1 single; LTX 2)

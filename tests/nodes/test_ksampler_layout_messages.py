@@ -1,0 +1,84 @@
+"""The Distributed KSampler's layout refusals: said once, in the widgets' terms, with a value that works for the
+cluster at hand (pure bookkeeping: no ComfyUI, no ranks)."""
+
+import pytest
+
+from patchray.nodes.bridge.dit_layout import plan_layout
+from patchray.nodes.bridge.dit_models import refusal
+
+PREFIX = "PatchRay Distributed KSampler: "
+NO_ROW = refusal("OpenAISignatureMMDITWrapper", "comfy.ldm.modules.diffusionmodules.mmdit", family="SD3")
+
+
+def _refused(*args, **kwargs) -> str:
+    with pytest.raises(ValueError) as exc:
+        plan_layout(*args, **kwargs)
+    text = str(exc.value)
+    assert text.startswith(PREFIX) and text.count(PREFIX) == 1, text
+    return text
+
+
+def test_an_uncovered_model_is_named_by_family_and_class():
+    assert "SD3's diffusion model OpenAISignatureMMDITWrapper (comfy.ldm.modules.diffusionmodules.mmdit)" in NO_ROW
+    assert "parallelism=cfg or batch" in NO_ROW
+    # without a family (or one equal to the class) the class alone is named
+    assert "the diffusion model Foo (m)" in refusal("Foo", "m") and "the diffusion model Foo (m)" in refusal("Foo", "m", family="Foo")
+
+
+@pytest.mark.parametrize("cfg, fix", [(4.0, "set num_ranks to 2"), (1.0, "raise batch_size to 3")])
+def test_auto_without_any_split_says_why_and_what_works(cfg, fix):
+    text = _refused("auto", 3, cfg, 1, sequence_refusal=NO_ROW)
+    assert "OpenAISignatureMMDITWrapper" in text and "batch of 1 is smaller than the 3 ranks" in text and fix in text
+    if cfg == 1.0:
+        assert "cfg = 1 leaves no CFG split" in text and "num_ranks to 2" not in text
+
+
+def test_cfg_on_an_odd_cluster_suggests_what_fits_it():
+    text = _refused("cfg", 3, 5.0, 1)
+    assert "set num_ranks to 2" in text and "cfg+sequence" not in text  # cfg+sequence needs an even count from 4
+    assert "pick cfg+sequence" in _refused("cfg", 4, 5.0, 1)
+
+
+def test_cfg_sequence_on_two_ranks_points_at_cfg():
+    assert "pick parallelism cfg (2 ranks)" in _refused("cfg+sequence", 2, 5.0, 1)
+    assert "pick parallelism sequence" in _refused("cfg+sequence", 3, 5.0, 1)
+
+
+def test_sequence_refusal_is_prefixed_once():
+    assert "SD3's diffusion model" in _refused("sequence", 2, 5.0, 1, sequence_refusal=NO_ROW)
+
+
+def test_the_node_description_names_every_family_of_the_dit_table():
+    from patchray.nodes.bridge.dit_models import ROWS
+    from patchray.nodes.ksampler import PatchRayKSampler
+
+    schema = PatchRayKSampler.define_schema()
+    for row in ROWS:
+        assert row.family.split(" (")[0] in schema.description, row.family
+    cluster = next(i for i in schema.inputs if i.id == "cluster")
+    assert "parallelism" in cluster.tooltip and "rows are split" not in cluster.tooltip  # cfg and batch split no rows
+
+
+def test_the_node_summary_says_how_the_ranks_shared_the_work():
+    from patchray.nodes.bridge.ksampler import layout_summary
+
+    assert layout_summary(plan_layout("cfg", 2, 5.0, 1), 6) == "parallelism cfg on 2 rank(s): cond and uncond on different ranks; 6 model calls"
+    lay = plan_layout("cfg", 2, 1.0, 1)  # cfg = 1: sequence instead, and the layout says why
+    assert layout_summary(lay, 3).startswith("parallelism sequence on 2 rank(s): each of the 2 ranks a band")
+    assert "cfg = 1" in lay.note
+
+
+def test_area_conditioning_under_sequence_points_at_the_splits_that_run_it():
+    import torch
+
+    from patchray.nodes.bridge.model import check_conditioning
+
+    cond = [[torch.zeros(1, 77, 8), {"area": (8, 8, 0, 0), "strength": 1.0}]]
+    with pytest.raises(NotImplementedError) as exc:
+        check_conditioning("positive", cond, "sequence")
+    text = str(exc.value)
+    assert "area conditioning" in text and "positive" in text and "parallelism=cfg or batch run it whole" in text
+    check_conditioning("positive", cond, "cfg")  # cfg and batch evaluate the whole latent: area conditioning runs
+    check_conditioning("positive", cond, "batch")
+    with pytest.raises(NotImplementedError, match="ControlNet conditioning"):  # refused under every parallelism
+        check_conditioning("positive", [[torch.zeros(1, 77, 8), {"control": object()}]], "cfg")
