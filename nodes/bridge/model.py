@@ -162,8 +162,19 @@ def _check_model(mp, mode: str = "sequence") -> None:
             if any(to.get(key, {}).values()):
                 what = "a row band" if "sequence" in mode else "a share of the call's rows"
                 raise _refuse(f"the MODEL's {key} ({sorted(to[key])}) with parallelism={mode} (attention or block patches would see only {what}; parallelism=cfg runs them whole)")
+    if any(_TORCH_COMPILE_KEY in keyed for keyed in mp.wrappers.values()):
+        # ComfyUI's TorchCompileModel adds a torch.compile wrapper of the whole diffusion model on the driver's MODEL:
+        # the ranks run their own copies, whose attention goes through PatchRay's exchange (collectives the compiled
+        # graph would have to stop at); the wrapper would not reach them
+        raise NotImplementedError(
+            "PatchRay Distributed KSampler: the MODEL comes through TorchCompileModel (a torch.compile wrapper of the "
+            "whole diffusion model); the ranks run their own copies of the model and do not take that wrapper: "
+            "connect the MODEL before the TorchCompileModel node to the Distributed KSampler, or use the stock "
+            "KSampler for a compiled model")
     for kind, table in (("wrappers", mp.wrappers), ("callbacks", mp.callbacks)):
-        used = sorted(k for k, v in table.items() if any(v.values()))
+        # by hook point and by the key the adding node filed it under (the key usually names the extension)
+        used = sorted(f"{k}: {', '.join(sorted(str(key) for key, fns in v.items() if fns))}" for k, v in table.items()
+                      if any(v.values()))
         if used:
             raise _refuse(f"{kind} added to the MODEL by other nodes ({used})")
     if mp.weight_wrapper_patches:
@@ -171,6 +182,10 @@ def _check_model(mp, mode: str = "sequence") -> None:
     if getattr(mp, "hook_patches", None):
         raise _refuse("hook patches (scheduled weight hooks)")
 
+
+#: the key ComfyUI's ``comfy_api.torch_helpers.set_torch_compile_wrapper`` (the TorchCompileModel node) files its
+#: APPLY_MODEL wrapper under
+_TORCH_COMPILE_KEY = "torch.compile"
 
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 
