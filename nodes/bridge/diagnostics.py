@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .errors import rank_errors_for_user
+from . import plan_words
 from .images import node_chart, png_to_image
 from .preview import draw_plan
 
@@ -82,7 +83,13 @@ def plan_preview(family: str, width: int, height: int, frames: int, ranks: int, 
     from .validate import tile_planner_request
 
     tile_planner_request(family, width, height, frames, ranks)  # what cannot be useful is refused before planning
-    report = plan_tiles(family, int(height), int(width), frames=int(frames), world_size=int(ranks))
+    try:
+        report = plan_tiles(family, int(height), int(width), frames=int(frames), world_size=int(ranks))
+    except ValueError as exc:
+        worded = plan_words.for_tile_planner(str(exc), family, int(width), int(height), int(ranks))
+        if worded is None:
+            raise
+        raise ValueError(worded) from None
     chosen = getattr(report, choice) or report.coarse  # balanced is None when the frontier has two windows
     plan = chosen.to_dict()
     lines = [_describe(p.to_dict()) for p in report.plans]

@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from . import convert as cv
+from . import plan_words
 from . import validate
 from .errors import rank_errors_for_user
 
@@ -153,10 +154,8 @@ def _tile_plan(spec, z: torch.Tensor, num_ranks: int, plan):
     try:
         return tile_plan_for(spec, z, num_ranks, plan)
     except ValueError as exc:
-        raise ValueError(
-            f"{_DECODE}: mode 'tile-runs' cannot tile 'samples' for the {num_ranks} ranks of 'cluster' ({exc}); use "
-            "mode 'row' or fewer num_ranks on the PatchRay Cluster node"
-        ) from None
+        ratio = cv.spatial_ratio(spec)
+        raise ValueError(plan_words.for_decode(str(exc), int(z.shape[-1]) * ratio, int(z.shape[-2]) * ratio, num_ranks, _DECODE)) from None
 
 
 @contextlib.contextmanager
