@@ -158,6 +158,73 @@ def _tile_plan(spec, z: torch.Tensor, num_ranks: int, plan):
         raise ValueError(plan_words.for_decode(str(exc), int(z.shape[-1]) * ratio, int(z.shape[-2]) * ratio, num_ranks, _DECODE)) from None
 
 
+_GIB = 2**30
+
+
+def _cpu_ranks_here(config) -> bool:
+    """Whether the ranks are CPU processes of the embedded cluster, i.e. compute in this machine's memory."""
+    from ...distributed.cluster.limits import this_machine
+
+    if config.address:
+        return False
+    return config.device == "cpu" or (config.device == "auto" and this_machine().gpus == 0)
+
+
+def _weight_bytes(vae, dtype: torch.dtype) -> int:
+    """One rank's copy of the VAE's weights in ``dtype`` (what the ranks are shipped: the state dict)."""
+    model = getattr(vae, "first_stage_model", None)
+    state = getattr(model, "state_dict", None)
+    if not callable(state):
+        return 0
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(t.numel() for t in state().values() if torch.is_tensor(t) and t.is_floating_point()) * size
+
+
+def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], out_bytes: int, vae, dtype: torch.dtype,
+                      config, available: Optional[int] = None) -> None:
+    """Refuse, before any rank starts, a decode/encode whose memory this machine does not have free.
+
+    CPU ranks of the embedded cluster compute in this machine's memory: row mode spreads the activations over the
+    ranks, so together they need about what one process needs (``estimate``: ComfyUI's own figure for the call,
+    ``VAE.memory_used_decode``/``memory_used_encode``, the one it sizes its batches by; measured at 0.4 to 0.8 of the
+    real fp32 peak for the KL and Wan 2.1 VAEs it is an upper bound), plus one copy of the weights per rank. Past the
+    free memory Ray stops rank processes at 95% and the kernel kills processes, ComfyUI's included; the stock node
+    would try and fail the same way. GPU ranks compute on their GPUs (an out-of-memory there retries row-tiled), but
+    the result comes back through this machine's memory: ``out_bytes`` (the IMAGE or latent) is checked for them too,
+    three copies (the rank's host copy, Ray's object store, the node's output).
+    """
+    from ...distributed.cluster.limits import this_machine
+
+    free = this_machine().available_bytes if available is None else available
+    if not free:
+        return
+    if _cpu_ranks_here(config):
+        need = (estimate or 0) + config.num_ranks * _weight_bytes(vae, dtype) + 2 * out_bytes
+        where = f"the {config.num_ranks} CPU rank(s) of 'cluster'"
+        fix = ("decode or encode fewer frames or a smaller image per call (split the batch), set 'precision' to bf16, or use "
+               "GPU ranks (device on the PatchRay Cluster node)")
+    else:
+        need = 3 * out_bytes
+        where = "the result coming back from the GPU ranks"
+        fix = "decode fewer frames or a smaller image per call (split the batch)"
+    if need > free:
+        raise ValueError(
+            f"{node}: '{name}' is {what}; that needs about {need / _GIB:.1f} GiB of this machine's memory for {where}, "
+            f"and {free / _GIB:.1f} GiB is free: {fix}"
+        )
+
+
+def _estimate(fn, shape, dtype: torch.dtype, per_sample: bool) -> Optional[int]:
+    """ComfyUI's own memory estimate for a VAE call (``None`` when the VAE has none)."""
+    if not callable(fn):
+        return None
+    try:
+        one = int(fn(tuple(shape), dtype))
+    except Exception:  # an estimate is advice: a VAE class whose formula does not take this shape is not refused
+        return None
+    return one * int(shape[0]) if per_sample else one
+
+
 @contextlib.contextmanager
 def _out_of_memory_hint(config):
     """When even the smallest row-tiled decode ran out of memory: the same error, with what the user can change."""
@@ -168,6 +235,29 @@ def _out_of_memory_hint(config):
             f"{_DECODE}: {exc}. Decode fewer frames or a smaller image per call, add GPUs (num_ranks on the PatchRay "
             f"Cluster node, now {config.num_ranks}), or set 'precision' to bf16"
         ) from exc
+
+
+def _check_decode_memory(vae, samples, z: torch.Tensor, spec, dtype: torch.dtype, config) -> None:
+    raw = cv.latent_tensor(samples)
+    ratio = cv.spatial_ratio(spec)
+    height, width = int(z.shape[-2]) * ratio, int(z.shape[-1]) * ratio
+    frames = _decoded_frames(vae, raw)
+    batch = int(raw.shape[0])
+    out_bytes = batch * frames * height * width * 3 * 4  # ComfyUI's IMAGE: float32 RGB
+    what = f"{batch} x {frames} frame(s) of {width}x{height} px" if frames > 1 else f"{batch} image(s) of {width}x{height} px"
+    estimate = _estimate(getattr(vae, "memory_used_decode", None), raw.shape, dtype, per_sample=True)
+    check_host_memory(_DECODE, "samples", f"{what} to decode", estimate, out_bytes, vae, dtype, config)
+
+
+def _decoded_frames(vae, raw: torch.Tensor) -> int:
+    if raw.dim() != 5:
+        return 1
+    fn = getattr(vae, "upscale_ratio", None)
+    temporal = fn[0] if isinstance(fn, (tuple, list)) and callable(fn[0]) else None
+    try:
+        return max(1, int(temporal(int(raw.shape[2])))) if temporal else int(raw.shape[2])
+    except Exception:
+        return int(raw.shape[2])
 
 
 def decode(
@@ -210,6 +300,7 @@ def decode(
     if mode == "tile-runs":
         plan = _tile_plan(spec, z, config.num_ranks, plan)
     dtype = cv.resolve_dtype(precision, vae)
+    _check_decode_memory(vae, samples, z, spec, dtype, config)
     with _out_of_memory_hint(config), rank_errors_for_user():
         report = decode_report(
             get_cluster(config),
@@ -264,9 +355,16 @@ def encode(
             f"{_ENCODE}: 'pixels' cannot be encoded on the {config.num_ranks} ranks of 'cluster': {exc} (num_ranks is "
             "set on the PatchRay Cluster node)"
         ) from None
+    dtype = cv.resolve_dtype(precision, vae)
+    frames = int(pixels.shape[0])
+    height, width = int(pixels.shape[1]), int(pixels.shape[2])
+    shape = (1, 3, frames, height, width) if x.dim() == 5 and x.shape[0] == 1 else (frames, 3, height, width)
+    estimate = _estimate(getattr(vae, "memory_used_encode", None), shape, dtype, per_sample=len(shape) == 4)
+    check_host_memory(_ENCODE, "pixels", f"{frames} frame(s) of {width}x{height} px to encode", estimate,
+                      int(x.numel()) * 4, vae, dtype, config)
     with rank_errors_for_user():
         z: torch.Tensor = distributed_encode(
-            get_cluster(config), spec, x, dtype=cv.resolve_dtype(precision, vae), cancel_check=cancel_check, progress=progress,
+            get_cluster(config), spec, x, dtype=dtype, cancel_check=cancel_check, progress=progress,
             balance=balance,
         )
     return Result({"samples": cv.latent_from_library(spec, z)}, None)

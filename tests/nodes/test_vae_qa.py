@@ -67,3 +67,43 @@ def test_tile_runs_on_a_latent_too_small_for_tiles_is_refused_in_node_terms_befo
     assert "use mode 'row'" in msg and "decode an image of at least 256x176 px" in msg, msg
     assert not _FLAG.search(msg), msg
     assert ranks._current is before, "no cluster was started"
+
+
+def _kl_formula(shape, dtype):
+    """ComfyUI 0.3.64's estimate for its KL VAEs' decode (comfy/sd.py, ``VAE.memory_used_decode``), per sample."""
+    return 2178 * shape[2] * shape[3] * 64 * torch.empty((), dtype=dtype).element_size()
+
+
+def test_a_decode_larger_than_this_machines_memory_is_refused_before_any_rank_starts():
+    """An Empty Latent Image at the widgets' limit (16384 x 16384): ComfyUI's own estimate for its decode is 2.3 TB,
+    more than any machine that runs this test has free; CPU ranks would compute it in this machine's memory."""
+    from patchray.distributed.cluster import ranks
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    vae = _kl_vae(4)
+    vae.memory_used_decode = _kl_formula
+    before = ranks._current
+    with pytest.raises(ValueError) as info:
+        PatchRayVAEDecode.execute(samples={"samples": torch.zeros(1, 4, 2048, 2048)}, vae=vae, cluster=_untouched_cluster(2),
+                                  mode="row", precision="fp32", gn_sync=False)
+    msg = str(info.value)
+    assert msg.startswith("PatchRay Distributed VAE Decode: 'samples' is 1 image(s) of 16384x16384 px to decode"), msg
+    assert "GiB is free" in msg and "CPU rank(s) of 'cluster'" in msg and "smaller image" in msg, msg
+    assert ranks._current is before, "no cluster was started"
+
+
+def test_the_memory_check_counts_what_the_ranks_and_the_result_take():
+    from patchray.distributed.cluster import ClusterConfig
+    from patchray.nodes.bridge.vae import check_host_memory
+
+    vae, gib = _kl_vae(4), 2**30
+    cpu, gpu = _untouched_cluster(2), ClusterConfig(num_ranks=2, device="cuda")
+    weights = 2 * sum(t.numel() for t in vae.first_stage_model.state_dict().values()) * 4
+    # CPU ranks: the estimate + a copy of the weights per rank + the result twice
+    check_host_memory("N", "samples", "x", 3 * gib, gib // 4, vae, torch.float32, cpu, available=3 * gib + gib // 2 + weights + 1)
+    with pytest.raises(ValueError, match=r"N: 'samples' is x; that needs about 3.5 GiB"):
+        check_host_memory("N", "samples", "x", 3 * gib, gib // 4, vae, torch.float32, cpu, available=3 * gib + gib // 2 + weights - 1)
+    # GPU ranks: only the result, three copies, comes through this machine's memory
+    check_host_memory("N", "samples", "x", 100 * gib, gib, vae, torch.float32, gpu, available=3 * gib + 1)
+    with pytest.raises(ValueError, match="result coming back from the GPU ranks"):
+        check_host_memory("N", "samples", "x", 100 * gib, gib, vae, torch.float32, gpu, available=3 * gib - 1)
