@@ -315,6 +315,9 @@ def decode(
             on_oom="row-tiled",
             balance=balance,
         )
+    if mode == "auto" and plan is not None and report.mode != "tile-runs":
+        unused = (f"plan is unused: mode auto chose {report.mode} mode (exact) for this cluster; set mode to tile-runs to "
+                  "decode with the plan")
     note = "; ".join(n for n in (unused, report.note) if n) or None
     if note:
         log.warning("%s: %s", _DECODE, note)

@@ -107,3 +107,24 @@ def test_the_memory_check_counts_what_the_ranks_and_the_result_take():
     check_host_memory("N", "samples", "x", 100 * gib, gib, vae, torch.float32, gpu, available=3 * gib + 1)
     with pytest.raises(ValueError, match="result coming back from the GPU ranks"):
         check_host_memory("N", "samples", "x", 100 * gib, gib, vae, torch.float32, gpu, available=3 * gib - 1)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_plan_wired_into_auto_mode_that_chose_row_is_reported_unused():
+    """mode auto (the default) with a Tile Planner plan wired in: when auto picks row mode the plan is not used, and
+    the node says so instead of dropping it silently."""
+    from patchray.distributed.cluster import ClusterConfig
+    from patchray.nodes.planner import PatchRayTilePlanner
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    from ..conftest import TEST_PYTHONPATH
+
+    cluster = ClusterConfig(num_ranks=2, device="cpu", extra_pythonpath=(TEST_PYTHONPATH,))
+    plan = PatchRayTilePlanner.execute(family="kl", width=128, height=512, frames=1, ranks=2, choice="coarse").args[0]
+    z = torch.randn(1, 4, 64, 16, generator=torch.Generator().manual_seed(3))  # 128x512 px at 8x: the plan's size
+    out = PatchRayVAEDecode.execute(samples={"samples": z}, vae=_kl_vae(4), cluster=cluster, mode="auto", precision="fp32",
+                                    gn_sync=False, plan=plan)
+    assert "plan is unused: mode auto chose row mode" in out.ui.value and "set mode to tile-runs" in out.ui.value
+    tiled = PatchRayVAEDecode.execute(samples={"samples": z}, vae=_kl_vae(4), cluster=cluster, mode="tile-runs", precision="fp32",
+                                      gn_sync=False, plan=plan)
+    assert tiled.ui is None or "plan is unused" not in str(tiled.ui.value)
