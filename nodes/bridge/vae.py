@@ -170,28 +170,20 @@ def _cpu_ranks_here(config) -> bool:
     return config.device == "cpu" or (config.device == "auto" and this_machine().gpus == 0)
 
 
-def _weight_bytes(vae, dtype: torch.dtype) -> int:
-    """One rank's copy of the VAE's weights in ``dtype`` (what the ranks are shipped: the state dict)."""
-    model = getattr(vae, "first_stage_model", None)
-    state = getattr(model, "state_dict", None)
-    if not callable(state):
-        return 0
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(t.numel() for t in state().values() if torch.is_tensor(t) and t.is_floating_point()) * size
-
-
-def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], out_bytes: int, vae, dtype: torch.dtype,
-                      config, available: Optional[int] = None) -> None:
+def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], out_bytes: int, config, verb: str = "decode",
+                      available: Optional[int] = None) -> None:
     """Refuse, before any rank starts, a decode/encode whose memory this machine does not have free.
 
     CPU ranks of the embedded cluster compute in this machine's memory: row mode spreads the activations over the
     ranks, so together they need about what one process needs (``estimate``: ComfyUI's own figure for the call,
     ``VAE.memory_used_decode``/``memory_used_encode``, the one it sizes its batches by; measured at 0.4 to 0.8 of the
-    real fp32 peak for the KL and Wan 2.1 VAEs it is an upper bound), plus one copy of the weights per rank. Past the
-    free memory Ray stops rank processes at 95% and the kernel kills processes, ComfyUI's included; the stock node
-    would try and fail the same way. GPU ranks compute on their GPUs (an out-of-memory there retries row-tiled), but
-    the result comes back through this machine's memory: ``out_bytes`` (the IMAGE or latent) is checked for them too,
-    three copies (the rank's host copy, Ray's object store, the node's output).
+    real fp32 peak for the KL and Wan 2.1 VAEs, so it is an upper bound), plus the result twice (rank 0's copy and the
+    node's output). The weights are not counted: ranks that already hold them have them in the memory in use, and on a
+    first call their one copy per rank stays within the estimate's margin. Past the free memory Ray stops rank
+    processes at 95% and the kernel kills processes, ComfyUI's included; the stock node would try and fail the same
+    way. GPU ranks compute on their GPUs (an out-of-memory there retries row-tiled), but the result comes back through
+    this machine's memory: ``out_bytes`` (the IMAGE or the pixels shipped) is checked for them, three copies (the
+    rank's host copy, Ray's object store, the node's output).
     """
     from ...distributed.cluster.limits import this_machine
 
@@ -199,14 +191,14 @@ def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], 
     if not free:
         return
     if _cpu_ranks_here(config):
-        need = (estimate or 0) + config.num_ranks * _weight_bytes(vae, dtype) + 2 * out_bytes
+        need = (estimate or 0) + 2 * out_bytes
         where = f"the {config.num_ranks} CPU rank(s) of 'cluster'"
-        fix = ("decode or encode fewer frames or a smaller image per call (split the batch), set 'precision' to bf16, or use "
-               "GPU ranks (device on the PatchRay Cluster node)")
+        fix = (f"{verb} fewer frames or a smaller image per call (split the batch), set 'precision' to bf16, or use GPU ranks "
+               "(device on the PatchRay Cluster node)")
     else:
         need = 3 * out_bytes
         where = "the result coming back from the GPU ranks"
-        fix = "decode fewer frames or a smaller image per call (split the batch)"
+        fix = f"{verb} fewer frames or a smaller image per call (split the batch)"
     if need > free:
         raise ValueError(
             f"{node}: '{name}' is {what}; that needs about {need / _GIB:.1f} GiB of this machine's memory for {where}, "
@@ -246,7 +238,7 @@ def _check_decode_memory(vae, samples, z: torch.Tensor, spec, dtype: torch.dtype
     out_bytes = batch * frames * height * width * 3 * 4  # ComfyUI's IMAGE: float32 RGB
     what = f"{batch} x {frames} frame(s) of {width}x{height} px" if frames > 1 else f"{batch} image(s) of {width}x{height} px"
     estimate = _estimate(getattr(vae, "memory_used_decode", None), raw.shape, dtype, per_sample=True)
-    check_host_memory(_DECODE, "samples", f"{what} to decode", estimate, out_bytes, vae, dtype, config)
+    check_host_memory(_DECODE, "samples", f"{what} to decode", estimate, out_bytes, config, "decode")
 
 
 def _decoded_frames(vae, raw: torch.Tensor) -> int:
@@ -364,7 +356,7 @@ def encode(
     shape = (1, 3, frames, height, width) if x.dim() == 5 and x.shape[0] == 1 else (frames, 3, height, width)
     estimate = _estimate(getattr(vae, "memory_used_encode", None), shape, dtype, per_sample=len(shape) == 4)
     check_host_memory(_ENCODE, "pixels", f"{frames} frame(s) of {width}x{height} px to encode", estimate,
-                      int(x.numel()) * 4, vae, dtype, config)
+                      int(x.numel()) * 4, config, "encode")
     with rank_errors_for_user():
         z: torch.Tensor = distributed_encode(
             get_cluster(config), spec, x, dtype=dtype, cancel_check=cancel_check, progress=progress,
