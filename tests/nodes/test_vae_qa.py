@@ -127,3 +127,18 @@ def test_a_plan_wired_into_auto_mode_that_chose_row_is_reported_unused():
     tiled = PatchRayVAEDecode.execute(samples={"samples": z}, vae=_kl_vae(4), cluster=cluster, mode="tile-runs", precision="fp32",
                                       gn_sync=False, plan=plan)
     assert tiled.ui is None or "plan is unused" not in str(tiled.ui.value)
+
+
+def test_the_family_widgets_say_which_comfyui_vae_each_family_is():
+    """A user knows their VAE by ComfyUI's name (Wan 2.2, HunyuanVideo), not by PatchRay's family key."""
+    from patchray.distributed.vae.families import FAMILIES
+    from patchray.nodes.bench import PatchRayBenchmark
+    from patchray.nodes.bridge.vae_layouts import LAYOUTS
+    from patchray.nodes.planner import PatchRayTilePlanner
+
+    for node in (PatchRayTilePlanner, PatchRayBenchmark):
+        family = next(i for i in node.define_schema().inputs if i.id == "family")
+        for row in LAYOUTS:
+            if row.family:
+                assert f"{row.family}: " in family.tooltip and row.name in family.tooltip, (node, row.name)
+        assert all(name in family.tooltip for name in FAMILIES), node
