@@ -142,6 +142,22 @@ def _check_samples(spec, z: torch.Tensor, num_ranks: int, mode: str) -> None:
             ) from None
 
 
+def _check_plan_family(plan: Optional[dict], spec) -> None:
+    """A plan's tiles are latent rectangles at its family's pixels per latent; another VAE's latent has other ones."""
+    if plan is None or "ratio" not in plan:
+        return
+    from ...distributed.vae.families import get_family
+
+    ratio = cv.spatial_ratio(spec)
+    if int(plan["ratio"]) != ratio:
+        fix = (f"set family on the PatchRay Tile Planner node to {spec.family}" if get_family(spec.family).spatial_ratio == ratio
+               else f"plan with a family of {ratio} px per latent on the PatchRay Tile Planner node")
+        raise ValueError(
+            f"{_DECODE}: 'plan' was made for family {plan.get('family')} ({plan['ratio']} px per latent), but 'vae' "
+            f"({_vae_label(spec)}) has {ratio} px per latent: {fix}"
+        )
+
+
 def _tile_plan(spec, z: torch.Tensor, num_ranks: int, plan):
     """tile-runs' plan, resolved before the cluster starts; refusals name the inputs and widgets."""
     from ...distributed.vae.api import tile_plan_for
@@ -288,6 +304,7 @@ def decode(
     if unused:
         plan = None
     else:
+        _check_plan_family(plan, spec)
         validate.plan_for_latent(plan, z.shape, cv.spatial_ratio(spec))
     if mode == "tile-runs":
         plan = _tile_plan(spec, z, config.num_ranks, plan)

@@ -142,3 +142,19 @@ def test_the_family_widgets_say_which_comfyui_vae_each_family_is():
             if row.family:
                 assert f"{row.family}: " in family.tooltip and row.name in family.tooltip, (node, row.name)
         assert all(name in family.tooltip for name in FAMILIES), node
+
+
+def test_a_plan_for_a_family_of_another_ratio_is_refused_before_any_rank_starts():
+    """A Tile Planner left on family kl (8 px per latent) wired to a 2x VAE at the same pixel size: the plan's latent
+    rectangles are not this latent's; refused naming the planner's family widget."""
+    from patchray.distributed.cluster import ranks
+    from patchray.nodes.planner import PatchRayTilePlanner
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    plan = PatchRayTilePlanner.execute(family="kl", width=256, height=512, frames=1, ranks=2, choice="coarse").args[0]
+    before = ranks._current
+    with pytest.raises(ValueError, match=r"'plan' was made for family kl \(8 px per latent\), but 'vae' .* has 2 px per latent: plan "
+                                         r"with a family of 2 px per latent"):
+        PatchRayVAEDecode.execute(samples={"samples": torch.randn(1, 4, 256, 128)}, vae=_kl_vae(2), cluster=_untouched_cluster(2),
+                                  mode="tile-runs", precision="fp32", gn_sync=False, plan=plan)
+    assert ranks._current is before
