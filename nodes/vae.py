@@ -104,7 +104,7 @@ class PatchRayVAEEncode(io.ComfyNode):
             category=f"{CATEGORY}/vae",
             description=(
                 "Encodes an image (or video frames) across the cluster's ranks, row-sharded, and returns the latent mean "
-                "like the stock VAE Encode. A VAE family PatchRay cannot shard falls back to ComfyUI's own encode, with a warning."
+                "like the stock VAE Encode. A VAE family PatchRay cannot shard falls back to ComfyUI's own encode, with a note on the node."
             ),
             inputs=[
                 io.Image.Input("pixels", tooltip="The image(s) to encode, [B, H, W, C] in 0..1; for video VAEs the batch is the frames."),
