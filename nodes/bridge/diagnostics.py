@@ -152,6 +152,43 @@ def bench_request(family: str, shape: str, size: str, device_kind: str) -> tuple
     return height, width, frames, size
 
 
+#: full-resolution tensors a decode holds at its peak, for the Benchmark's memory check: the KL decoder's measured fp32
+#: peak is about 7 tensors of its output size times its first-level channels (0.93 GiB for 512x512 px at 128 channels,
+#: one process, ComfyUI's AutoencoderKL); 8 leaves a margin
+_LIVE_FULL_RES_TENSORS = 8
+
+
+def _first_level_channels(family: str, size: str) -> int:
+    from ...distributed.vae.families import FAMILIES
+
+    spec = FAMILIES[family]
+    config = spec.tiny_config if size == "tiny" else spec.full_config
+    config = config() if callable(config) else (config or {})
+    for key in ("decoder_block_out_channels", "block_out_channels"):
+        if config.get(key):
+            return int(config[key][0])
+    for key in ("decoder_base_dim", "base_dim"):
+        if config.get(key):
+            return int(config[key])
+    return 8 if size == "tiny" else 128  # diffusers' default widths: 128 channels at full resolution
+
+
+def check_bench_memory(family: str, height: int, width: int, frames: int, size: str, cpu_ranks_here: bool,
+                       available: Optional[int]) -> None:
+    """Refuse a benchmark on this machine's CPU ranks whose reference decode (the whole image in one process) does
+    not fit in the memory free now: past it Ray stops the ranks at 95% and the kernel kills processes."""
+    if not cpu_ranks_here or not available:
+        return
+    need = frames * height * width * 4 * _first_level_channels(family, size) * _LIVE_FULL_RES_TENSORS
+    if need > available:
+        label = f"{width}x{height}" + (f"x{frames}" if frames > 1 else "")
+        raise ValueError(
+            f"benchmark refused: shape {label} with size {size} needs about {need / 2**30:.1f} GiB on the CPU ranks (each "
+            f"case decodes the whole image once in one process, as the reference), and this machine has "
+            f"{available / 2**30:.1f} GiB free: set size to tiny, a smaller shape, or shape auto"
+        )
+
+
 def benchmark(
     cluster_config, family: str, shape: str, size: str, half: str, iters: int, folder: str,
     cancel_check: Optional[Callable[[], None]] = None, progress: Optional[Callable[[int, int], None]] = None,
@@ -171,6 +208,10 @@ def benchmark(
     with rank_errors_for_user():
         cluster = get_cluster(cluster_config, cancel_check=cancel_check)
     height, width, frames, size = bench_request(family, shape, size, cluster.device_kind)
+    from ...distributed.cluster.limits import this_machine
+
+    check_bench_memory(family, height, width, frames, size, cluster.device_kind == "cpu" and not cluster_config.address,
+                       this_machine().available_bytes)
     label = f"{width}x{height}" + (f"x{frames}" if frames > 1 else "")
     out = os.path.join(folder, f"bench_{family}_{label}_{size}_{cluster_config.num_ranks}r_{time.strftime('%Y%m%d-%H%M%S')}.json")
     argv = ["--family", family, "--shape", f"{height}x{width}x{frames}", "--size", size, "--half", half, "--warmup", "1",

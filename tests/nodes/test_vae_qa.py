@@ -158,3 +158,19 @@ def test_a_plan_for_a_family_of_another_ratio_is_refused_before_any_rank_starts(
         PatchRayVAEDecode.execute(samples={"samples": torch.randn(1, 4, 256, 128)}, vae=_kl_vae(2), cluster=_untouched_cluster(2),
                                   mode="tile-runs", precision="fp32", gn_sync=False, plan=plan)
     assert ranks._current is before
+
+
+def test_a_benchmark_larger_than_this_machines_memory_is_refused_on_cpu_ranks():
+    """The Benchmark's shape is free text: 16384x16384 with the full model on CPU ranks would decode a 1 TB reference
+    in one process. Refused naming the widgets; the CPU auto suite and GPU ranks are not."""
+    from patchray.nodes.bridge.diagnostics import CPU_AUTO, check_bench_memory
+
+    gib = 2**30
+    with pytest.raises(ValueError, match=r"shape 16384x16384 with size full needs about 1024.0 GiB .* set size to tiny"):
+        check_bench_memory("kl", 16384, 16384, 1, "full", True, 20 * gib)
+    check_bench_memory("kl", 16384, 16384, 1, "full", False, 20 * gib)  # GPU ranks: their memory, their OOM records
+    check_bench_memory("kl", CPU_AUTO["height"], CPU_AUTO["width"], 1, CPU_AUTO["size"], True, 1 * gib)
+    # the same 512x512 KL decode measured at 0.93 GiB in one process is allowed with 1 GiB free, refused with 0.9
+    check_bench_memory("kl", 512, 512, 1, "full", True, 1 * gib)
+    with pytest.raises(ValueError, match="benchmark refused"):
+        check_bench_memory("kl", 512, 512, 1, "full", True, int(0.9 * gib))
