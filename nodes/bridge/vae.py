@@ -176,6 +176,9 @@ def _tile_plan(spec, z: torch.Tensor, num_ranks: int, plan):
 
 _GIB = 2**30
 
+#: the share of ComfyUI's memory estimate the CPU-rank check counts (see :func:`check_host_memory`)
+ESTIMATE_SHARE = 0.5
+
 
 def _cpu_ranks_here(config) -> bool:
     """Whether the ranks are CPU processes of the embedded cluster, i.e. compute in this machine's memory."""
@@ -191,10 +194,13 @@ def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], 
     """Refuse, before any rank starts, a decode/encode whose memory this machine does not have free.
 
     CPU ranks of the embedded cluster compute in this machine's memory: row mode spreads the activations over the
-    ranks, so together they need about what one process needs (``estimate``: ComfyUI's own figure for the call,
-    ``VAE.memory_used_decode``/``memory_used_encode``, the one it sizes its batches by; measured at 0.4 to 0.8 of the
-    real fp32 peak for the KL and Wan 2.1 VAEs, so it is an upper bound), plus the result twice (rank 0's copy and the
-    node's output). The weights are not counted: ranks that already hold them have them in the memory in use, and on a
+    ranks, so together they need about what one process needs. ``estimate`` is ComfyUI's own figure for the call
+    (``VAE.memory_used_decode``/``memory_used_encode``, the one it sizes its batches by), an upper bound: the real fp32
+    peak of one process measured 0.44 of it for the KL VAE (0.93 of 2.13 GiB at 512x512 px) and 0.81 for Wan 2.1
+    (1.39 of 1.71 GiB at 256x256 px x 9 frames). Half of it is counted (:data:`ESTIMATE_SHARE`), plus the result twice
+    (rank 0's copy and the node's output): the check is for requests that cannot fit; a decode between that and the
+    machine's limit meets Ray's memory monitor, which stops a rank at 95% of the machine's memory (a clear error, the
+    machine keeps working). The weights are not counted: ranks that already hold them have them in the memory in use, and on a
     first call their one copy per rank stays within the estimate's margin. Past the free memory Ray stops rank
     processes at 95% and the kernel kills processes, ComfyUI's included; the stock node would try and fail the same
     way. GPU ranks compute on their GPUs (an out-of-memory there retries row-tiled), but the result comes back through
@@ -207,7 +213,7 @@ def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], 
     if not free:
         return
     if _cpu_ranks_here(config):
-        need = (estimate or 0) + 2 * out_bytes
+        need = int((estimate or 0) * ESTIMATE_SHARE) + 2 * out_bytes
         where = f"the {config.num_ranks} CPU rank(s) of 'cluster'"
         fix = (f"{verb} fewer frames or a smaller image per call (split the batch), set 'precision' to bf16, or use GPU ranks "
                "(device on the PatchRay Cluster node)")

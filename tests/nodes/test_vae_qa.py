@@ -98,10 +98,10 @@ def test_the_memory_check_counts_what_the_ranks_and_the_result_take():
 
     gib = 2**30
     cpu, gpu = _untouched_cluster(2), ClusterConfig(num_ranks=2, device="cuda")
-    # CPU ranks: ComfyUI's estimate + the result twice
-    check_host_memory("N", "samples", "x", 3 * gib, gib // 4, cpu, available=3 * gib + gib // 2)
+    # CPU ranks: half of ComfyUI's estimate (an upper bound, 2.3x the measured KL peak) + the result twice
+    check_host_memory("N", "samples", "x", 6 * gib, gib // 4, cpu, available=3 * gib + gib // 2)
     with pytest.raises(ValueError, match=r"N: 'samples' is x; that needs about 3.5 GiB .* and 3.5 GiB is free: decode fewer"):
-        check_host_memory("N", "samples", "x", 3 * gib, gib // 4, cpu, available=3 * gib + gib // 2 - 1)
+        check_host_memory("N", "samples", "x", 6 * gib, gib // 4, cpu, available=3 * gib + gib // 2 - 1)
     # GPU ranks: only the result, three copies, comes through this machine's memory
     check_host_memory("N", "samples", "x", 100 * gib, gib, gpu, available=3 * gib)
     with pytest.raises(ValueError, match="result coming back from the GPU ranks"):
