@@ -149,7 +149,24 @@ def bench_request(family: str, shape: str, size: str, device_kind: str) -> tuple
         raise ValueError(f"shape must be WIDTHxHEIGHT or WIDTHxHEIGHTxFRAMES in pixels, e.g. 1024x1024 or 832x480x81, or auto (got {shape!r})")
     width, height = int(parts[0]), int(parts[1])
     frames = int(parts[2]) if len(parts) == 3 else (spec.temporal_ratio + 1 if spec.is_video and spec.temporal_ratio > 1 else 1)
+    _check_bench_shape(family, spec, shape, width, height, frames)
     return height, width, frames, size
+
+
+def _check_bench_shape(family: str, spec, shape: str, width: int, height: int, frames: int) -> None:
+    """The shape widget's value against the family, in the widget's order (WIDTHxHEIGHT[xFRAMES]); the benchmark's own
+    check words it height first for its command line."""
+    ratio, t = int(spec.spatial_ratio), int(spec.temporal_ratio)
+    if width % ratio or height % ratio:
+        w, h = (max(ratio, round(v / ratio) * ratio) for v in (width, height))
+        tail = f"x{frames}" if spec.is_video else ""
+        raise ValueError(f"shape {shape!r}: family {family} needs width and height in multiples of {ratio} px: use {w}x{h}{tail}")
+    if not spec.is_video and frames != 1:
+        raise ValueError(f"shape {shape!r}: family {family} decodes single images: use {width}x{height}")
+    if spec.is_video and t > 1 and (frames - 1) % t:
+        lower = (frames - 1) // t * t + 1
+        raise ValueError(f"shape {shape!r}: family {family} decodes {t}k + 1 frames: use {width}x{height}x{lower} or "
+                         f"{width}x{height}x{lower + t}")
 
 
 #: full-resolution tensors a decode holds at its peak, for the Benchmark's memory check: the KL decoder's measured fp32

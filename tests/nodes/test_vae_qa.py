@@ -174,3 +174,22 @@ def test_a_benchmark_larger_than_this_machines_memory_is_refused_on_cpu_ranks():
     check_bench_memory("kl", 512, 512, 1, "full", True, 1 * gib)
     with pytest.raises(ValueError, match="benchmark refused"):
         check_bench_memory("kl", 512, 512, 1, "full", True, int(0.9 * gib))
+
+
+@pytest.mark.parametrize(
+    "family, shape, expect",
+    [
+        # the widget is WIDTHxHEIGHT[xFRAMES]; the benchmark's own check words it height first for its command line
+        ("kl", "1001x603", "family kl needs width and height in multiples of 8 px: use 1000x600"),
+        ("wan22", "8x8x5", "use 16x16x5"),  # never a 0x0 suggestion
+        ("wan", "832x480x80", "decodes 4k + 1 frames: use 832x480x77 or 832x480x81"),
+        ("kl", "512x256x5", "decodes single images: use 512x256"),
+    ],
+)
+def test_benchmark_shape_refusals_are_in_the_widgets_order(family, shape, expect):
+    from patchray.nodes.bridge.diagnostics import bench_request
+
+    assert bench_request("kl", "1000x600", "auto", "cpu")[:3] == (600, 1000, 1)  # height, width, frames for the benchmark
+    with pytest.raises(ValueError) as info:
+        bench_request(family, shape, "auto", "cpu")
+    assert expect in str(info.value) and not _FLAG.search(str(info.value))
