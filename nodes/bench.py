@@ -7,7 +7,7 @@ import os
 
 from ._comfy import interrupt_check, io, measure_again, output_directory, progress_callback
 from .bridge import diagnostics
-from .planner import FAMILY_NAMES
+from .planner import FAMILY_NAMES, family_tooltip
 from .types import CATEGORY, CLUSTER
 
 __all__ = ["PatchRayBenchmark"]
@@ -31,7 +31,7 @@ class PatchRayBenchmark(io.ComfyNode):
             not_idempotent=True,
             inputs=[
                 CLUSTER.Input("cluster", tooltip="The rank cluster to benchmark on (its rank count is the benchmark's)."),
-                io.Combo.Input("family", options=FAMILY_NAMES, default="kl", tooltip="VAE family to benchmark (random weights of its architecture)."),
+                io.Combo.Input("family", options=FAMILY_NAMES, default="kl", tooltip=family_tooltip("VAE family to benchmark (random weights of its architecture).")),
                 io.String.Input("shape", default="auto", tooltip="Output size WIDTHxHEIGHT, or WIDTHxHEIGHTxFRAMES for video families (e.g. 832x480x81). auto: a size that fits the cluster's device (CPU ranks: 192x192 with the tiny model, a quick suite; GPU ranks: the family's first benchmark size)."),
                 io.Combo.Input("size", options=["auto", "full", "tiny"], default="auto", tooltip="full: the released model's widths. tiny: a reduced-width model of the same architecture (quick CPU checks). auto: tiny on CPU ranks, full on GPU ranks."),
                 io.Combo.Input("half", options=["decoder", "encoder"], default="decoder", tooltip="Which VAE half to benchmark (tile modes are decode-only)."),

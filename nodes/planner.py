@@ -18,6 +18,20 @@ def _family_names():
 FAMILY_NAMES = _family_names()
 
 
+def family_tooltip(what: str) -> str:
+    """The family widget's tooltip: which ComfyUI VAE each family is (from the layout table) and its pixels per latent."""
+    from ..distributed.vae.families import FAMILIES
+    from .bridge.vae import covered_vaes_by_family
+
+    names = covered_vaes_by_family()
+    known = [f"{f}: {' / '.join(names[f])} ({FAMILIES[f].spatial_ratio} px per latent)" for f in FAMILY_NAMES if f in names]
+    other = [f for f in FAMILY_NAMES if f not in names]
+    text = f"{what} The VAE that ComfyUI loads as: " + "; ".join(known) + "."
+    if other:
+        text += f" {', '.join(other)}: the diffusers models of those names (PatchRay's library and benchmark)."
+    return text
+
+
 class PatchRayTilePlanner(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -31,7 +45,7 @@ class PatchRayTilePlanner(io.ComfyNode):
                 "for PatchRay Distributed VAE Decode."
             ),
             inputs=[
-                io.Combo.Input("family", options=FAMILY_NAMES, default="kl", tooltip="VAE family: sets the spatial compression ratio (kl: SD/SDXL/FLUX.1, wan: Wan 2.1, ...)."),
+                io.Combo.Input("family", options=FAMILY_NAMES, default="kl", tooltip=family_tooltip("VAE family of the decode the tiles are for: it sets the pixels per latent row.")),
                 io.Int.Input("width", default=1024, min=64, max=16384, step=8, tooltip="Output image width in pixels (a multiple of the family's ratio)."),
                 io.Int.Input("height", default=1024, min=64, max=16384, step=8, tooltip="Output image height in pixels (a multiple of the family's ratio)."),
                 io.Int.Input("frames", default=1, min=1, max=4096, tooltip="Output frames (video families); every tile carries all frames."),

@@ -17,7 +17,11 @@ def _precision_input():
         "precision",
         options=["auto", "fp32", "bf16", "fp16"],
         default="auto",
-        tooltip="Compute dtype on the ranks. auto: the dtype ComfyUI itself would use for this VAE. fp32 matches the stock node within 1/255.",
+        tooltip=(
+            "Compute dtype on the ranks. auto: the dtype ComfyUI itself would use for this VAE (fp32 on CPU). fp32 matches the "
+            "stock node within 1/255. On CPU ranks keep auto or fp32: PyTorch's CPU bf16/fp16 convolutions are many times "
+            "slower (a 128x128 SDXL decode took minutes in bf16, seconds in fp32)."
+        ),
     )
 
 
@@ -104,7 +108,7 @@ class PatchRayVAEEncode(io.ComfyNode):
             category=f"{CATEGORY}/vae",
             description=(
                 "Encodes an image (or video frames) across the cluster's ranks, row-sharded, and returns the latent mean "
-                "like the stock VAE Encode. A VAE family PatchRay cannot shard falls back to ComfyUI's own encode, with a warning."
+                "like the stock VAE Encode. A VAE family PatchRay cannot shard falls back to ComfyUI's own encode, with a note on the node."
             ),
             inputs=[
                 io.Image.Input("pixels", tooltip="The image(s) to encode, [B, H, W, C] in 0..1; for video VAEs the batch is the frames."),

@@ -164,8 +164,34 @@ export function renderBench(box, payload) {
   box.appendChild(wrap);
 }
 
+// Nodes whose panel shows a note only when a run differs from what was asked (a fallback to ComfyUI's own VAE, a
+// row-tiled retry, an unused plan): a run without a note sends the panel nothing, so each new prompt clears the
+// last run's note (a cached node's note is sent again), and a note never outlives the run it was about.
+export const NOTE_ONLY = ["PatchRayVAEDecode", "PatchRayVAEEncode"];
+
+export function clearNotes(nodes) {
+  let cleared = 0;
+  for (const node of nodes || []) {
+    if (!NOTE_ONLY.includes(node.comfyClass || node.type)) continue;
+    const w = node.widgets?.find((x) => x.name === VIEW);
+    if (!w?.element) continue;
+    w.element.replaceChildren(el("div", "opacity:.6", HINT));
+    cleared++;
+  }
+  return cleared;
+}
+
 app.registerExtension({
   name: "PatchRay.views",
+  async setup() {
+    app.api?.addEventListener?.("execution_start", () => {
+      try {
+        if (clearNotes(app.graph?._nodes)) app.graph?.setDirtyCanvas?.(true, true);
+      } catch (err) {
+        console.error("PatchRay: could not clear the last run's notes", err);
+      }
+    });
+  },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     const name = nodeData?.name;
     if (!(name in PANEL)) return;

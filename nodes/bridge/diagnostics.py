@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .errors import rank_errors_for_user
+from . import plan_words
 from .images import node_chart, png_to_image
 from .preview import draw_plan
 
@@ -82,7 +83,13 @@ def plan_preview(family: str, width: int, height: int, frames: int, ranks: int, 
     from .validate import tile_planner_request
 
     tile_planner_request(family, width, height, frames, ranks)  # what cannot be useful is refused before planning
-    report = plan_tiles(family, int(height), int(width), frames=int(frames), world_size=int(ranks))
+    try:
+        report = plan_tiles(family, int(height), int(width), frames=int(frames), world_size=int(ranks))
+    except ValueError as exc:
+        worded = plan_words.for_tile_planner(str(exc), family, int(width), int(height), int(ranks))
+        if worded is None:
+            raise
+        raise ValueError(worded) from None
     chosen = getattr(report, choice) or report.coarse  # balanced is None when the frontier has two windows
     plan = chosen.to_dict()
     lines = [_describe(p.to_dict()) for p in report.plans]
@@ -142,7 +149,61 @@ def bench_request(family: str, shape: str, size: str, device_kind: str) -> tuple
         raise ValueError(f"shape must be WIDTHxHEIGHT or WIDTHxHEIGHTxFRAMES in pixels, e.g. 1024x1024 or 832x480x81, or auto (got {shape!r})")
     width, height = int(parts[0]), int(parts[1])
     frames = int(parts[2]) if len(parts) == 3 else (spec.temporal_ratio + 1 if spec.is_video and spec.temporal_ratio > 1 else 1)
+    _check_bench_shape(family, spec, shape, width, height, frames)
     return height, width, frames, size
+
+
+def _check_bench_shape(family: str, spec, shape: str, width: int, height: int, frames: int) -> None:
+    """The shape widget's value against the family, in the widget's order (WIDTHxHEIGHT[xFRAMES]); the benchmark's own
+    check words it height first for its command line."""
+    ratio, t = int(spec.spatial_ratio), int(spec.temporal_ratio)
+    if width % ratio or height % ratio:
+        w, h = (max(ratio, round(v / ratio) * ratio) for v in (width, height))
+        tail = f"x{frames}" if spec.is_video else ""
+        raise ValueError(f"shape {shape!r}: family {family} needs width and height in multiples of {ratio} px: use {w}x{h}{tail}")
+    if not spec.is_video and frames != 1:
+        raise ValueError(f"shape {shape!r}: family {family} decodes single images: use {width}x{height}")
+    if spec.is_video and t > 1 and (frames - 1) % t:
+        lower = (frames - 1) // t * t + 1
+        raise ValueError(f"shape {shape!r}: family {family} decodes {t}k + 1 frames: use {width}x{height}x{lower} or "
+                         f"{width}x{height}x{lower + t}")
+
+
+#: full-resolution tensors a decode holds at its peak, for the Benchmark's memory check: the KL decoder's measured fp32
+#: peak is about 7 tensors of its output size times its first-level channels (0.93 GiB for 512x512 px at 128 channels,
+#: one process, ComfyUI's AutoencoderKL); 8 leaves a margin
+_LIVE_FULL_RES_TENSORS = 8
+
+
+def _first_level_channels(family: str, size: str) -> int:
+    from ...distributed.vae.families import FAMILIES
+
+    spec = FAMILIES[family]
+    config = spec.tiny_config if size == "tiny" else spec.full_config
+    config = config() if callable(config) else (config or {})
+    for key in ("decoder_block_out_channels", "block_out_channels"):
+        if config.get(key):
+            return int(config[key][0])
+    for key in ("decoder_base_dim", "base_dim"):
+        if config.get(key):
+            return int(config[key])
+    return 8 if size == "tiny" else 128  # diffusers' default widths: 128 channels at full resolution
+
+
+def check_bench_memory(family: str, height: int, width: int, frames: int, size: str, cpu_ranks_here: bool,
+                       available: Optional[int]) -> None:
+    """Refuse a benchmark on this machine's CPU ranks whose reference decode (the whole image in one process) does
+    not fit in the memory free now: past it Ray stops the ranks at 95% and the kernel kills processes."""
+    if not cpu_ranks_here or not available:
+        return
+    need = frames * height * width * 4 * _first_level_channels(family, size) * _LIVE_FULL_RES_TENSORS
+    if need > available:
+        label = f"{width}x{height}" + (f"x{frames}" if frames > 1 else "")
+        raise ValueError(
+            f"benchmark refused: shape {label} with size {size} needs about {need / 2**30:.1f} GiB on the CPU ranks (each "
+            f"case decodes the whole image once in one process, as the reference), and this machine has "
+            f"{available / 2**30:.1f} GiB free: set size to tiny, a smaller shape, or shape auto"
+        )
 
 
 def benchmark(
@@ -164,6 +225,10 @@ def benchmark(
     with rank_errors_for_user():
         cluster = get_cluster(cluster_config, cancel_check=cancel_check)
     height, width, frames, size = bench_request(family, shape, size, cluster.device_kind)
+    from ...distributed.cluster.limits import this_machine
+
+    check_bench_memory(family, height, width, frames, size, cluster.device_kind == "cpu" and not cluster_config.address,
+                       this_machine().available_bytes)
     label = f"{width}x{height}" + (f"x{frames}" if frames > 1 else "")
     out = os.path.join(folder, f"bench_{family}_{label}_{size}_{cluster_config.num_ranks}r_{time.strftime('%Y%m%d-%H%M%S')}.json")
     argv = ["--family", family, "--shape", f"{height}x{width}x{frames}", "--size", size, "--half", half, "--warmup", "1",

@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from . import convert as cv
+from . import plan_words
 from . import validate
 from .errors import rank_errors_for_user
 
@@ -141,6 +142,22 @@ def _check_samples(spec, z: torch.Tensor, num_ranks: int, mode: str) -> None:
             ) from None
 
 
+def _check_plan_family(plan: Optional[dict], spec) -> None:
+    """A plan's tiles are latent rectangles at its family's pixels per latent; another VAE's latent has other ones."""
+    if plan is None or "ratio" not in plan:
+        return
+    from ...distributed.vae.families import get_family
+
+    ratio = cv.spatial_ratio(spec)
+    if int(plan["ratio"]) != ratio:
+        fix = (f"set family on the PatchRay Tile Planner node to {spec.family}" if get_family(spec.family).spatial_ratio == ratio
+               else f"plan with a family of {ratio} px per latent on the PatchRay Tile Planner node")
+        raise ValueError(
+            f"{_DECODE}: 'plan' was made for family {plan.get('family')} ({plan['ratio']} px per latent), but 'vae' "
+            f"({_vae_label(spec)}) has {ratio} px per latent: {fix}"
+        )
+
+
 def _tile_plan(spec, z: torch.Tensor, num_ranks: int, plan):
     """tile-runs' plan, resolved before the cluster starts; refusals name the inputs and widgets."""
     from ...distributed.vae.api import tile_plan_for
@@ -153,10 +170,73 @@ def _tile_plan(spec, z: torch.Tensor, num_ranks: int, plan):
     try:
         return tile_plan_for(spec, z, num_ranks, plan)
     except ValueError as exc:
+        ratio = cv.spatial_ratio(spec)
+        raise ValueError(plan_words.for_decode(str(exc), int(z.shape[-1]) * ratio, int(z.shape[-2]) * ratio, num_ranks, _DECODE)) from None
+
+
+_GIB = 2**30
+
+#: the share of ComfyUI's memory estimate the CPU-rank check counts (see :func:`check_host_memory`)
+ESTIMATE_SHARE = 0.5
+
+
+def _cpu_ranks_here(config) -> bool:
+    """Whether the ranks are CPU processes of the embedded cluster, i.e. compute in this machine's memory."""
+    from ...distributed.cluster.limits import this_machine
+
+    if config.address:
+        return False
+    return config.device == "cpu" or (config.device == "auto" and this_machine().gpus == 0)
+
+
+def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], out_bytes: int, config, verb: str = "decode",
+                      available: Optional[int] = None) -> None:
+    """Refuse, before any rank starts, a decode/encode whose memory this machine does not have free.
+
+    CPU ranks of the embedded cluster compute in this machine's memory: row mode spreads the activations over the
+    ranks, so together they need about what one process needs. ``estimate`` is ComfyUI's own figure for the call
+    (``VAE.memory_used_decode``/``memory_used_encode``, the one it sizes its batches by), an upper bound: the real fp32
+    peak of one process measured 0.44 of it for the KL VAE (0.93 of 2.13 GiB at 512x512 px) and 0.81 for Wan 2.1
+    (1.39 of 1.71 GiB at 256x256 px x 9 frames). Half of it is counted (:data:`ESTIMATE_SHARE`), plus the result twice
+    (rank 0's copy and the node's output): the check is for requests that cannot fit; a decode between that and the
+    machine's limit meets Ray's memory monitor, which stops a rank at 95% of the machine's memory (a clear error, the
+    machine keeps working). The weights are not counted: ranks that already hold them have them in the memory in use, and on a
+    first call their one copy per rank stays within the estimate's margin. Past the free memory Ray stops rank
+    processes at 95% and the kernel kills processes, ComfyUI's included; the stock node would try and fail the same
+    way. GPU ranks compute on their GPUs (an out-of-memory there retries row-tiled), but the result comes back through
+    this machine's memory: ``out_bytes`` (the IMAGE or the pixels shipped) is checked for them, three copies (the
+    rank's host copy, Ray's object store, the node's output).
+    """
+    from ...distributed.cluster.limits import this_machine
+
+    free = this_machine().available_bytes if available is None else available
+    if not free:
+        return
+    if _cpu_ranks_here(config):
+        need = int((estimate or 0) * ESTIMATE_SHARE) + 2 * out_bytes
+        where = f"the {config.num_ranks} CPU rank(s) of 'cluster'"
+        fix = (f"{verb} fewer frames or a smaller image per call (split the batch), set 'precision' to bf16, or use GPU ranks "
+               "(device on the PatchRay Cluster node)")
+    else:
+        need = 3 * out_bytes
+        where = "the result coming back from the GPU ranks"
+        fix = f"{verb} fewer frames or a smaller image per call (split the batch)"
+    if need > free:
         raise ValueError(
-            f"{_DECODE}: mode 'tile-runs' cannot tile 'samples' for the {num_ranks} ranks of 'cluster' ({exc}); use "
-            "mode 'row' or fewer num_ranks on the PatchRay Cluster node"
-        ) from None
+            f"{node}: '{name}' is {what}; that needs about {need / _GIB:.1f} GiB of this machine's memory for {where}, "
+            f"and {free / _GIB:.1f} GiB is free: {fix}"
+        )
+
+
+def _estimate(fn, shape, dtype: torch.dtype, per_sample: bool) -> Optional[int]:
+    """ComfyUI's own memory estimate for a VAE call (``None`` when the VAE has none)."""
+    if not callable(fn):
+        return None
+    try:
+        one = int(fn(tuple(shape), dtype))
+    except Exception:  # an estimate is advice: a VAE class whose formula does not take this shape is not refused
+        return None
+    return one * int(shape[0]) if per_sample else one
 
 
 @contextlib.contextmanager
@@ -169,6 +249,29 @@ def _out_of_memory_hint(config):
             f"{_DECODE}: {exc}. Decode fewer frames or a smaller image per call, add GPUs (num_ranks on the PatchRay "
             f"Cluster node, now {config.num_ranks}), or set 'precision' to bf16"
         ) from exc
+
+
+def _check_decode_memory(vae, samples, z: torch.Tensor, spec, dtype: torch.dtype, config) -> None:
+    raw = cv.latent_tensor(samples)
+    ratio = cv.spatial_ratio(spec)
+    height, width = int(z.shape[-2]) * ratio, int(z.shape[-1]) * ratio
+    frames = _decoded_frames(vae, raw)
+    batch = int(raw.shape[0])
+    out_bytes = batch * frames * height * width * 3 * 4  # ComfyUI's IMAGE: float32 RGB
+    what = f"{batch} x {frames} frame(s) of {width}x{height} px" if frames > 1 else f"{batch} image(s) of {width}x{height} px"
+    estimate = _estimate(getattr(vae, "memory_used_decode", None), raw.shape, dtype, per_sample=True)
+    check_host_memory(_DECODE, "samples", f"{what} to decode", estimate, out_bytes, config, "decode")
+
+
+def _decoded_frames(vae, raw: torch.Tensor) -> int:
+    if raw.dim() != 5:
+        return 1
+    fn = getattr(vae, "upscale_ratio", None)
+    temporal = fn[0] if isinstance(fn, (tuple, list)) and callable(fn[0]) else None
+    try:
+        return max(1, int(temporal(int(raw.shape[2])))) if temporal else int(raw.shape[2])
+    except Exception:
+        return int(raw.shape[2])
 
 
 def decode(
@@ -207,10 +310,12 @@ def decode(
     if unused:
         plan = None
     else:
+        _check_plan_family(plan, spec)
         validate.plan_for_latent(plan, z.shape, cv.spatial_ratio(spec))
     if mode == "tile-runs":
         plan = _tile_plan(spec, z, config.num_ranks, plan)
     dtype = cv.resolve_dtype(precision, vae)
+    _check_decode_memory(vae, samples, z, spec, dtype, config)
     with _out_of_memory_hint(config), rank_errors_for_user():
         report = decode_report(
             get_cluster(config),
@@ -225,6 +330,9 @@ def decode(
             on_oom="row-tiled",
             balance=balance,
         )
+    if mode == "auto" and plan is not None and report.mode != "tile-runs":
+        unused = (f"plan is unused: mode auto chose {report.mode} mode (exact) for this cluster; set mode to tile-runs to "
+                  "decode with the plan")
     note = "; ".join(n for n in (unused, report.note) if n) or None
     if note:
         log.warning("%s: %s", _DECODE, note)
@@ -265,9 +373,16 @@ def encode(
             f"{_ENCODE}: 'pixels' cannot be encoded on the {config.num_ranks} ranks of 'cluster': {exc} (num_ranks is "
             "set on the PatchRay Cluster node)"
         ) from None
+    dtype = cv.resolve_dtype(precision, vae)
+    frames = int(pixels.shape[0])
+    height, width = int(pixels.shape[1]), int(pixels.shape[2])
+    shape = (1, 3, frames, height, width) if x.dim() == 5 and x.shape[0] == 1 else (frames, 3, height, width)
+    estimate = _estimate(getattr(vae, "memory_used_encode", None), shape, dtype, per_sample=len(shape) == 4)
+    check_host_memory(_ENCODE, "pixels", f"{frames} frame(s) of {width}x{height} px to encode", estimate,
+                      int(x.numel()) * 4, config, "encode")
     with rank_errors_for_user():
         z: torch.Tensor = distributed_encode(
-            get_cluster(config), spec, x, dtype=cv.resolve_dtype(precision, vae), cancel_check=cancel_check, progress=progress,
+            get_cluster(config), spec, x, dtype=dtype, cancel_check=cancel_check, progress=progress,
             balance=balance,
         )
     return Result({"samples": cv.latent_from_library(spec, z)}, None)
