@@ -100,7 +100,7 @@ EXTRA_HEIGHT = {
     "SaveImage": 300, "PreviewImage": 300, "LoadImage": 260, "SaveAnimatedWEBP": 260, "CLIPTextEncode": 90,
     "MarkdownNote": 200, "Note": 200,
     "PatchRayCluster": 110, "PatchRayTilePlanner": 230, "PatchRayTopologyProbe": 220, "PatchRayBenchmark": 240,
-    "PatchRayVAEDecode": 70, "PatchRayVAEEncode": 70,
+    "PatchRayVAEDecode": 70, "PatchRayVAEEncode": 70, "PatchRayKSampler": 70,
 }
 #: widths that keep the widget labels and values, and the panels' lines, readable
 MIN_WIDTH = {"PatchRayTopologyProbe": 520, "PatchRayBenchmark": 560, "PatchRayTilePlanner": 520, "PatchRayCluster": 400,
