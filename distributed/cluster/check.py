@@ -54,6 +54,9 @@ def _check_rank(ctx: ParallelContext, nbytes: int) -> dict:
     return {"rank": ctx.rank, "all_reduce_ok": all_reduce_ok, "p2p_ok": p2p_ok, "send_gbps_to_next": bw}
 
 
+_check_rank.patchray_task = "checking the cluster"
+
+
 def check_cluster(config: Optional[ClusterConfig] = None, nbytes: int = 8 << 20) -> dict:
     """Form (or reuse) the cluster, check an all_reduce and a neighbour exchange, sample bandwidth.
 

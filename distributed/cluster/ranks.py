@@ -50,6 +50,13 @@ log = logging.getLogger(__name__)
 
 #: the exceptions the ranks raise to refuse an input (computed from shared data, so the group stays usable)
 _REFUSALS = (ValueError, TypeError, NotImplementedError, KeyError)
+
+
+def task_label(fn) -> str:
+    """What a call does, in the words errors use ("rank 1 died ... (while sampling)"): the function's ``patchray_task``
+    attribute when it has one (the library's rank tasks set it), else ``calling <its name>``."""
+    label = getattr(fn, "patchray_task", None)
+    return label if isinstance(label, str) and label else f"calling {getattr(fn, '__qualname__', fn)}"
 #: how long the other ranks may take to finish once one rank has failed (they may be blocked on it)
 _GRACE_S = 10.0
 #: package versions every node must share with the driver
@@ -299,7 +306,10 @@ class RankCluster:
             root = root_cause(errors)
             if any(e.communication for e in errors):
                 raise self._rank_failure(errors, what, [])  # collectives failed: the group cannot be trusted
-            log.warning("%s\n%s", failure_message(errors, what), all_traces(errors))
+            # an error the caller expects and recovers from (its class says so: e.g. a rank without the cached weights,
+            # which the caller resends) is no warning for the log
+            quiet = getattr(root.cause, "patchray_expected", False)
+            (log.debug if quiet else log.warning)("%s\n%s", failure_message(errors, what), all_traces(errors))
             if isinstance(root.cause, _REFUSALS):
                 # a refusal computed from shared data: the group is intact, the caller gets the original exception
                 _annotate(root.cause, root)
@@ -352,7 +362,7 @@ class RankCluster:
             refs = [a.call.remote(ref_fn, payload) for a in self._actors]
             bound = timeout_s or self.config.call_timeout_s
             deadline = time.monotonic() + bound
-            return self._get(refs, deadline, f"calling {getattr(fn, '__qualname__', fn)}", bound, cancel_check, progress)
+            return self._get(refs, deadline, task_label(fn), bound, cancel_check, progress)
 
     def describe(self) -> dict:
         return {

@@ -76,6 +76,9 @@ def _has_model(ctx: ParallelContext, key: Hashable) -> bool:
     return entry is not None and entry[0] == key
 
 
+_has_model.patchray_task = "checking the ranks' cached model"
+
+
 def _load_model(ctx: ParallelContext, key: Hashable, build, payload_ref, prepare, prepare_args) -> bool:
     import ray
 
@@ -244,6 +247,9 @@ def _sample_on_rank(ctx: ParallelContext, key, sample, inputs_ref, config: dict,
         after = session.traffic.snapshot()
         result["traffic"] = Traffic.diff(after, before) if before is not None else after
     return result
+
+
+_sample_on_rank.patchray_task = "sampling"
 
 
 # ------------------------------------------------------------------------------------------------- driver side

@@ -140,6 +140,9 @@ def _begin(ctx: ParallelContext, key: Hashable, begin, payload_ref, prepare, pre
     return True
 
 
+_begin.patchray_task = "receiving the model"
+
+
 def _part(ctx: ParallelContext, key: Hashable, part_ref) -> int:
     import ray
 
@@ -152,11 +155,17 @@ def _part(ctx: ParallelContext, key: Hashable, part_ref) -> int:
     return kept
 
 
+_part.patchray_task = "receiving the model"
+
+
 def _end(ctx: ParallelContext, key: Hashable, end) -> bool:
     key_, built, module = rank_cache().pop(_PARTIAL)
     model = resolve_fn(end)(ctx, built) if end is not None else built
     rank_cache()[_MODEL] = (key, model)
     return True
+
+
+_end.patchray_task = "receiving the model"
 
 
 def ship_model_in_parts(

@@ -431,3 +431,6 @@ def node_probe_on_rank(ctx, first_rank_by_host: dict) -> Optional[dict]:
     node = probe_topology(measure=False).local
     node.source = "remote"
     return asdict(node)
+
+
+node_probe_on_rank.patchray_task = "probing the GPUs"

@@ -129,6 +129,9 @@ def rank_speeds_task(ctx, repeats: int = _REPEATS) -> Tuple[float, ...]:
     return agree_rank_speeds(ctx, measure_rank_speed(ctx.device, repeats))
 
 
+rank_speeds_task.patchray_task = "measuring each rank's speed"
+
+
 def speed_weights(speeds: Sequence[float]) -> Tuple[float, ...]:
     """Band weights from measured figures: each rank's speed relative to the fastest, rounded to 1%.
 

@@ -53,6 +53,9 @@ def _rank_vae(ctx: ParallelContext, spec: VaeSpec, weights: Optional[Mapping[str
 class NeedWeights(RuntimeError):
     """The rank has no cached model for this key (e.g. the cluster was rebuilt): the driver resends."""
 
+    #: the driver expects it and recovers (it resends the weights): the cluster logs it without a warning
+    patchray_expected = True
+
 
 def _pieces(mode: str, plan: Optional[dict], rank: int) -> int:
     """How many times rank 0 decodes a whole piece of the input (for its progress total)."""
@@ -103,6 +106,9 @@ def decode_task(ctx: ParallelContext, spec: VaeSpec, weights, z: torch.Tensor, m
     return None if out is None else out.float().cpu()
 
 
+decode_task.patchray_task = "decoding"
+
+
 def encode_task(ctx: ParallelContext, spec: VaeSpec, weights, x: torch.Tensor, dtype: torch.dtype, band_weights=None):
     from .row import row_encode
     from .stages import stage_progress
@@ -119,3 +125,6 @@ def encode_task(ctx: ParallelContext, spec: VaeSpec, weights, x: torch.Tensor, d
         _release_after_oom(ctx.device)
         raise torch.OutOfMemoryError(oom)
     return None if out is None else out.float().cpu()
+
+
+encode_task.patchray_task = "encoding"

@@ -110,3 +110,19 @@ def cache_len(ctx):
     from patchray.distributed.cluster import rank_cache
 
     return len(rank_cache())
+
+
+class ExpectedMiss(RuntimeError):
+    """An error its caller expects and recovers from (as the VAE ranks' missing-weights signal is)."""
+
+    patchray_expected = True
+
+
+def labelled_failure(ctx, failing_rank, expected):
+    """``failing_rank`` raises (an :class:`ExpectedMiss` when ``expected``, else a RuntimeError); the others return."""
+    if ctx.rank == failing_rank:
+        raise (ExpectedMiss if expected else RuntimeError)(f"no cached weights on rank {ctx.rank}")
+    return ctx.rank
+
+
+labelled_failure.patchray_task = "doing the labelled work"

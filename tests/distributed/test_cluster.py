@@ -258,3 +258,21 @@ def test_a_library_imported_under_another_root_name_is_refused_with_the_fix(tmp_
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120, cwd="/")
     assert "ray started: False" in out.stdout, out.stdout + out.stderr
     assert "imported as 'OtherRoot.distributed'" in out.stdout and "import it as 'patchray'" in out.stdout, out.stdout
+
+
+def test_a_failure_names_the_task_in_words_and_an_expected_one_is_not_a_warning(caplog):
+    cluster = get_cluster(ClusterConfig(num_ranks=2, device="cpu"))
+    for expected in (False, True):
+        caplog.clear()
+        with caplog.at_level("DEBUG", logger="patchray.distributed.cluster"):
+            with pytest.raises(RankFailure) as info:
+                cluster.run(tasks.labelled_failure, 1, expected, timeout_s=120)
+        message = str(info.value)
+        # the task's own words, not its function name
+        assert "(while doing the labelled work)" in message and "labelled_failure" not in message, message
+        warnings = [r for r in caplog.records if r.levelname == "WARNING" and "no cached weights" in r.getMessage()]
+        logged = [r for r in caplog.records if "no cached weights" in r.getMessage()]
+        assert logged, "the failure is in the log either way"
+        # an error the caller expects (and recovers from) is logged below warning level; any other as a warning
+        assert bool(warnings) is not expected, [(r.levelname, r.getMessage()[:80]) for r in logged]
+    assert cluster.run(tasks.labelled_failure, -1, False) == [0, 1]  # the group is usable afterwards
