@@ -184,45 +184,28 @@ def _rebound(fn: types.FunctionType, name: str, value: Any) -> types.FunctionTyp
     return new
 
 
-def _dispatch_route(original: Callable, slot: RouteSlot) -> Callable:
-    names = tuple(inspect.signature(original).parameters)
-
-    def dispatch(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            call = dict(zip(names, args))
-            call.update(kwargs)
-            return _compiled_call(slot, call, "BLHD")
-        route = slot.route
-        if route is None:  # a module the plan does not adapt, sharing the processor
-            return original(*args, **kwargs)
-        call = dict(zip(names, args))
-        call.update(kwargs)
-        slot.calls += 1
-        return route(call, "BLHD", original)
-
-    return dispatch
-
-
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def _sdpa_route(slot: RouteSlot) -> Callable:
-    original = F.scaled_dot_product_attention
+def _route(slot: RouteSlot, names: Tuple[str, ...], layout: str) -> Callable:
+    """The function a rerouted processor calls in place of ``slot.original``: the slot's route while an adapted
+    module's forward runs, the original otherwise, the opaque operation under ``torch.compile``. ``names`` are the
+    original's positional parameter names; the route gets diffusers' dispatch (``"BLHD"``) or ``None`` (SDPA)."""
+    original = slot.original
+    handed = original if layout == "BLHD" else None
 
-    def sdpa(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            call = dict(zip(_SDPA_ARGS, args))
-            call.update(kwargs)
-            return _compiled_call(slot, call, "BHLD")
-        route = slot.route
-        if route is None:
-            return original(*args, **kwargs)
-        call = dict(zip(_SDPA_ARGS, args))
+    def routed(*args, **kwargs):
+        call = dict(zip(names, args))
         call.update(kwargs)
+        if torch.compiler.is_compiling():
+            return _compiled_call(slot, call, layout)
+        route = slot.route
+        if route is None:  # a module the plan does not adapt, sharing the processor
+            return original(*args, **kwargs)
         slot.calls += 1
-        return route(call, "BHLD", None)
+        return route(call, layout, handed)
 
-    return sdpa
+    return routed
 
 
 def reroute_processor(module, path: str) -> Tuple[RouteSlot, Callable[[], None]]:
@@ -269,10 +252,10 @@ def _routed_class(cls: type, path: str) -> type:
         )
     if kind == "dispatch":
         slot = RouteSlot(fn.__globals__[DISPATCH_NAME])
-        call = _rebound(fn, DISPATCH_NAME, _dispatch_route(slot.original, slot))
+        call = _rebound(fn, DISPATCH_NAME, _route(slot, tuple(inspect.signature(slot.original).parameters), "BLHD"))
     else:
         slot = RouteSlot(F.scaled_dot_product_attention)
-        call = _rebound(fn, "F", _Functional(_sdpa_route(slot)))
+        call = _rebound(fn, "F", _Functional(_route(slot, _SDPA_ARGS, "BHLD")))
     namespace = {"__call__": call, "__slots__": (), "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                  "__doc__": cls.__doc__, _BASE_ATTR: cls, "_patchray_slot": slot, "_patchray_users": 0}
     return type(cls)(cls.__name__, (cls,), namespace)
