@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import shutil
 
 import pytest
 import torch
@@ -486,3 +487,49 @@ def test_dit_low_traffic_presets_run_and_stay_close(n):
             # stale K/V after 2 exact warm-up steps of 6: a small but nonzero error on this tiny Wan
             assert 1e-7 < d[name]["err"] < 0.2, (name, d[name]["err"])
         assert sum(d["displaced"]["async"]) > 0 and sum(d["otil"]["async"]) == 0  # otil's K/V: synchronous refresh only
+
+
+def test_the_measured_codec_cost_counts_one_encode_and_one_apply_per_peer(tmp_path):
+    import json
+
+    from patchray.distributed.bench.compressed_model import codec_ms, load_codec
+
+    rows = [{"numel": 1 << 20, "bits": 4, "compiled": False, "encode_ms_per_gb": 99.0, "apply_ms_per_gb": 99.0},
+            {"numel": 1 << 26, "bits": 4, "compiled": False, "encode_ms_per_gb": 10.0, "apply_ms_per_gb": 20.0},
+            {"numel": 1 << 26, "bits": 4, "compiled": True, "encode_ms_per_gb": 1.0, "apply_ms_per_gb": 2.0},
+            {"numel": 1 << 26, "bits": 2, "compiled": False, "error": "RuntimeError: x"}]
+    (tmp_path / "codec.json").write_text(json.dumps({"rows": rows}))
+    table = load_codec(str(tmp_path / "codec.json"))
+    assert table == {4: (10.0, 20.0)}  # the largest chunk, eager rows only, failed rows skipped
+    assert load_codec(str(tmp_path / "codec.json"), compiled=True) == {4: (1.0, 2.0)}
+    # 3 GB on the wire at N = 4 is 1 GB of the rank's own bytes: 1 x (10 + 3 x 20) ms
+    assert abs(codec_ms(3e9, 4, 4, table) - 70.0) < 1e-9
+    # N = 2: 2 GB own: 2 x (10 + 20)
+    assert abs(codec_ms(2e9, 2, 4, table) - 60.0) < 1e-9
+    assert codec_ms(2e9, 2, 0, table) == 0.0  # displaced: no codec
+    # without a measurement: the assumed memory traffic, 5 passes over the wire bytes at 2 TB/s
+    assert abs(codec_ms(2e9, 2, 4) - 5 * 2e9 / 2e12 * 1e3) < 1e-9
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile's CPU kernels need a C++ compiler")
+def test_the_compiled_codec_equals_the_eager_one_and_keeps_sender_and_receiver_equal():
+    # what GPU ranks with Triton run (compiled=True), here through Inductor's CPU kernels: the same codes and the
+    # same reference bit for bit as the op-by-op functions, over two chunk sizes (one compilation, dynamic sizes)
+    from patchray.distributed.sampling.comm_manager import GROUP, apply_residual, encode_residual
+
+    g = torch.Generator().manual_seed(3)
+    for groups in (6, 11):
+        ref = torch.randn(groups * GROUP, generator=g).to(torch.bfloat16)
+        fresh = (ref.float() + 0.1 * torch.randn(groups * GROUP, generator=g)).to(torch.bfloat16)
+        out = {}
+        for compiled in (False, True):
+            sender, receiver = ref.clone(), ref.clone()
+            payload = encode_residual(fresh, sender, 4, compiled)
+            apply_residual(receiver, payload, 4, compiled)
+            assert torch.equal(sender, receiver), compiled
+            out[compiled] = (payload, sender)
+        assert torch.equal(out[False][0], out[True][0]) and torch.equal(out[False][1], out[True][1])
+        # the reference moved towards the fresh value: 4-bit codes leave at most half a step of 1/7 of the range
+        err = (out[True][1].float() - fresh.float()).abs().max()
+        assert 0 < err <= 0.6 * (fresh.float() - ref.float()).abs().max() / 7 + 0.02
