@@ -48,6 +48,32 @@ def step_ms(compute: float, sync_bytes: float, async_bytes: float, messages: flo
     return compute + messages * p.latency_us / 1e3 + sync_bytes * per_byte + max(0.0, async_bytes * per_byte - compute)
 
 
+def codec_ms(wire_bytes: float, n: int, bits: int, codec: Optional[dict] = None) -> float:
+    """Codec time per step of a rank whose uncompressed exchange puts ``wire_bytes`` on its link ((N - 1) x its own
+    streamed bytes). ``codec``: ``{bits: (encode_ms_per_gb, apply_ms_per_gb)}`` measured by ``codec_bench`` (the
+    rank encodes its own bytes once and applies each of the N - 1 peers' residuals); None: the ASSUMED memory-traffic
+    figure (``CODEC_PASSES`` passes over the wire bytes at ``CODEC_GBPS``)."""
+    if not bits:
+        return 0.0
+    if codec is None:
+        return CODEC_PASSES * wire_bytes / (CODEC_GBPS * 1e9) * 1e3
+    enc, app = codec[bits]
+    own_gb = wire_bytes / max(n - 1, 1) / 1e9
+    return own_gb * (enc + (n - 1) * app)
+
+
+def load_codec(path: str, compiled: bool = False) -> dict:
+    """``{bits: (encode_ms_per_gb, apply_ms_per_gb)}`` from a ``codec_bench`` JSON: per width, its largest chunk
+    (the exchange's chunks are large: 60 slots of K/V each)."""
+    best: Dict[int, dict] = {}
+    for r in json.load(open(path))["rows"]:
+        if "error" in r or bool(r.get("compiled")) != compiled:
+            continue
+        if r["bits"] not in best or r["numel"] > best[r["bits"]]["numel"]:
+            best[r["bits"]] = r
+    return {b: (r["encode_ms_per_gb"], r["apply_ms_per_gb"]) for b, r in best.items()}
+
+
 def model_run(ref_step_ms: float, compute_ms: float, sync_step: dict, async_step: Optional[dict], steps: int, warmup: int,
               profile: str) -> dict:
     """MODELLED run time and speed-up: ``warmup`` synchronous steps, the rest asynchronous (``async_step`` None:
@@ -70,12 +96,14 @@ def _sdxl_case(path: str, name: str) -> Optional[dict]:
     return None
 
 
-def sdxl_rows(n: int, path: str, ref_step_ms: float, steps: int = 50, warmup: int = 4, split: bool = False) -> Dict[str, dict]:
+def sdxl_rows(n: int, path: str, ref_step_ms: float, steps: int = 50, warmup: int = 4, split: bool = False,
+              codec_table: Optional[dict] = None) -> Dict[str, dict]:
     """SDXL 1024x1024 at ``n`` ranks from the counted bytes of the displaced case in ``path``.
 
     ``split``: the CFG batch split (``split_batch``): ``n / 2`` patch ranks per CFG half, from the counted bytes of an
     ``n / 2``-rank run without split (``path``) halved (halos and K/V scale with the batch, 2 -> 1), plus the CFG
-    pair exchange of the completed half (one latent half per step, counted as synchronous)."""
+    pair exchange of the completed half (one latent half per step, counted as synchronous). ``codec_table``: see
+    :func:`codec_ms`."""
     disp = _sdxl_case(path, "displaced")
     scale = 0.5 if split else 1.0
     last = len(disp["bytes_per_step_total"]) - 1
@@ -90,7 +118,7 @@ def sdxl_rows(n: int, path: str, ref_step_ms: float, steps: int = 50, warmup: in
     rows = {"full_sync": {"bytes_per_step": sync_bytes_warm, "async_bytes_per_step": 0, "warm": warm, "step": None}}
     for name, bits in (("displaced", 0), ("compressed", 4), ("compressed_2bit", 2), ("compressed_1bit", 1)):
         a = layer * (packing(bits) if bits else 1.0) + gn
-        codec = CODEC_PASSES * layer / (CODEC_GBPS * 1e9) * 1e3 if bits else 0.0
+        codec = codec_ms(layer, n // 2 if split else n, bits, codec_table)
         rows[name] = {"bytes_per_step": a + sync_async_step, "async_bytes_per_step": a, "warm": warm,
                       "step": {"sync": sync_async_step, "async": a, "messages": disp["collectives_per_step"][last] + (1 if split else 0), "codec_ms": codec}}
     out = {}
@@ -123,7 +151,8 @@ def dit_run(ref_total_ms: float, compute_ms: float, warm: dict, fill: dict, step
 
 
 def dit_rows(shape_key: str, n: int, ref_step_ms: Optional[float], compute_ms: Optional[float], steps: int,
-             warmups=WARMUPS, calls_per_step: int = 1, cfg_groups: int = 1, text: str = "whole") -> Dict[str, dict]:
+             warmups=WARMUPS, calls_per_step: int = 1, cfg_groups: int = 1, text: str = "whole",
+             codec_table: Optional[dict] = None) -> Dict[str, dict]:
     """A full-size DiT at ``n`` ranks, as ``parallelize_dit`` runs it: bytes from ``step_cost`` per kind of step.
 
     * ``full_sync``: every step exact, text sharded (the exact modes' default), attention ``auto`` on the link
@@ -168,7 +197,7 @@ def dit_rows(shape_key: str, n: int, ref_step_ms: Optional[float], compute_ms: O
             c = step_cost(shape, n, "gathered", kv=kv, shard_text=sharded)
             kv_exact = step_cost(shape, n, "gathered", shard_text=sharded)["wire_bytes"] - out_gather
             a = cps * (c["wire_bytes"] - out_gather)
-            codec = CODEC_PASSES * cps * kv_exact / (CODEC_GBPS * 1e9) * 1e3 if kv.bits else 0.0
+            codec = codec_ms(cps * kv_exact, n, kv.bits, codec_table)
             per_profile[prof] = (warm, fill, {"sync": cps * out_gather + cfg_out, "async": a, "messages": cps + extra_msg,
                                               "codec_ms": codec})
         warm, fill, st = per_profile["pcie4_x16_no_p2p"]
@@ -193,7 +222,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sdxl-n4", default="results/h200/sdxl-1024-n4-shared-20steps.json")
     ap.add_argument("--sdxl-ref-ms", type=float, default=None, help="one-rank reference step (default: the N=2 file's median)")
     ap.add_argument("--dit-ref", action="append", default=[], help="KEY=MS one-rank reference step of a full-size DiT (measured)")
-    ap.add_argument("--dit-alone", action="append", default=[], help="KEY:N=MS per-rank compute per step measured alone (dit_bench)")
+    ap.add_argument("--dit-alone", action="append", default=[],
+                    help="KEY:N[:TEXT]=MS per-rank compute per step measured alone (dit_bench; TEXT whole or sharded: "
+                         "for that text layout only)")
+    ap.add_argument("--codec", default=None, help="codec_bench JSON: the measured codec cost instead of the ASSUMED one")
+    ap.add_argument("--codec-compiled", action="store_true", help="use the JSON's torch.compile rows")
     ap.add_argument("--warmup", type=int, action="append", default=None,
                     help="DiT warm-up steps to model besides 1, 2 and 4 (repeatable); the chart and table use --chart-warmup")
     ap.add_argument("--chart-warmup", type=int, default=4, help="the DiT warm-up count the chart shows (default 4, the presets')")
@@ -201,11 +234,18 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     ref2 = json.load(open(a.sdxl_n2))["reference"]["per_step_ms"]
     sdxl_ref = a.sdxl_ref_ms or sorted(ref2)[len(ref2) // 2]
+    ct = load_codec(a.codec, a.codec_compiled) if a.codec else None
     doc = {"MODELLED": True, "note": __doc__, "profiles": list(PROFILES), "sdxl_ref_step_ms": sdxl_ref,
-           "sdxl": {"2": sdxl_rows(2, a.sdxl_n2, sdxl_ref), "4": sdxl_rows(4, a.sdxl_n4, sdxl_ref),
-                    "4_cfgsplit": sdxl_rows(4, a.sdxl_n2, sdxl_ref, split=True)}, "dit": {}}
+           "codec": ({"source": os.path.basename(a.codec), "compiled": a.codec_compiled, "measured": True,
+                      "ms_per_gb_encode_apply": {str(b): v for b, v in ct.items()}} if ct else
+                     {"measured": False, "assumed": f"{CODEC_PASSES} passes over the wire bytes at {CODEC_GBPS:g} GB/s"}),
+           "sdxl": {"2": sdxl_rows(2, a.sdxl_n2, sdxl_ref, codec_table=ct), "4": sdxl_rows(4, a.sdxl_n4, sdxl_ref, codec_table=ct),
+                    "4_cfgsplit": sdxl_rows(4, a.sdxl_n2, sdxl_ref, split=True, codec_table=ct)}, "dit": {}}
     refs = dict(kv.split("=") for kv in a.dit_ref)
     alone = {tuple(k.split(":")): float(v) for k, v in (kv.split("=") for kv in a.dit_alone)}
+
+    def alone_ms(key, n, text):
+        return alone.get((key, str(n), text), alone.get((key, str(n))))
     warmups = tuple(sorted(set(WARMUPS) | set(a.warmup or ())))
     doc["dit_warmups"] = list(warmups)
     doc["dit_note"] = ("DiT rows: rows[n][text][preset]; warm-up steps before the last by the cheapest exact attention on the "
@@ -217,14 +257,17 @@ def main(argv=None) -> int:
         texts = TEXT_LAYOUTS if key != "wan21_14b_480x832x81" else ("whole",)  # Wan: text by cross-attention only
         per = doc["dit"][key] = {}
         for n in (2, 4):
-            per[str(n)] = {t: dit_rows(key, n, ref, None, steps, warmups, calls_per_step=cps, text=t) for t in texts}
+            per[str(n)] = {t: dit_rows(key, n, ref, None, steps, warmups, calls_per_step=cps, text=t, codec_table=ct)
+                           for t in texts}
         if cps == 2:
-            per["4_cfgseq"] = {t: dit_rows(key, 4, ref, None, steps, warmups, calls_per_step=cps, cfg_groups=2, text=t) for t in texts}
+            per["4_cfgseq"] = {t: dit_rows(key, 4, ref, None, steps, warmups, calls_per_step=cps, cfg_groups=2, text=t,
+                                           codec_table=ct) for t in texts}
         for n in (2, 4):
-            if (key, str(n)) in alone:
-                per[f"{n}_alone"] = {t: dit_rows(key, n, ref, alone[(key, str(n))], steps, warmups, calls_per_step=cps, text=t)
-                                     for t in texts}
-                per[f"{n}_alone_compute_ms"] = alone[(key, str(n))]
+            measured = {t: alone_ms(key, n, t) for t in texts if alone_ms(key, n, t) is not None}
+            if measured:
+                per[f"{n}_alone"] = {t: dit_rows(key, n, ref, ms, steps, warmups, calls_per_step=cps, text=t, codec_table=ct)
+                                     for t, ms in measured.items()}
+                per[f"{n}_alone_compute_ms"] = measured
         per["steps"] = steps
         per["calls_per_step"] = cps
         per["ref_step_ms"] = ref

@@ -21,8 +21,8 @@ Design decisions:
   65.8 ms = 13.3 GB/s; FLUX.1 1024x1024 2,870 MB / 172.3 ms = 16.7 GB/s; Qwen-Image 1328x1328 10,282 MB / 694 ms
   = 14.8 GB/s; Wan 2.1 14B 480x832x81 53,682 MB / 6,460 ms = 8.3 GB/s (results/compressed/README.md). The defaults
   are SDXL's for UNets and the highest DiT figure (FLUX.1) for DiTs: where a DiT's real rate is lower, the choice errs
-  towards compression, whose cost is its codec (about 3% of a step), not towards an uncovered stream (FLUX.1 at
-  N = 2 without P2P: displaced is modelled 11% slower than compressed). A slower GPU computes longer per byte, so
+  towards compression, whose cost is its codec (measured: :data:`CODEC_MS_PER_GB`; compiled, 4-bit, SDXL's rate at
+  N = 2: 7% of a one-rank step, 15% of a rank's share), not towards an uncovered stream. A slower GPU computes longer per byte, so
   its rate is lower and the stream hides more easily: on consumer cards the defaults lean towards less traffic.
 * **Exactness is worth a margin.** ``full_sync`` (exact) is chosen when its modelled step is within
   :data:`EXACT_MARGIN` of the fastest preset's; otherwise the fastest wins, ties going to the earlier (less lossy)
@@ -40,6 +40,7 @@ __all__ = [
     "EXACT_MARGIN",
     "CODEC_GBPS",
     "CODEC_PASSES",
+    "CODEC_MS_PER_GB",
     "PresetTraffic",
     "PresetChoice",
     "packing",
@@ -52,10 +53,19 @@ __all__ = [
 EXCHANGE_GBPS: Dict[str, float] = {"unet": 13.3, "dit": 16.7}
 #: full_sync (exact) is chosen when its modelled step is at most this much slower than the fastest preset's
 EXACT_MARGIN = 0.10
-#: ASSUMED effective memory rate of the elementwise codec (an H200's HBM: 4.8 TB/s peak), as in bench/compressed_model
+#: the earlier ASSUMED codec cost (memory traffic: 5 passes over the streamed bytes at 2 TB/s); kept for the
+#: benchmark's comparison (``bench/compressed_model`` without ``--codec``). The measured cost is 4-5x that
+#: compiled and 15x eager: :data:`CODEC_MS_PER_GB`.
 CODEC_GBPS = 2000.0
-#: passes over the streamed bytes per step: read fresh and reference, write reference, read codes and reference
 CODEC_PASSES = 5
+#: MEASURED codec cost on an H200 (``bench/codec_bench``, bf16 chunks of 1.3e8 elements, torch 2.11,
+#: results/h200/codec/): milliseconds per GB of a rank's own uncompressed stream to encode it, and per GB of one
+#: peer's stream to apply it, by code width; ``compiled``: ``torch.compile``'s fused kernels (GPU ranks with
+#: Triton), ``eager``: the same functions op by op (no Triton, e.g. many Windows installs)
+CODEC_MS_PER_GB: Dict[str, Dict[int, tuple]] = {
+    "compiled": {4: (6.51, 4.66), 2: (7.28, 4.64), 1: (5.00, 4.06)},
+    "eager": {4: (27.49, 9.53), 2: (31.84, 15.00), 1: (23.03, 10.56)},
+}
 
 
 class PresetTraffic(NamedTuple):
@@ -87,7 +97,7 @@ def packing(bits: int, itemsize: int = 2, group: int = 256) -> float:
     return (group * bits / 8 + 4) / (group * itemsize)
 
 
-def preset_step(traffic: PresetTraffic, world_size: int, profile, exchange_gbps: float) -> float:
+def preset_step(traffic: PresetTraffic, world_size: int, profile, exchange_gbps: float, codec: str = "compiled") -> float:
     """The modelled step of one rank, in units of one rank's whole step (so ``1 / result`` is the speed-up).
 
     Args:
@@ -95,6 +105,8 @@ def preset_step(traffic: PresetTraffic, world_size: int, profile, exchange_gbps:
         world_size: the ranks that share the latent (N).
         profile: a link profile or its name (:mod:`.links`).
         exchange_gbps: the workload's exchange rate ``E`` (:data:`EXCHANGE_GBPS`).
+        codec: ``"compiled"`` (GPU ranks with Triton, the default) or ``"eager"``: which measured codec cost a
+            compressed preset adds to its compute (:data:`CODEC_MS_PER_GB`).
 
     Example:
         >>> round(preset_step(PresetTraffic("displaced", False), 2, "nvlink", 13.3), 3)  # the stream hides
@@ -109,18 +121,23 @@ def preset_step(traffic: PresetTraffic, world_size: int, profile, exchange_gbps:
     if traffic.blocking:
         return compute + transfer
     if traffic.bits:
-        compute += CODEC_PASSES * whole / CODEC_GBPS
+        if codec not in CODEC_MS_PER_GB:
+            raise ValueError(f"codec must be one of {', '.join(CODEC_MS_PER_GB)} (got {codec!r})")
+        table = CODEC_MS_PER_GB[codec]
+        enc, app = table.get(traffic.bits, table[4])
+        own = float(exchange_gbps) / n  # this rank's own stream, GB per one-rank step-second
+        compute += own * (enc + (n - 1) * app) / 1e3
     return compute + max(0.0, transfer - compute)
 
 
 def choose_preset(candidates: Sequence[PresetTraffic], world_size: int, profile, exchange_gbps: float,
-                  exact_margin: Optional[float] = None) -> PresetChoice:
+                  exact_margin: Optional[float] = None, codec: str = "compiled") -> PresetChoice:
     """The fastest candidate on ``profile`` at ``world_size`` ranks, or the blocking (exact) one when it is within
     ``exact_margin`` (default :data:`EXACT_MARGIN`) of the fastest. Ties go to the earlier candidate."""
     if not candidates:
         raise ValueError("choose_preset needs at least one candidate")
     margin = EXACT_MARGIN if exact_margin is None else float(exact_margin)
-    steps = {c.name: preset_step(c, world_size, profile, exchange_gbps) for c in candidates}
+    steps = {c.name: preset_step(c, world_size, profile, exchange_gbps, codec) for c in candidates}
     best = min(candidates, key=lambda c: steps[c.name])  # min keeps the first of equal ones
     for c in candidates:
         if c.blocking and not c.bits and steps[c.name] <= (1.0 + margin) * steps[best.name]:
