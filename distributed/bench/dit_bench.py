@@ -196,6 +196,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             write_doc(args.out, doc)
             print(f"wrote {args.out} and {write_chart(doc, os.path.splitext(args.out)[0] + '.png')}")
         return 0
+    if args.text_tokens is not None:
+        ap.error("--text-tokens applies to --estimate only: measured runs lay out the text as the sampler does "
+                 "(split across the sequence ranks under full_sync)")
     report = run_dit_bench(presets, ranks=args.ranks, ns=ns, modes=modes, size=args.size, device=args.device,
                            dtype=args.dtype, warmup=args.warmup, iters=args.iters, deadline_s=args.deadline_s,
                            out=args.out, timeout_s=args.timeout_s, watchdog_s=args.watchdog_s, cfg_inner=args.cfg_inner,

@@ -95,7 +95,11 @@ def format_table(report: dict) -> str:
         if r.get("status") != "ok":
             lines.append(f"{r['preset']:22s} {r['case']:18s} {r['status']}: {r.get('error', '')[:90]}")
             continue
-        m, s = r["modelled_step_ms"], r["speedup_modelled"]
+        # a speed-up needs the N = 1 reference in the same report (absent when --ns leaves it out): nan
+        m = {k: (v if v is not None else nan) for k, v in (r.get("modelled_step_ms") or {}).items()}
+        s = {k: (v if v is not None else nan) for k, v in (r.get("speedup_modelled") or {}).items()}
+        m.setdefault("nvlink", nan), m.setdefault("pcie4_x16_no_p2p", nan)
+        s.setdefault("nvlink", nan), s.setdefault("pcie4_x16_no_p2p", nan)
         rel = (r.get("exactness") or {}).get("rel_l2_vs_n1")
         gpu, issue = r.get("gpu_ms_per_call_alone"), r.get("launch_ms_per_call_alone")
         lines.append(
