@@ -5,8 +5,8 @@ A compressed preset quantises every streamed K/V or halo chunk of a rank against
 residual to its copy of that peer's row (:func:`~patchray.distributed.sampling.comm_manager.apply_residual`, N - 1
 times per chunk). Both run on the compute stream, so their time adds to a rank's step. This times the two functions
 the runtime calls, on chunks of the size the exchange uses, with CUDA events (or the wall clock on CPU), and reports
-milliseconds per GB of the stream's uncompressed bytes, eager and, where ``--compiled`` is given, compiled (the
-functions' ``compiled=True``: each fused by ``torch.compile``, what ranks on GPUs with Triton run).
+milliseconds per GB of the stream's uncompressed bytes, for each codec of ``--codecs``: ``eager`` (op by op),
+``compiled`` (the same functions through ``torch.compile``), ``triton`` (two hand-fused kernels).
 
 The step model's codec cost is ``own_GB x (encode_ms_per_GB + (N - 1) x apply_ms_per_GB)``, where ``own_GB`` is
 the rank's uncompressed streamed bytes per step.
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ..sampling.comm_manager import GROUP, apply_residual, encode_residual
+from ..sampling.comm_manager import CODECS, GROUP, apply_residual, encode_residual
 
 __all__ = ["time_codec", "main"]
 
@@ -46,7 +46,7 @@ def _timer(device: torch.device):
 
 
 def time_codec(numel: int, bits: int, dtype: torch.dtype, device: torch.device, iters: int = 5, warmup: int = 2,
-               compiled: bool = False) -> dict:
+               codec: str = "eager") -> dict:
     """Median ms of one :func:`encode_residual` and one :func:`apply_residual` over a chunk of ``numel`` elements
     (a whole number of groups), on a reference and a fresh value that differ like two neighbouring steps' K/V."""
     numel = (numel // GROUP) * GROUP
@@ -55,10 +55,10 @@ def time_codec(numel: int, bits: int, dtype: torch.dtype, device: torch.device, 
     fresh = (ref.float() + 0.05 * torch.randn(numel, generator=g).to(device)).to(dtype)
     peer = ref.clone()
     def enc(f, r, b):
-        return encode_residual(f, r, b, compiled)
+        return encode_residual(f, r, b, codec)
 
     def app(r, p, b):
-        apply_residual(r, p, b, compiled)
+        apply_residual(r, p, b, codec)
 
     run = _timer(device)
     payload = enc(fresh, ref.clone(), bits)
@@ -77,7 +77,8 @@ def time_codec(numel: int, bits: int, dtype: torch.dtype, device: torch.device, 
     app(p, out, bits)
     gb = numel * torch.empty((), dtype=dtype).element_size() / 1e9
     e, a = statistics.median(t_enc), statistics.median(t_app)
-    return {"numel": numel, "bits": bits, "dtype": str(dtype).replace("torch.", ""), "compiled": compiled,
+    return {"numel": numel, "bits": bits, "dtype": str(dtype).replace("torch.", ""), "codec": codec,
+            "compiled": codec != "eager",
             "encode_ms": round(e, 4), "apply_ms": round(a, 4), "stream_gb": round(gb, 6),
             "encode_ms_per_gb": round(e / gb, 3), "apply_ms_per_gb": round(a / gb, 3),
             "payload_bytes": int(out.numel()), "receiver_equals_sender": bool(torch.equal(r, p)),
@@ -92,7 +93,8 @@ def main(argv=None) -> None:
                     help="chunk sizes in elements (a 60-slot chunk of FLUX.1's K/V at 1024x1024 and 2 ranks is ~1.4e8)")
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 2, 1])
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--compiled", action="store_true", help="also time the compiled codec (compiled=True)")
+    ap.add_argument("--codecs", nargs="+", choices=list(CODECS), default=["eager"],
+                    help="the codec implementations to time (triton and compiled need CUDA and Triton)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -100,11 +102,11 @@ def main(argv=None) -> None:
     rows = []
     for numel in args.numel:
         for bits in args.bits:
-            for comp in ([False, True] if args.compiled else [False]):
+            for kind in args.codecs:
                 try:
-                    r = time_codec(numel, bits, dtype, device, iters=args.iters, compiled=comp)
+                    r = time_codec(numel, bits, dtype, device, iters=args.iters, codec=kind)
                 except Exception as e:  # noqa: BLE001 - a variant that cannot run is recorded, not fatal
-                    r = {"numel": numel, "bits": bits, "compiled": comp, "error": f"{type(e).__name__}: {e}"[:300]}
+                    r = {"numel": numel, "bits": bits, "codec": kind, "error": f"{type(e).__name__}: {e}"[:300]}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 if device.type == "cuda":

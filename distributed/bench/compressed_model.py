@@ -62,12 +62,13 @@ def codec_ms(wire_bytes: float, n: int, bits: int, codec: Optional[dict] = None)
     return own_gb * (enc + (n - 1) * app)
 
 
-def load_codec(path: str, compiled: bool = False) -> dict:
-    """``{bits: (encode_ms_per_gb, apply_ms_per_gb)}`` from a ``codec_bench`` JSON: per width, its largest chunk
-    (the exchange's chunks are large: 60 slots of K/V each)."""
+def load_codec(path: str, codec: str = "eager") -> dict:
+    """``{bits: (encode_ms_per_gb, apply_ms_per_gb)}`` of ``codec`` from a ``codec_bench`` JSON: per width, its
+    largest chunk (the exchange's chunks are large: 60 slots of K/V each)."""
     best: Dict[int, dict] = {}
     for r in json.load(open(path))["rows"]:
-        if "error" in r or bool(r.get("compiled")) != compiled:
+        kind = r.get("codec") or ("compiled" if r.get("compiled") else "eager")  # older files: a compiled flag
+        if "error" in r or kind != codec:
             continue
         if r["bits"] not in best or r["numel"] > best[r["bits"]]["numel"]:
             best[r["bits"]] = r
@@ -226,7 +227,8 @@ def main(argv=None) -> int:
                     help="KEY:N[:TEXT]=MS per-rank compute per step measured alone (dit_bench; TEXT whole or sharded: "
                          "for that text layout only)")
     ap.add_argument("--codec", default=None, help="codec_bench JSON: the measured codec cost instead of the ASSUMED one")
-    ap.add_argument("--codec-compiled", action="store_true", help="use the JSON's torch.compile rows")
+    ap.add_argument("--codec-kind", default="compiled", choices=["eager", "compiled", "triton"],
+                    help="which codec's rows of --codec to use")
     ap.add_argument("--warmup", type=int, action="append", default=None,
                     help="DiT warm-up steps to model besides 1, 2 and 4 (repeatable); the chart and table use --chart-warmup")
     ap.add_argument("--chart-warmup", type=int, default=4, help="the DiT warm-up count the chart shows (default 4, the presets')")
@@ -234,9 +236,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     ref2 = json.load(open(a.sdxl_n2))["reference"]["per_step_ms"]
     sdxl_ref = a.sdxl_ref_ms or sorted(ref2)[len(ref2) // 2]
-    ct = load_codec(a.codec, a.codec_compiled) if a.codec else None
+    ct = load_codec(a.codec, a.codec_kind) if a.codec else None
     doc = {"MODELLED": True, "note": __doc__, "profiles": list(PROFILES), "sdxl_ref_step_ms": sdxl_ref,
-           "codec": ({"source": os.path.basename(a.codec), "compiled": a.codec_compiled, "measured": True,
+           "codec": ({"source": os.path.basename(a.codec), "codec_kind": a.codec_kind, "measured": True,
                       "ms_per_gb_encode_apply": {str(b): v for b, v in ct.items()}} if ct else
                      {"measured": False, "assumed": f"{CODEC_PASSES} passes over the wire bytes at {CODEC_GBPS:g} GB/s"}),
            "sdxl": {"2": sdxl_rows(2, a.sdxl_n2, sdxl_ref, codec_table=ct), "4": sdxl_rows(4, a.sdxl_n4, sdxl_ref, codec_table=ct),

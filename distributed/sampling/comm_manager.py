@@ -24,12 +24,13 @@ Design decisions (after distrifuser's ``PatchParallelismCommManager``, without i
   residual to that peer's row. Sender and receivers run the same arithmetic on the same bytes, so every peer's copy
   equals the sender's reference bit for bit and quantisation error does not accumulate (error feedback). The
   accounting counts the packed bytes that travel.
-* **The codec runs compiled on GPU ranks** (:func:`encode_residual` / :func:`apply_residual` with ``compiled``):
-  op by op it makes a dozen passes over float32 temporaries (measured on an H200: 27.5 ms per GB of bf16 stream
-  to encode, 9.5 to apply); ``torch.compile`` fuses each side into a few kernels (6.5 / 4.7 ms per GB). Every rank
-  of the group tries it when the layout is built (CUDA with Triton; ``PATCHRAY_CODEC_COMPILE=0`` turns it off) and
-  the group uses it only if all of them can, in the one all-gather of that step, so senders and receivers always
-  run the same code. The sender moves its reference by applying its own payload with the receivers' function.
+* **The codec runs fused on GPU ranks** (:func:`encode_residual` / :func:`apply_residual`, ``codec``): op by op
+  it makes a dozen passes over float32 temporaries (measured on an H200: 27.5 ms per GB of bf16 stream to encode,
+  9.6 to apply); ``torch.compile`` fuses each side into a few kernels (5.0 / 2.6 ms per GB), and two hand-written
+  Triton kernels (:mod:`.codec_triton`) read and write each byte once (1.3 / 0.7 ms per GB). Every rank of the group lists the codecs it
+  can run when the layout is built (CUDA with Triton for the fused ones; ``PATCHRAY_CODEC`` caps the choice) and the
+  group takes the fastest all of them can, in the one all-gather of that step, so senders and receivers always run
+  the same code. The sender moves its reference by applying its own payload with the receivers' function.
 * The byte accounting (:class:`Traffic`) is plain Python arithmetic on shapes: it costs no synchronisation.
 """
 
@@ -46,7 +47,7 @@ from ..context import ParallelContext
 from ..parallel.quantize import code_bytes, dequantize, quantize
 
 __all__ = ["KINDS", "GROUP", "Traffic", "CommManager", "async_all_gather_into", "packed_bytes", "encode_residual",
-           "apply_residual", "codec_compiles"]
+           "apply_residual", "CODECS", "codec_kinds", "agree_codec"]
 
 #: elements per quantisation group (one float32 scale each) of a compressed slot
 GROUP = 256
@@ -106,63 +107,95 @@ def _rebase8(row, codes, scale):
 _EAGER = {1: (_codes1, _rebase1), 2: (_codes2, _rebase2), 4: (_codes4, _rebase4), 8: (_codes8, _rebase8)}
 _COMPILED: Dict[int, tuple] = {}
 
+#: the codec implementations, fastest first: ``triton`` (two fused kernels, ``codec_triton``), ``compiled`` (the
+#: op-by-op functions through ``torch.compile``), ``eager`` (op by op; every rank can run it)
+CODECS = ("triton", "compiled", "eager")
 
-def _codec(bits: int, compiled: bool) -> tuple:
-    """The two codec functions for ``bits``: eager, or each compiled once by ``torch.compile`` into fused kernels
-    (sizes dynamic, so every chunk size shares one compilation)."""
+
+def _codec(bits: int, codec: str) -> tuple:
+    """The two op-by-op codec functions for ``bits``, eager or each compiled once by ``torch.compile`` into fused
+    kernels (sizes dynamic, so every chunk size shares one compilation)."""
     if bits not in _EAGER:
         raise ValueError(f"compressed exchange widths are {sorted(_EAGER)} bits (got {bits})")
-    if not compiled:
+    if codec == "eager":
         return _EAGER[bits]
     if bits not in _COMPILED:
         _COMPILED[bits] = tuple(torch.compile(f, dynamic=True, fullgraph=True) for f in _EAGER[bits])
     return _COMPILED[bits]
 
 
-def encode_residual(fresh: torch.Tensor, ref: torch.Tensor, bits: int, compiled: bool = False) -> torch.Tensor:
+def _check_codec(codec: str) -> None:
+    if codec not in CODECS:
+        raise ValueError(f"codec must be one of {', '.join(CODECS)} (got {codec!r})")
+
+
+def encode_residual(fresh: torch.Tensor, ref: torch.Tensor, bits: int, codec: str = "eager") -> torch.Tensor:
     """Quantise ``fresh - ref`` per group of :data:`GROUP` elements (both flat, a whole number of groups), return the
     packed bytes to send (per group its codes, then its float32 scale), and move ``ref`` (this rank's reference: what
     every peer holds of it) on by the decoded residual, through :func:`apply_residual` itself: the sender and every
     receiver run the same function on the same bytes, so their copies stay equal bit for bit (error feedback).
-    ``compiled``: the codec's fused kernels (``torch.compile``); every rank of a group must use the same setting."""
-    c, scale = _codec(bits, compiled)[0](fresh, ref)
-    payload = torch.cat([c, scale.view(torch.uint8).reshape(-1, 4)], dim=1).reshape(-1)
-    apply_residual(ref, payload, bits, compiled)
+    ``codec``: one of :data:`CODECS`; every rank of a group must use the same one."""
+    _check_codec(codec)
+    if codec == "triton":
+        from . import codec_triton
+
+        payload = codec_triton.encode(fresh, ref, bits, GROUP)
+    else:
+        c, scale = _codec(bits, codec)[0](fresh, ref)
+        payload = torch.cat([c, scale.view(torch.uint8).reshape(-1, 4)], dim=1).reshape(-1)
+    apply_residual(ref, payload, bits, codec)
     return payload
 
 
-def apply_residual(row: torch.Tensor, payload: torch.Tensor, bits: int, compiled: bool = False) -> None:
+def apply_residual(row: torch.Tensor, payload: torch.Tensor, bits: int, codec: str = "eager") -> None:
     """Add the residual that ``payload`` (from :func:`encode_residual`) packs to ``row`` in place: a receiver's copy
     of the sender's reference, or the sender's reference itself."""
+    _check_codec(codec)
+    if codec == "triton":
+        from . import codec_triton
+
+        codec_triton.apply(row, payload, bits, GROUP)
+        return
     ncode = code_bytes(GROUP, bits)
     rows = payload.view(-1, ncode + 4)
     scale = rows[:, ncode:].contiguous().view(torch.float32).reshape(-1)
-    _codec(bits, compiled)[1](row, rows[:, :ncode], scale)
+    _codec(bits, codec)[1](row, rows[:, :ncode], scale)
 
 
-def codec_compiles(device: torch.device, widths: Sequence[int] = (1, 2, 4, 8)) -> bool:
-    """Whether this process can run the compiled codec on ``device``: CUDA with Triton, unless
-    ``PATCHRAY_CODEC_COMPILE=0``; tried on a small chunk of each of ``widths`` (each width compiles once per process,
-    a few seconds; a failure means the eager codec, not an error)."""
+def codec_kinds(device: torch.device, widths: Sequence[int] = (1, 2, 4, 8)) -> List[str]:
+    """The codecs (:data:`CODECS` order) this process can run on ``device``: ``eager`` always; ``triton`` and
+    ``compiled`` on CUDA with Triton, unless ``PATCHRAY_CODEC=eager`` (or ``compiled``: not the Triton kernels), each
+    tried on a small chunk of each of ``widths`` (``compiled`` compiles once per width and process, a few seconds);
+    a failure drops that codec, it is not an error."""
+    import importlib.util
     import os
 
-    if device.type != "cuda" or os.environ.get("PATCHRAY_CODEC_COMPILE", "1") == "0":
-        return False
-    try:
-        import importlib.util
+    wanted = os.environ.get("PATCHRAY_CODEC", "triton")
+    if wanted not in CODECS:
+        raise ValueError(f"PATCHRAY_CODEC must be one of {', '.join(CODECS)} (got {wanted!r})")
+    if device.type != "cuda" or wanted == "eager" or importlib.util.find_spec("triton") is None:
+        return ["eager"]  # Triton is absent on many Windows installs
+    kinds = []
+    for kind in CODECS[CODECS.index(wanted):-1]:
+        try:
+            for bits in widths:
+                x = torch.randn(4 * GROUP, device=device, dtype=torch.float16)
+                ref, peer = torch.zeros_like(x), torch.zeros_like(x)
+                apply_residual(peer, encode_residual(x, ref, bits, kind), bits, kind)
+                if not torch.equal(ref, peer) or not torch.isfinite(ref).all():
+                    raise RuntimeError("the sender's and the receiver's copies differ")
+            kinds.append(kind)
+        except Exception:  # noqa: BLE001 - a codec that cannot run here is left out
+            continue
+    return kinds + ["eager"]
 
-        if importlib.util.find_spec("triton") is None:  # Inductor's CUDA kernels need it (absent on many Windows installs)
-            return False
-        for bits in widths:
-            x = torch.randn(4 * GROUP, device=device, dtype=torch.float16)
-            ref = torch.zeros_like(x)
-            peer = torch.zeros_like(x)
-            apply_residual(peer, encode_residual(x, ref, bits, True), bits, True)
-            if not torch.equal(ref, peer):
-                return False
-        return True
-    except Exception:  # noqa: BLE001 - any failure to compile means the eager codec
-        return False
+
+def agree_codec(kinds_by_rank: Sequence[Sequence[str]]) -> str:
+    """The fastest codec every rank can run (``eager`` at worst)."""
+    for kind in CODECS:
+        if all(kind in k for k in kinds_by_rank):
+            return kind
+    return "eager"
 
 
 #: byte-accounting kinds, in report order
@@ -265,8 +298,8 @@ class CommManager:
         # compressed pools: per chunk, the gathered packed bytes (world, nbytes); chunks whose residuals await decoding
         self._recv: Dict[Tuple[Pool, int], torch.Tensor] = {}
         self._to_decode: List[Tuple[Pool, int]] = []
-        #: whether the compressed pools' codec runs compiled (decided by every rank together when the layout is built)
-        self.codec_compiled = False
+        #: the compressed pools' codec (:data:`CODECS`), decided by every rank together when the layout is built
+        self.codec = "eager"
         #: packed bytes this rank sent per compressed chunk in the last step (for tests and reports)
         self.last_packed: Dict[Tuple[Pool, int], int] = {}
 
@@ -346,7 +379,7 @@ class CommManager:
             # the compiled codec where every rank of the group can run it, else the eager one on all: a sender and
             # its receivers must run the same arithmetic for their copies to stay equal bit for bit
             device = next(iter(self._mem.values())).device
-            self.codec_compiled = all(all_gather_object(codec_compiles(device, widths), self.ctx))
+            self.codec = agree_codec(all_gather_object(codec_kinds(device, widths), self.ctx))
         self._laid_out = True
         self._reset_pending()
 
@@ -399,8 +432,7 @@ class CommManager:
     def _encode(self, pool, lo: int, hi: int, bits: int, ids: List[int]) -> torch.Tensor:
         """Quantise this chunk's residual against this rank's reference row, update the reference (error feedback),
         count the packed bytes by kind, and return the bytes to all-gather."""
-        payload = encode_residual(self._send[pool][lo:hi], self._mem[pool][self.ctx.rank, lo:hi], bits,
-                                  self.codec_compiled)
+        payload = encode_residual(self._send[pool][lo:hi], self._mem[pool][self.ctx.rank, lo:hi], bits, self.codec)
         per_group = code_bytes(GROUP, bits) + 4
         peers = self.ctx.world_size - 1
         for i in ids:
@@ -427,7 +459,7 @@ class CommManager:
             mem = self._mem[pool]
             for r in range(self.ctx.world_size):
                 if r != me:
-                    apply_residual(mem[r, lo:hi], recv[r], bits, self.codec_compiled)
+                    apply_residual(mem[r, lo:hi], recv[r], bits, self.codec)
         self._to_decode.clear()
 
     def flush(self) -> None:

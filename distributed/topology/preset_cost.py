@@ -21,8 +21,8 @@ Design decisions:
   65.8 ms = 13.3 GB/s; FLUX.1 1024x1024 2,870 MB / 172.3 ms = 16.7 GB/s; Qwen-Image 1328x1328 10,282 MB / 694 ms
   = 14.8 GB/s; Wan 2.1 14B 480x832x81 53,682 MB / 6,460 ms = 8.3 GB/s (results/compressed/README.md). The defaults
   are SDXL's for UNets and the highest DiT figure (FLUX.1) for DiTs: where a DiT's real rate is lower, the choice errs
-  towards compression, whose cost is its codec (measured: :data:`CODEC_MS_PER_GB`; compiled, 4-bit, SDXL's rate at
-  N = 2: 7% of a one-rank step, 15% of a rank's share), not towards an uncovered stream. A slower GPU computes longer per byte, so
+  towards compression, whose cost is its codec (measured: :data:`CODEC_MS_PER_GB`; the Triton kernels, 4-bit,
+  SDXL's rate at N = 2: 1.3% of a one-rank step, 2.6% of a rank's share), not towards an uncovered stream. A slower GPU computes longer per byte, so
   its rate is lower and the stream hides more easily: on consumer cards the defaults lean towards less traffic.
 * **Exactness is worth a margin.** ``full_sync`` (exact) is chosen when its modelled step is within
   :data:`EXACT_MARGIN` of the fastest preset's; otherwise the fastest wins, ties going to the earlier (less lossy)
@@ -54,17 +54,17 @@ EXCHANGE_GBPS: Dict[str, float] = {"unet": 13.3, "dit": 16.7}
 #: full_sync (exact) is chosen when its modelled step is at most this much slower than the fastest preset's
 EXACT_MARGIN = 0.10
 #: the earlier ASSUMED codec cost (memory traffic: 5 passes over the streamed bytes at 2 TB/s); kept for the
-#: benchmark's comparison (``bench/compressed_model`` without ``--codec``). The measured cost is 4-5x that
-#: compiled and 15x eager: :data:`CODEC_MS_PER_GB`.
+#: benchmark's comparison (``bench/compressed_model`` without ``--codec``)
 CODEC_GBPS = 2000.0
 CODEC_PASSES = 5
-#: MEASURED codec cost on an H200 (``bench/codec_bench``, bf16 chunks of 1.3e8 elements, torch 2.11,
+#: MEASURED codec cost on an H200 (``bench/codec_bench``, bf16 chunks of 1.3e8 elements, torch 2.11, Triton 3.6,
 #: results/h200/codec/): milliseconds per GB of a rank's own uncompressed stream to encode it, and per GB of one
-#: peer's stream to apply it, by code width; ``compiled``: ``torch.compile``'s fused kernels (GPU ranks with
-#: Triton), ``eager``: the same functions op by op (no Triton, e.g. many Windows installs)
+#: peer's stream to apply it, by code width, for each codec a rank may run (``comm_manager.CODECS``): ``triton``
+#: (two fused kernels, GPU ranks with Triton), ``compiled`` (``torch.compile``), ``eager`` (op by op)
 CODEC_MS_PER_GB: Dict[str, Dict[int, tuple]] = {
-    "compiled": {4: (6.51, 4.66), 2: (7.28, 4.64), 1: (5.00, 4.06)},
-    "eager": {4: (27.49, 9.53), 2: (31.84, 15.00), 1: (23.03, 10.56)},
+    "triton": {4: (1.28, 0.70), 2: (1.36, 0.80), 1: (1.16, 0.65)},
+    "compiled": {4: (4.97, 2.57), 2: (5.58, 2.91), 1: (4.07, 3.06)},
+    "eager": {4: (27.48, 9.56), 2: (31.75, 14.79), 1: (23.09, 10.64)},
 }
 
 
@@ -97,7 +97,7 @@ def packing(bits: int, itemsize: int = 2, group: int = 256) -> float:
     return (group * bits / 8 + 4) / (group * itemsize)
 
 
-def preset_step(traffic: PresetTraffic, world_size: int, profile, exchange_gbps: float, codec: str = "compiled") -> float:
+def preset_step(traffic: PresetTraffic, world_size: int, profile, exchange_gbps: float, codec: str = "triton") -> float:
     """The modelled step of one rank, in units of one rank's whole step (so ``1 / result`` is the speed-up).
 
     Args:
@@ -105,8 +105,8 @@ def preset_step(traffic: PresetTraffic, world_size: int, profile, exchange_gbps:
         world_size: the ranks that share the latent (N).
         profile: a link profile or its name (:mod:`.links`).
         exchange_gbps: the workload's exchange rate ``E`` (:data:`EXCHANGE_GBPS`).
-        codec: ``"compiled"`` (GPU ranks with Triton, the default) or ``"eager"``: which measured codec cost a
-            compressed preset adds to its compute (:data:`CODEC_MS_PER_GB`).
+        codec: ``"triton"`` (GPU ranks with Triton, the default), ``"compiled"`` or ``"eager"``: which measured
+            codec cost a compressed preset adds to its compute (:data:`CODEC_MS_PER_GB`).
 
     Example:
         >>> round(preset_step(PresetTraffic("displaced", False), 2, "nvlink", 13.3), 3)  # the stream hides
@@ -131,7 +131,7 @@ def preset_step(traffic: PresetTraffic, world_size: int, profile, exchange_gbps:
 
 
 def choose_preset(candidates: Sequence[PresetTraffic], world_size: int, profile, exchange_gbps: float,
-                  exact_margin: Optional[float] = None, codec: str = "compiled") -> PresetChoice:
+                  exact_margin: Optional[float] = None, codec: str = "triton") -> PresetChoice:
     """The fastest candidate on ``profile`` at ``world_size`` ranks, or the blocking (exact) one when it is within
     ``exact_margin`` (default :data:`EXACT_MARGIN`) of the fastest. Ties go to the earlier candidate."""
     if not candidates:

@@ -162,11 +162,11 @@ def test_modelled_preset_steps_match_the_hand_arithmetic():
     assert preset_step(full, 2, "pcie4_x16_no_p2p", 13.3) == pytest.approx(0.5 + 6.65 / 13.8)
     assert preset_step(disp, 2, "pcie4_x16_no_p2p", 13.3) == pytest.approx(0.5)
     assert preset_step(disp, 4, "pcie4_x16_no_p2p", 13.3) == pytest.approx(9.975 / 13.8)
-    # compressed: the codec measured on an H200 (compiled: 6.51 ms per GB encoded, 4.66 per GB applied; eager 27.49 /
-    # 9.53): the rank encodes its own 13.3 / 4 GB per step-second and applies 3 peers' as much; the packed stream
-    # (9.975 GB x 132/512 through 13.8 GB/s) hides behind that compute
-    assert preset_step(c4, 4, "pcie4_x16_no_p2p", 13.3) == pytest.approx(0.25 + 3.325 * (6.51 + 3 * 4.66) / 1e3)
-    assert preset_step(c4, 4, "pcie4_x16_no_p2p", 13.3, codec="eager") == pytest.approx(0.25 + 3.325 * (27.49 + 3 * 9.53) / 1e3)
+    # compressed: the codec measured on an H200 (Triton kernels: 1.28 ms per GB encoded, 0.70 per GB applied;
+    # op by op 27.48 / 9.56): the rank encodes its own 13.3 / 4 GB per step-second and applies 3 peers' as much;
+    # the packed stream (9.975 GB x 132/512 through 13.8 GB/s) hides behind that compute
+    assert preset_step(c4, 4, "pcie4_x16_no_p2p", 13.3) == pytest.approx(0.25 + 3.325 * (1.28 + 3 * 0.70) / 1e3)
+    assert preset_step(c4, 4, "pcie4_x16_no_p2p", 13.3, codec="eager") == pytest.approx(0.25 + 3.325 * (27.48 + 3 * 9.56) / 1e3)
     with pytest.raises(ValueError, match="codec must be one of"):
         preset_step(c4, 4, "pcie4_x16_no_p2p", 13.3, codec="fast")
     choice = choose_preset([full, disp, c4], 4, "nvlink", 13.3)

@@ -10,7 +10,9 @@ DISTRIBUTED = ROOT / "distributed"
 
 COMFY_MODULES = {"comfy", "comfy_api", "comfy_extras", "comfy_execution", "nodes", "server", "folder_paths", "execution", "latent_preview"}
 #: third-party imports distributed/ may use (the rest is the standard library)
-ALLOWED_THIRD_PARTY = {"torch", "diffusers", "ray", "numpy", "matplotlib", "safetensors", "pynvml", "psutil", "PIL", "tqdm"}
+#: (triton: PyTorch's kernel language, shipped with its CUDA wheels; the compressed exchange's fused codec)
+ALLOWED_THIRD_PARTY = {"torch", "diffusers", "ray", "numpy", "matplotlib", "safetensors", "pynvml", "psutil", "PIL", "tqdm",
+                       "triton"}
 
 
 def _imports(path: Path):
