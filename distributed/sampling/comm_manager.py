@@ -163,20 +163,23 @@ def apply_residual(row: torch.Tensor, payload: torch.Tensor, bits: int, codec: s
 
 
 def codec_kinds(device: torch.device, widths: Sequence[int] = (1, 2, 4, 8)) -> List[str]:
-    """The codecs (:data:`CODECS` order) this process can run on ``device``: ``eager`` always; ``triton`` and
-    ``compiled`` on CUDA with Triton, unless ``PATCHRAY_CODEC=eager`` (or ``compiled``: not the Triton kernels), each
-    tried on a small chunk of each of ``widths`` (``compiled`` compiles once per width and process, a few seconds);
-    a failure drops that codec, it is not an error."""
+    """The codecs (:data:`CODECS` order) this process offers on ``device``: ``eager`` always, and before it the first
+    fused one that runs here: ``triton``, else ``compiled`` (CUDA with Triton; ``PATCHRAY_CODEC=compiled`` starts at
+    ``compiled``, ``=eager`` offers only ``eager``), each tried on a small chunk of each of ``widths`` (``compiled``
+    compiles once per width and process, a few seconds); a failure drops that codec, it is not an error."""
     import importlib.util
     import os
 
     wanted = os.environ.get("PATCHRAY_CODEC", "triton")
     if wanted not in CODECS:
         raise ValueError(f"PATCHRAY_CODEC must be one of {', '.join(CODECS)} (got {wanted!r})")
-    if device.type != "cuda" or wanted == "eager" or importlib.util.find_spec("triton") is None:
+    # Triton's interpreter (TRITON_INTERPRET=1, how CI runs the kernels) executes them on CPU tensors
+    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if (device.type != "cuda" and not interpreted) or wanted == "eager" or importlib.util.find_spec("triton") is None:
         return ["eager"]  # Triton is absent on many Windows installs
     kinds = []
-    for kind in CODECS[CODECS.index(wanted):-1]:
+    # under the interpreter only the Triton kernels: torch.compile's CPU kernels are C++, not Triton
+    for kind in (("triton",) if interpreted else CODECS[CODECS.index(wanted):-1]):
         try:
             for bits in widths:
                 x = torch.randn(4 * GROUP, device=device, dtype=torch.float16)
@@ -185,6 +188,7 @@ def codec_kinds(device: torch.device, widths: Sequence[int] = (1, 2, 4, 8)) -> L
                 if not torch.equal(ref, peer) or not torch.isfinite(ref).all():
                     raise RuntimeError("the sender's and the receiver's copies differ")
             kinds.append(kind)
+            break  # the fastest that runs; the slower fused one is not compiled for nothing
         except Exception:  # noqa: BLE001 - a codec that cannot run here is left out
             continue
     return kinds + ["eager"]

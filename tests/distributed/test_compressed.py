@@ -104,6 +104,7 @@ def _unet_part(ctx):
         if name.startswith("compressed"):
             entry["expected_async"] = _expected_async(cm, ctx.world_size - 1)
             entry["memory"] = _memory_report(cm, ctx.rank, ctx.world_size)
+            entry["codec"] = cm.codec
             entry["bits"] = sorted({b for _, _, b, _ in cm.slots if b})
         den.remove()
         res[name] = entry
@@ -163,6 +164,7 @@ def _dit_part(ctx, names=DIT_PRESETS):
             cm.wait()
             entry["expected_async"] = _expected_async(cm, ctx.world_size - 1)
             entry["memory"] = _memory_report(cm, ctx.rank, ctx.world_size)
+            entry["codec"] = cm.codec
         handle.remove()
         res[name] = entry
     return res
@@ -459,6 +461,9 @@ def test_every_peer_holds_the_senders_reference_bit_for_bit(n, part):
     for name in (m for m in names if m in results[0][part]):
         keys = results[0][part][name]["memory"].keys()
         assert keys
+        # CPU ranks run the op-by-op codec; under Triton's interpreter (the test below) the group agrees on the kernels
+        expected = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "eager"
+        assert all(r[part][name]["codec"] == expected for r in results), name
         for key in keys:
             for sender in range(n):
                 ref = results[sender][part][name]["memory"][key][sender]
@@ -579,3 +584,14 @@ def test_the_triton_codec_keeps_the_wire_format_and_sender_and_receiver_equal():
     out = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["ok", "1", "ok", "2", "ok", "4", "ok", "8"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (a test extra on Linux)")
+def test_ranks_agree_on_the_triton_codec_and_every_peer_holds_the_senders_reference():
+    # the whole compressed DiT exchange on 2 real gloo ranks with the Triton kernels, run by Triton's interpreter
+    # on the CPU ranks' tensors: the group picks them (codec_kinds) and every peer's copy equals the sender's
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    test = f"{__file__}::test_every_peer_holds_the_senders_reference_bit_for_bit[dit-2]"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "1 passed" in out.stdout, (out.stdout + out.stderr)[-4000:]
