@@ -318,7 +318,7 @@ def decode(
     _check_decode_memory(vae, samples, z, spec, dtype, config)
     with _out_of_memory_hint(config), rank_errors_for_user():
         report = decode_report(
-            get_cluster(config),
+            get_cluster(config, cancel_check=cancel_check),  # the ranks start here on first use
             spec,
             z,
             mode=mode,
@@ -382,7 +382,7 @@ def encode(
                       int(x.numel()) * 4, config, "encode")
     with rank_errors_for_user():
         z: torch.Tensor = distributed_encode(
-            get_cluster(config), spec, x, dtype=dtype, cancel_check=cancel_check, progress=progress,
+            get_cluster(config, cancel_check=cancel_check), spec, x, dtype=dtype, cancel_check=cancel_check, progress=progress,
             balance=balance,
         )
     return Result({"samples": cv.latent_from_library(spec, z)}, None)
