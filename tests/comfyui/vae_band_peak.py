@@ -4,7 +4,8 @@ For each VAE (ComfyUI's own classes, every weight random and non-constant, loade
 stock VAE Loader) and each frame count: ComfyUI's ``memory_used_decode`` (what PatchRay's host-memory refusal reads),
 PatchRay's own estimate (:func:`patchray.nodes.bridge.vae.decode_need`), and the measured peak of each of N spawned gloo
 CPU ranks running the library's ``row_decode`` on its band (resident memory sampled every 2 ms during the decode,
-minus the resident memory before it: weights, the latent and the process itself excluded), fp32.
+minus the resident memory before it: weights, the latent and the process itself excluded; and the peak of the
+bytes of tensors live at once, counted by a dispatch mode, which leaves out the allocator's slack), fp32.
 
     python tests/comfyui/vae_band_peak.py <ComfyUI dir> --vae wan21 --frames 1 5 9 17 --size 128 --ranks 2 [--dim 96]
 """
@@ -55,13 +56,16 @@ def _band_peak(ctx, family, config, state, z):
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
+    from patchray.distributed.cluster.memory import _LiveBytes
+
     t0 = time.perf_counter()
-    out = row_decode(model, z, ctx)
+    with _LiveBytes(1 << 62, ctx.rank) as live:  # the tensors' own bytes, live at once (no allocator slack)
+        out = row_decode(model, z, ctx)
     seconds = time.perf_counter() - t0
     done.set()
     t.join()
     peak[0] = max(peak[0], _rss())
-    return {"rank": ctx.rank, "peak_above_start": peak[0] - base, "seconds": round(seconds, 2),
+    return {"rank": ctx.rank, "peak_above_start": peak[0] - base, "live_tensor_peak": live.peak, "seconds": round(seconds, 2),
             "out_shape": list(out.shape) if out is not None else None}
 
 
@@ -94,6 +98,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("comfy_dir")
     p.add_argument("--vae", default="wan21", choices=["wan21", "wan22"])
+    p.add_argument("--file", default="", help="a VAE file to load as the stock VAE Loader does (instead of --vae)")
     p.add_argument("--frames", type=int, nargs="+", default=[1, 5, 9, 17])
     p.add_argument("--size", type=int, default=128, help="width = height in pixels")
     p.add_argument("--ranks", type=int, default=2)
@@ -115,17 +120,23 @@ def main(argv=None):
     from patchray.nodes.bridge import convert as cv
     from patchray.nodes.bridge import vae as bridge_vae
 
-    vae = _build(args.vae, args.dim)
+    if args.file:
+        import comfy.sd
+        import comfy.utils
+
+        vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(args.file))
+    else:
+        vae = _build(args.vae, args.dim)
     spec = cv.vae_spec(vae)
     ratio = cv.spatial_ratio(spec)
-    t_ratio = 4
+    t_ratio = int(vae.upscale_index_formula[0])
     rows = []
     for frames in args.frames:
         lat_t = (frames - 1) // t_ratio + 1
         h = w = args.size // ratio
         z = torch.randn(1, spec_channels(spec), lat_t, h, w, generator=torch.Generator().manual_seed(0))
         comfy_est = int(vae.memory_used_decode(tuple(z.shape), torch.float32))
-        row = {"vae": args.vae, "dim": args.dim or "comfyui", "frames": frames, "latent": list(z.shape), "ranks": args.ranks,
+        row = {"vae": os.path.basename(args.file) or args.vae, "dim": args.dim or "comfyui", "frames": frames, "latent": list(z.shape), "ranks": args.ranks,
                "comfy_estimate_gib": round(comfy_est / GIB, 4)}
         need = getattr(bridge_vae, "decode_need", None)
         if need is not None:
@@ -134,6 +145,8 @@ def main(argv=None):
                         timeout_s=1800.0)
         row["rank_peak_above_start_gib"] = [round(r["peak_above_start"] / GIB, 4) for r in res]
         row["sum_rank_peaks_gib"] = round(sum(r["peak_above_start"] for r in res) / GIB, 4)
+        row["rank_live_tensor_peak_gib"] = [round(r["live_tensor_peak"] / GIB, 4) for r in res]
+        row["sum_live_tensor_peaks_gib"] = round(sum(r["live_tensor_peak"] for r in res) / GIB, 4)
         row["seconds"] = [r["seconds"] for r in res]
         row["output_gib"] = round(frames * args.size * args.size * 3 * 4 / GIB, 4)
         print(json.dumps(row), flush=True)
