@@ -77,10 +77,12 @@ def describe_cluster(config):
     info = {
         "num_ranks": config.num_ranks, "backend": backend, "device_kind": kind or "decided by the Ray cluster",
         "address": config.address or "embedded (127.0.0.1)", "gpu_ids": list(config.gpu_ids), "started": False,
-        "note": "the ranks start when a PatchRay node first uses this cluster, after that node has checked its inputs",
+        "note": "not running when this node ran; the ranks start when a PatchRay node first uses this cluster, after that "
+                "node has checked its inputs",
     }
-    summary = (f"{config.num_ranks} {kind or ''} rank(s)".replace("  ", " ") + f", {backend}: not started yet; they start "
-               "when a PatchRay node first uses them (after its own checks) and stay up for later prompts")
+    # said without a time: ComfyUI caches this node, so its text stays on screen after the ranks have started
+    summary = (f"{config.num_ranks} {kind or ''} rank(s)".replace("  ", " ") + f", {backend}: they start when a PatchRay "
+               "node first uses them (after that node's own checks) and stay up for later prompts")
     return json.dumps(info, indent=1, default=str), summary
 
 

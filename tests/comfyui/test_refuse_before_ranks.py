@@ -34,7 +34,7 @@ def test_impossible_requests_are_refused_without_starting_a_rank(tmp_path):
     report = json.loads(out.read_text())
     info = report["cluster_info"]
     assert info["started"] is False and info["num_ranks"] == 3 and info["device_kind"] == "cpu", info
-    assert "not started yet" in report["cluster_summary"]
+    assert "they start when a PatchRay node first uses them" in report["cluster_summary"]
     assert set(report["cases"]) == set(EXPECTED)
     for name, words in EXPECTED.items():
         case = report["cases"][name]

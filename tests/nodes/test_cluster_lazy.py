@@ -36,7 +36,7 @@ def handle():
     described = json.loads(info)
     assert described["started"] is False and described["num_ranks"] == RANKS
     assert (described["device_kind"], described["backend"]) == ("cpu", "gloo")
-    assert out.ui.value.startswith(f"{RANKS} cpu rank(s), gloo: not started yet")
+    assert out.ui.value.startswith(f"{RANKS} cpu rank(s), gloo: they start when a PatchRay node first uses them")
     return config
 
 
