@@ -239,16 +239,26 @@ def benchmark(
     from ...distributed.bench.vae_bench import SetupError, run_bench
     from ...distributed.cluster import get_cluster
 
+    from ...distributed.cluster import check_rank_count
+    from ...distributed.cluster.limits import this_machine
+
     os.makedirs(folder, exist_ok=True)
     if cancel_check is not None:
         cancel_check()
-    with rank_errors_for_user():
-        cluster = get_cluster(cluster_config, cancel_check=cancel_check)
-    height, width, frames, size = bench_request(family, shape, size, cluster.device_kind)
-    from ...distributed.cluster.limits import this_machine
-
-    check_bench_memory(family, height, width, frames, size, cluster.device_kind == "cpu" and not cluster_config.address,
-                       this_machine().available_bytes)
+    c = cluster_config
+    # the widgets are checked against the device kind the cluster's settings give, before any rank starts; only device
+    # auto on an existing Ray cluster needs its ranks placed to know it
+    kind = check_rank_count(c.num_ranks, c.device, embedded=c.address is None, gpu_ids=c.gpu_ids)
+    cluster = None
+    if not kind:
+        with rank_errors_for_user():
+            cluster = get_cluster(c, cancel_check=cancel_check)
+        kind = cluster.device_kind
+    height, width, frames, size = bench_request(family, shape, size, kind)
+    check_bench_memory(family, height, width, frames, size, kind == "cpu" and not c.address, this_machine().available_bytes)
+    if cluster is None:
+        with rank_errors_for_user():
+            cluster = get_cluster(c, cancel_check=cancel_check)  # the ranks start here on first use
     label = f"{width}x{height}" + (f"x{frames}" if frames > 1 else "")
     out = os.path.join(folder, f"bench_{family}_{label}_{size}_{cluster_config.num_ranks}r_{time.strftime('%Y%m%d-%H%M%S')}.json")
     argv = ["--family", family, "--shape", f"{height}x{width}x{frames}", "--size", size, "--half", half, "--warmup", "1",

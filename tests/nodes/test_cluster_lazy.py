@@ -84,3 +84,15 @@ def test_a_refused_encode_starts_no_rank(handle, vae):
     with pytest.raises(ValueError, match=rf"cannot be encoded on the {RANKS} ranks of 'cluster'.*num_ranks"):
         PatchRayVAEEncode.execute(pixels=torch.rand(1, 16, 64, 3), vae=vae, cluster=handle)
     assert _current() is before
+
+
+def test_a_refused_benchmark_starts_no_rank(handle, tmp_path):
+    """The Benchmark's shape widget is checked against the device kind the Cluster node's settings give (cpu here)."""
+    from patchray.nodes.bridge import diagnostics
+
+    before = _current()
+    with pytest.raises(ValueError, match=r"shape '1000x1000x3': family wan decodes 4k \+ 1 frames: use 1000x1000x1 or 1000x1000x5"):
+        diagnostics.benchmark(handle, "wan", "1000x1000x3", "tiny", "decoder", 1, str(tmp_path))
+    with pytest.raises(ValueError, match=r"needs about .* GiB on the CPU ranks .* set size to tiny"):
+        diagnostics.benchmark(handle, "kl", "16384x16384", "full", "decoder", 1, str(tmp_path))
+    assert _current() is before
