@@ -96,3 +96,17 @@ def test_a_refused_benchmark_starts_no_rank(handle, tmp_path):
     with pytest.raises(ValueError, match=r"needs about .* GiB on the CPU ranks .* set size to tiny"):
         diagnostics.benchmark(handle, "kl", "16384x16384", "full", "decoder", 1, str(tmp_path))
     assert _current() is before
+
+
+def test_an_existing_ray_cluster_is_not_contacted_by_the_cluster_node():
+    """With address set, the node neither connects nor places anything: the device kind of device auto is then the
+    Ray cluster's to decide, when a node first uses the handle."""
+    from patchray.nodes.cluster import PatchRayCluster
+
+    before = _current()
+    out = PatchRayCluster.execute(num_ranks=2, device="auto", address="ray://127.0.0.1:1", gpu_ids="")
+    described = json.loads(out.args[1])
+    assert described["started"] is False and described["address"] == "ray://127.0.0.1:1"
+    assert described["device_kind"] == "decided by the Ray cluster"
+    assert out.ui.value.startswith("2 rank(s), nccl on GPUs, gloo on CPUs: they start when")
+    assert _current() is before
