@@ -178,6 +178,10 @@ _GIB = 2**30
 
 #: the share of ComfyUI's memory estimate the CPU-rank check counts (see :func:`check_host_memory`)
 ESTIMATE_SHARE = 0.5
+#: decode families whose CPU ranks' live tensors were measured above :data:`ESTIMATE_SHARE` of ComfyUI's figure: the
+#: share counted for them, rounded up from the measured peak (results/cpu-vae-memory/, 2 CPU ranks, fp32: Wan 2.1
+#: 0.66-0.73 from its second 4-frame chunk on, HunyuanVideo 0.55-0.68 from 5 frames)
+DECODE_SHARE = {"wan": 0.75, "hunyuan_video": 0.7}
 
 
 def _cpu_ranks_here(config) -> bool:
@@ -189,16 +193,18 @@ def _cpu_ranks_here(config) -> bool:
     return config.device == "cpu" or (config.device == "auto" and this_machine().gpus == 0)
 
 
-def host_need(estimate: Optional[int], out_bytes: int, config) -> int:
+def host_need(estimate: Optional[int], out_bytes: int, config, share: float = ESTIMATE_SHARE) -> int:
     """What one call needs of this machine's memory (see :func:`check_host_memory`): CPU ranks of the embedded cluster
-    half of ComfyUI's estimate plus the result twice; GPU ranks the result three times."""
+    ``share`` of ComfyUI's estimate (half, or the family's measured :data:`DECODE_SHARE`) plus the result twice; GPU
+    ranks the result three times."""
     if _cpu_ranks_here(config):
-        return int((estimate or 0) * ESTIMATE_SHARE) + 2 * out_bytes
+        return int((estimate or 0) * share) + 2 * out_bytes
     return 3 * out_bytes
 
 
 def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], out_bytes: int, config, verb: str = "decode",
-                      available: Optional[int] = None, fits: Optional[Callable[[int], str]] = None) -> None:
+                      available: Optional[int] = None, fits: Optional[Callable[[int], str]] = None,
+                      share: float = ESTIMATE_SHARE) -> None:
     """Refuse, before any rank starts, a decode/encode whose memory this machine does not have free.
 
     CPU ranks of the embedded cluster compute in this machine's memory: row mode spreads the activations over the
@@ -209,7 +215,7 @@ def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], 
     run one latent frame at a time with a feature cache, ComfyUI's figure is per chunk and does not grow with the frame
     count (nor does the ranks' measured peak, beyond the frames decoded: results/cpu-vae-memory/); for HunyuanVideo,
     LTX-Video and the 3-D KL VAEs, which decode the whole clip at once, it grows with the frames, as their peak does.
-    Half of it is counted (:data:`ESTIMATE_SHARE`), plus the result twice
+    Half of it is counted (:data:`ESTIMATE_SHARE`; Wan 2.1 and HunyuanVideo decodes: their measured :data:`DECODE_SHARE`), plus the result twice
     (rank 0's copy and the node's output): the check is for requests that cannot fit; a decode between that and the
     machine's limit meets Ray's memory monitor, which stops a rank at 95% of the machine's memory (a clear error, the
     machine keeps working). The weights are not counted: ranks that already hold them have them in the memory in use, and on a
@@ -219,6 +225,7 @@ def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], 
     this machine's memory: ``out_bytes`` (the IMAGE or the pixels shipped) is checked for them, three copies (the
     rank's host copy, Ray's object store, the node's output).
 
+    ``share`` replaces :data:`ESTIMATE_SHARE` for a family measured above it (:data:`DECODE_SHARE`).
     ``fits(free)``, when given, says what would fit in ``free`` bytes (how many frames at this size, or how much smaller
     an image) in the node's terms; it leads the advice.
     """
@@ -227,7 +234,7 @@ def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], 
     free = this_machine().available_bytes if available is None else available
     if not free:
         return
-    need = host_need(estimate, out_bytes, config)
+    need = host_need(estimate, out_bytes, config, share)
     if need <= free:
         return
     if _cpu_ranks_here(config):
@@ -309,13 +316,14 @@ def _check_decode_memory(vae, samples, z: torch.Tensor, spec, dtype: torch.dtype
     video = raw.dim() == 5 and int(raw.shape[2]) > 1
     what = f"{batch} x {frames} frame(s) of {width}x{height} px" if frames > 1 else f"{batch} image(s) of {width}x{height} px"
     fn = getattr(vae, "memory_used_decode", None)
+    share = DECODE_SHARE.get(spec.family, ESTIMATE_SHARE)
 
     def shape_at(n: int) -> tuple:  # n latent frames (video) or n samples of the batch
         return tuple(raw.shape[:2]) + (n,) + tuple(raw.shape[3:]) if video else (n,) + tuple(raw.shape[1:])
 
     def need_at(n: int) -> int:
         out = (batch * _decoded_frames(vae, raw[:, :, :n]) if video else n * frames) * height * width * 3 * 4
-        return host_need(_estimate(fn, shape_at(n), dtype, per_sample=True), out, config)
+        return host_need(_estimate(fn, shape_at(n), dtype, per_sample=True), out, config, share)
 
     count = int(raw.shape[2]) if video else batch
     frames_of = (lambda n: _decoded_frames(vae, raw[:, :, :n])) if video else (lambda n: n)
@@ -324,7 +332,7 @@ def _check_decode_memory(vae, samples, z: torch.Tensor, spec, dtype: torch.dtype
     fits = _fits_words("decode", need_at, count, frames_of, video, width, height, widget)
     out_bytes = batch * frames * height * width * 3 * 4  # ComfyUI's IMAGE: float32 RGB
     estimate = _estimate(fn, raw.shape, dtype, per_sample=True)
-    check_host_memory(_DECODE, "samples", f"{what} to decode", estimate, out_bytes, config, "decode", fits=fits)
+    check_host_memory(_DECODE, "samples", f"{what} to decode", estimate, out_bytes, config, "decode", fits=fits, share=share)
 
 
 def _decoded_frames(vae, raw: torch.Tensor) -> int:

@@ -3,7 +3,9 @@
 ComfyUI 0.3.64's own estimates (comfy/sd.py, ``VAE.memory_used_decode`` / ``memory_used_encode``) are written out here
 by hand for the two kinds of video VAE: Wan 2.1 decodes one latent frame at a time with a feature cache (ComfyUI's
 figure is per chunk: no frame count in it), HunyuanVideo decodes the whole clip at once (its figure grows with the
-frames). The measured peaks of CPU ranks behind the check are in results/cpu-vae-memory/.
+frames). The measured peaks of CPU ranks behind the check are in results/cpu-vae-memory/: their live tensors reached
+0.66-0.73 of ComfyUI's figure for Wan 2.1 and 0.55-0.68 for HunyuanVideo, so the check counts 0.75 and 0.7 of it for
+those decodes (written out below, beside the frames counted twice).
 """
 
 from types import SimpleNamespace
@@ -73,18 +75,18 @@ def _decode_check(vae, family, latent):
 
 
 def test_a_long_wan_clip_that_fits_per_chunk_is_not_refused(free_memory):
-    """480x832 px, 161 frames (41 latent frames): ComfyUI's per-chunk figure (10.4 GiB, counted half) plus the frames
-    (0.72 GiB, counted twice) is 6.7 GiB; 7 GiB free holds it, as it holds 5 frames (the decode's peak does not grow
-    with the frames beyond the frames themselves)."""
+    """480x832 px, 161 frames (41 latent frames): ComfyUI's per-chunk figure (10.4 GiB, 0.75 of it counted) plus the
+    frames (0.72 GiB, counted twice) is 9.3 GiB; 10 GiB free holds it, as it holds 5 frames (the decode's peak does not
+    grow with the frames beyond the frames themselves)."""
     long_clip = torch.zeros(1, 16, 41, 60, 104)
-    free_memory(7 * GIB)
+    free_memory(10 * GIB)
     _decode_check(_Wan21, "wan", long_clip)
     _decode_check(_Wan21, "wan", long_clip[:, :, :2])
-    # 5.3 GiB: the per-chunk figure (5.2 GiB counted) and a few frames fit
-    need = lambda t: 7000 * 60 * 104 * 64 * 4 // 2 + 2 * (4 * t - 3) * 480 * 832 * 12  # noqa: E731
-    fit = max(t for t in range(1, 42) if need(t) <= int(5.3 * GIB))
+    # 7.9 GiB: the per-chunk figure (7.8 GiB counted) and a few frames fit
+    need = lambda t: 7000 * 60 * 104 * 64 * 4 * 3 // 4 + 2 * (4 * t - 3) * 480 * 832 * 12  # noqa: E731
+    fit = max(t for t in range(1, 42) if need(t) <= int(7.9 * GIB))
     assert 4 * fit - 3 == 9
-    free_memory(int(5.3 * GIB))
+    free_memory(int(7.9 * GIB))
     with pytest.raises(ValueError, match="holds about 9 frame"):
         _decode_check(_Wan21, "wan", long_clip)
 
@@ -97,13 +99,13 @@ def test_a_clip_that_does_not_fit_is_refused_with_the_frames_that_do(free_memory
     with pytest.raises(ValueError) as info:
         _decode_check(_HunyuanVideo, "hunyuan_video", latent)
     msg = str(info.value)
-    # need(t latent frames) = 1500 * t * 60 * 106 * 256 * 4 / 2 + 2 * frames(t) * 480 * 848 * 12
-    need = lambda t: 1500 * t * 60 * 106 * 256 * 4 // 2 + 2 * (4 * t - 3) * 480 * 848 * 12  # noqa: E731
+    # need(t latent frames) = 0.7 x 1500 * t * 60 * 106 * 256 * 4 + 2 * frames(t) * 480 * 848 * 12
+    need = lambda t: 1500 * t * 60 * 106 * 256 * 4 * 7 // 10 + 2 * (4 * t - 3) * 480 * 848 * 12  # noqa: E731
     fit = max(t for t in range(1, 20) if need(t) <= 20 * GIB)
-    assert (fit, 4 * fit - 3) == (4, 13)
+    assert (fit, 4 * fit - 3) == (3, 9)
     assert msg.startswith("PatchRay Distributed VAE Decode: 'samples' is 1 x 73 frame(s) of 848x480 px to decode"), msg
     assert f"about {need(19) / GIB:.1f} GiB" in msg, msg
-    assert "at 848x480 px this machine's free memory holds about 13 frame(s) per call: decode at most that many" in msg, msg
+    assert "at 848x480 px this machine's free memory holds about 9 frame(s) per call: decode at most that many" in msg, msg
     assert "shorter length" in msg and "use GPU ranks (device on the PatchRay Cluster node)" in msg, msg
     assert "bf16" not in msg  # CPU bf16 convolutions are many times slower: not advice for CPU ranks
 
@@ -111,7 +113,7 @@ def test_a_clip_that_does_not_fit_is_refused_with_the_frames_that_do(free_memory
 def test_when_not_even_one_frame_fits_a_smaller_image_is_named(free_memory):
     latent = torch.zeros(1, 16, 19, 60, 106)
     free_memory(2 * GIB)
-    with pytest.raises(ValueError, match=r"even one frame at 848x480 px needs about 4\.\d GiB: decode a smaller image \(about \d+x\d+ px or less\)"):
+    with pytest.raises(ValueError, match=r"even one frame at 848x480 px needs about 6\.\d GiB: decode a smaller image \(about \d+x\d+ px or less\)"):
         _decode_check(_HunyuanVideo, "hunyuan_video", latent)
 
 
