@@ -215,8 +215,8 @@ def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], 
     run one latent frame at a time with a feature cache, ComfyUI's figure is per chunk and does not grow with the frame
     count (nor does the ranks' measured peak, beyond the frames decoded: results/cpu-vae-memory/); for HunyuanVideo,
     LTX-Video and the 3-D KL VAEs, which decode the whole clip at once, it grows with the frames, as their peak does.
-    Half of it is counted (:data:`ESTIMATE_SHARE`; Wan 2.1 and HunyuanVideo decodes: their measured :data:`DECODE_SHARE`), plus the result twice
-    (rank 0's copy and the node's output): the check is for requests that cannot fit; a decode between that and the
+    Half of it is counted (:data:`ESTIMATE_SHARE`; Wan 2.1 and HunyuanVideo decodes: their measured
+    :data:`DECODE_SHARE`), plus the result twice (rank 0's copy and the node's output): the check is for requests that cannot fit; a decode between that and the
     machine's limit meets Ray's memory monitor, which stops a rank at 95% of the machine's memory (a clear error, the
     machine keeps working). The weights are not counted: ranks that already hold them have them in the memory in use, and on a
     first call their one copy per rank stays within the estimate's margin. Past the free memory Ray stops rank
