@@ -1,8 +1,14 @@
-"""The Cluster node: start the embedded rank cluster or join a Ray cluster; hand a handle to the other nodes."""
+"""The Cluster node: configure the embedded rank cluster or a Ray cluster to join; hand a handle to the other nodes.
+
+The node checks its widgets against this machine (rank count, GPUs) and starts nothing: the ranks start when a node
+first uses the handle, after that node has refused what cannot run (a layout the rank count cannot hold, a model
+PatchRay does not cover, a latent too small for the ranks), so a refusal costs no start-up. They then stay up for
+later prompts.
+"""
 
 from __future__ import annotations
 
-from ._comfy import interrupt_check, io, ui
+from ._comfy import io, ui
 from .bridge import diagnostics
 from .bridge.diagnostics import cluster_config
 from .types import CATEGORY, CLUSTER
@@ -18,8 +24,9 @@ class PatchRayCluster(io.ComfyNode):
             display_name="PatchRay Cluster",
             category=f"{CATEGORY}/cluster",
             description=(
-                "Starts PatchRay's rank cluster (one process per GPU, on an embedded local Ray) or joins an existing "
-                "Ray cluster. The cluster outlives the prompt; changing a setting rebuilds it."
+                "PatchRay's rank cluster (one process per GPU, on an embedded local Ray) or an existing Ray cluster to "
+                "join. The ranks start when a PatchRay node first uses them, after that node has checked its inputs; "
+                "they outlive the prompt, and changing a setting rebuilds them."
             ),
             inputs=[
                 io.Int.Input("num_ranks", default=2, min=1, max=64, tooltip="Number of ranks (one GPU each; CPU processes when device is cpu)."),
@@ -41,13 +48,13 @@ class PatchRayCluster(io.ComfyNode):
                 ),
             ],
             outputs=[
-                CLUSTER.Output(display_name="cluster", tooltip="Handle to the running cluster, for the other PatchRay nodes."),
-                io.String.Output(display_name="info", tooltip="The ranks, their devices and the process-group backend, as JSON."),
+                CLUSTER.Output(display_name="cluster", tooltip="Handle to the cluster, for the other PatchRay nodes (the first to use it starts the ranks)."),
+                io.String.Output(display_name="info", tooltip="The ranks, their devices and the process-group backend, as JSON (started: false until a node has used them)."),
             ],
         )
 
     @classmethod
     def execute(cls, num_ranks, device, address="", gpu_ids="") -> io.NodeOutput:
         config = cluster_config(num_ranks, device, address, gpu_ids)
-        text, summary = diagnostics.start_cluster(config, cancel_check=interrupt_check())
+        text, summary = diagnostics.describe_cluster(config)  # starts nothing: the first node to use the handle does
         return io.NodeOutput(config, text, ui=ui.PreviewText(summary))

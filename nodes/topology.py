@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ._comfy import io, measure_again
+from ._comfy import interrupt_check, io, measure_again
 from .bridge import diagnostics
 from .types import CATEGORY, CLUSTER
 
@@ -43,6 +43,6 @@ class PatchRayTopologyProbe(io.ComfyNode):
 
     @classmethod
     def execute(cls, measure=True, cluster=None) -> io.NodeOutput:
-        report = diagnostics.probe(bool(measure), cluster)
+        report = diagnostics.probe(bool(measure), cluster, cancel_check=interrupt_check())
         return io.NodeOutput(report.image, report.text, json.dumps(report.data, indent=1),
                              ui={"text": [report.text], "patchray_topology": [report.data]})

@@ -26,7 +26,7 @@ from .config import ClusterConfig
 from .errors import ClusterSetupError, RankFailure, caused_by
 from .imports import fn_ref, resolve_fn
 from .limits import check_rank_count
-from .ranks import RankCluster, free_rank_caches, get_cluster, shutdown_cluster
+from .ranks import RankCluster, free_rank_caches, get_cluster, running_cluster, shutdown_cluster
 
 __all__ = [
     "ClusterConfig",
@@ -34,6 +34,7 @@ __all__ = [
     "RankFailure",
     "ClusterSetupError",
     "get_cluster",
+    "running_cluster",
     "shutdown_cluster",
     "free_rank_caches",
     "check_rank_count",

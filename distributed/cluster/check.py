@@ -8,7 +8,7 @@ on a multi-node cluster, the network between the nodes (the report lists the Ray
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -57,18 +57,20 @@ def _check_rank(ctx: ParallelContext, nbytes: int) -> dict:
 _check_rank.patchray_task = "checking the cluster"
 
 
-def check_cluster(config: Optional[ClusterConfig] = None, nbytes: int = 8 << 20) -> dict:
+def check_cluster(config: Optional[ClusterConfig] = None, nbytes: int = 8 << 20,
+                  cancel_check: Optional[Callable[[], None]] = None) -> dict:
     """Form (or reuse) the cluster, check an all_reduce and a neighbour exchange, sample bandwidth.
 
     Returns a JSON-ready dict: ranks, devices, backend, seconds_to_ready, all_reduce_ok, p2p_ok and
     ``bandwidth_gbps`` per neighbour pair (GB/s of one-way payload, measured with the pack's own
     halo exchange, so on gloo+CUDA it includes the host staging), ``nodes`` (the Ray node ids the ranks run
     on) and ``node_of_rank``; a pair whose ranks sit on different nodes measures the network between them.
+    ``cancel_check`` is polled while a new cluster starts and while the ranks check (see :func:`get_cluster`).
     """
     t0 = time.perf_counter()
-    cluster = get_cluster(config)
+    cluster = get_cluster(config, cancel_check=cancel_check)
     ready = time.perf_counter() - t0
-    results = cluster.run(_check_rank, nbytes, timeout_s=300)
+    results = cluster.run(_check_rank, nbytes, timeout_s=300, cancel_check=cancel_check)
     info = cluster.describe()
     return {
         "ranks": info["num_ranks"],

@@ -44,7 +44,7 @@ from .imports import fn_ref, require_canonical_root, staging_pythonpath
 from .limits import check_rank_count
 from .ray_setup import ensure_ray, forget_ray, package_versions
 
-__all__ = ["RankCluster", "get_cluster", "shutdown_cluster", "free_rank_caches"]
+__all__ = ["RankCluster", "get_cluster", "running_cluster", "shutdown_cluster", "free_rank_caches"]
 
 log = logging.getLogger(__name__)
 
@@ -488,6 +488,22 @@ def get_cluster(config: Optional[ClusterConfig] = None, cancel_check: Optional[C
             _current = None
         _current = RankCluster(config, cancel_check=cancel_check)
         return _current
+
+
+def running_cluster(config: ClusterConfig) -> Optional[RankCluster]:
+    """The process-wide cluster when it runs with ``config`` and is usable, else ``None``; never starts, never waits.
+
+    For describing a configured cluster without starting its ranks (a start in progress on another thread reads as
+    not running)."""
+    if not _current_lock.acquire(blocking=False):
+        return None
+    try:
+        cluster = _current
+    finally:
+        _current_lock.release()
+    if cluster is None or cluster.broken or cluster.config != config:
+        return None
+    return cluster
 
 
 def free_rank_caches(timeout_s: float = 10.0) -> List[int]:

@@ -20,7 +20,7 @@ from . import plan_words
 from .images import node_chart, png_to_image
 from .preview import draw_plan
 
-__all__ = ["cluster_config", "start_cluster", "plan_preview", "probe", "benchmark", "Report"]
+__all__ = ["cluster_config", "describe_cluster", "plan_preview", "probe", "benchmark", "Report"]
 
 
 class Report(NamedTuple):
@@ -53,17 +53,37 @@ def cluster_config(num_ranks: int, device: str, address: str = "", gpu_ids: str 
     return config
 
 
-def start_cluster(config, cancel_check: Optional[Callable[[], None]] = None):
-    """Start (or reuse) the cluster for ``config``; returns ``(info as JSON text, one-line summary)``."""
-    from ...distributed.cluster import get_cluster
+def _summary(info: dict) -> str:
+    return f"{info['num_ranks']} {info['device_kind']} rank(s), {info['backend']}: " + ", ".join(map(str, info["devices"]))
 
-    if cancel_check is not None:
-        cancel_check()
-    with rank_errors_for_user():
-        info = get_cluster(config, cancel_check=cancel_check).describe()  # Cancel is polled while the ranks start
-    text = json.dumps(info, indent=1, default=str)
-    summary = f"{info['num_ranks']} {info['device_kind']} rank(s), {info['backend']}: " + ", ".join(map(str, info["devices"]))
-    return text, summary
+
+def describe_cluster(config):
+    """The Cluster node's outputs for ``config`` without starting a rank: ``(info as JSON text, one-line summary)``.
+
+    The ranks start when a node first uses the handle (:func:`~patchray.distributed.cluster.get_cluster`), after that
+    node has checked its inputs, so a request that cannot run is refused without the start-up (15-25 s on CPU ranks,
+    more on GPUs). A cluster of ``config`` already running (an earlier prompt) is described as it runs; otherwise the
+    configuration, with the device kind :func:`cluster_config` checked this machine for (``device`` ``auto`` on an
+    existing Ray cluster: decided by its resources when the ranks start).
+    """
+    from ...distributed.cluster import check_rank_count, running_cluster
+
+    cluster = running_cluster(config)
+    if cluster is not None:
+        info = dict(cluster.describe(), started=True)
+        return json.dumps(info, indent=1, default=str), _summary(info)
+    kind = check_rank_count(config.num_ranks, config.device, embedded=config.address is None, gpu_ids=config.gpu_ids)
+    backend = {"cuda": "nccl", "cpu": "gloo"}.get(kind, "nccl on GPUs, gloo on CPUs")
+    info = {
+        "num_ranks": config.num_ranks, "backend": backend, "device_kind": kind or "decided by the Ray cluster",
+        "address": config.address or "embedded (127.0.0.1)", "gpu_ids": list(config.gpu_ids), "started": False,
+        "note": "not running when this node ran; the ranks start when a PatchRay node first uses this cluster, after that "
+                "node has checked its inputs",
+    }
+    # said without a time: ComfyUI caches this node, so its text stays on screen after the ranks have started
+    summary = (f"{config.num_ranks} {kind or ''} rank(s)".replace("  ", " ") + f", {backend}: they start when a PatchRay "
+               "node first uses them (after that node's own checks) and stay up for later prompts")
+    return json.dumps(info, indent=1, default=str), summary
 
 
 def _describe(p: dict) -> str:
@@ -98,7 +118,7 @@ def plan_preview(family: str, width: int, height: int, frames: int, ranks: int, 
     return plan, draw_plan(plan, image), "\n".join(lines)
 
 
-def probe(measure: bool, cluster_config=None) -> Report:
+def probe(measure: bool, cluster_config=None, cancel_check: Optional[Callable[[], None]] = None) -> Report:
     """The topology probe (and the rank cluster's check when a cluster is given) as a heatmap, text and a dict."""
     from ...distributed.topology import probe_topology, render_heatmap, summary_text
 
@@ -107,7 +127,7 @@ def probe(measure: bool, cluster_config=None) -> Report:
         from ...distributed.cluster import check_cluster
 
         with rank_errors_for_user():
-            report.cluster = check_cluster(cluster_config)  # the report's slot for the rank cluster check
+            report.cluster = check_cluster(cluster_config, cancel_check=cancel_check)  # the report's slot for the rank cluster check
     data = report.to_dict()
     fd, path = tempfile.mkstemp(prefix="patchray_topology_", suffix=".png")
     os.close(fd)
@@ -219,16 +239,26 @@ def benchmark(
     from ...distributed.bench.vae_bench import SetupError, run_bench
     from ...distributed.cluster import get_cluster
 
+    from ...distributed.cluster import check_rank_count
+    from ...distributed.cluster.limits import this_machine
+
     os.makedirs(folder, exist_ok=True)
     if cancel_check is not None:
         cancel_check()
-    with rank_errors_for_user():
-        cluster = get_cluster(cluster_config, cancel_check=cancel_check)
-    height, width, frames, size = bench_request(family, shape, size, cluster.device_kind)
-    from ...distributed.cluster.limits import this_machine
-
-    check_bench_memory(family, height, width, frames, size, cluster.device_kind == "cpu" and not cluster_config.address,
-                       this_machine().available_bytes)
+    c = cluster_config
+    # the widgets are checked against the device kind the cluster's settings give, before any rank starts; only device
+    # auto on an existing Ray cluster needs its ranks placed to know it
+    kind = check_rank_count(c.num_ranks, c.device, embedded=c.address is None, gpu_ids=c.gpu_ids)
+    cluster = None
+    if not kind:
+        with rank_errors_for_user():
+            cluster = get_cluster(c, cancel_check=cancel_check)
+        kind = cluster.device_kind
+    height, width, frames, size = bench_request(family, shape, size, kind)
+    check_bench_memory(family, height, width, frames, size, kind == "cpu" and not c.address, this_machine().available_bytes)
+    if cluster is None:
+        with rank_errors_for_user():
+            cluster = get_cluster(c, cancel_check=cancel_check)  # the ranks start here on first use
     label = f"{width}x{height}" + (f"x{frames}" if frames > 1 else "")
     out = os.path.join(folder, f"bench_{family}_{label}_{size}_{cluster_config.num_ranks}r_{time.strftime('%Y%m%d-%H%M%S')}.json")
     argv = ["--family", family, "--shape", f"{height}x{width}x{frames}", "--size", size, "--half", half, "--warmup", "1",

@@ -243,7 +243,7 @@ def sample(
     }
     root = bridge_model.comfy_root()
     with rank_errors_for_user():
-        rank_cluster = get_cluster(cluster_config)
+        rank_cluster = get_cluster(cluster_config, cancel_check=cancel_check)  # the ranks start here on first use
         # bands by speed only where the run splits a sequence: CFG/batch layouts give every rank whole work
         weights = cluster_band_weights(rank_cluster, balance) if layout.seq_ranks > 1 else None
         free_min = total_min = None

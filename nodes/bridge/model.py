@@ -111,7 +111,8 @@ def check_sequence(mp, latent: torch.Tensor, num_ranks: int) -> None:
     if rows < num_ranks:
         raise ValueError(
             f"latent_image: {rows} token rows ({latent.shape[-2]} latent rows, patch {row.patch(dm)[1]}) cannot give each of the "
-            f"{num_ranks} sequence ranks a band; use a taller image or fewer ranks"
+            f"{num_ranks} sequence ranks a band: raise the latent's height, or lower num_ranks on the PatchRay Cluster node (or "
+            "pick a parallelism with fewer sequence ranks)"
         )
 
 

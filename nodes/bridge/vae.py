@@ -178,6 +178,10 @@ _GIB = 2**30
 
 #: the share of ComfyUI's memory estimate the CPU-rank check counts (see :func:`check_host_memory`)
 ESTIMATE_SHARE = 0.5
+#: decode families whose CPU ranks' live tensors were measured above :data:`ESTIMATE_SHARE` of ComfyUI's figure: the
+#: share counted for them, rounded up from the measured peak (results/cpu-vae-memory/, 2 CPU ranks, fp32: Wan 2.1
+#: 0.66-0.73 from its second 4-frame chunk on, HunyuanVideo 0.55-0.68 from 5 frames)
+DECODE_SHARE = {"wan": 0.75, "hunyuan_video": 0.7}
 
 
 def _cpu_ranks_here(config) -> bool:
@@ -189,16 +193,30 @@ def _cpu_ranks_here(config) -> bool:
     return config.device == "cpu" or (config.device == "auto" and this_machine().gpus == 0)
 
 
+def host_need(estimate: Optional[int], out_bytes: int, config, share: float = ESTIMATE_SHARE) -> int:
+    """What one call needs of this machine's memory (see :func:`check_host_memory`): CPU ranks of the embedded cluster
+    ``share`` of ComfyUI's estimate (half, or the family's measured :data:`DECODE_SHARE`) plus the result twice; GPU
+    ranks the result three times."""
+    if _cpu_ranks_here(config):
+        return int((estimate or 0) * share) + 2 * out_bytes
+    return 3 * out_bytes
+
+
 def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], out_bytes: int, config, verb: str = "decode",
-                      available: Optional[int] = None) -> None:
+                      available: Optional[int] = None, fits: Optional[Callable[[int], str]] = None,
+                      share: float = ESTIMATE_SHARE) -> None:
     """Refuse, before any rank starts, a decode/encode whose memory this machine does not have free.
 
     CPU ranks of the embedded cluster compute in this machine's memory: row mode spreads the activations over the
     ranks, so together they need about what one process needs. ``estimate`` is ComfyUI's own figure for the call
     (``VAE.memory_used_decode``/``memory_used_encode``, the one it sizes its batches by), an upper bound: the real fp32
     peak of one process measured 0.44 of it for the KL VAE (0.93 of 2.13 GiB at 512x512 px) and 0.81 for Wan 2.1
-    (1.39 of 1.71 GiB at 256x256 px x 9 frames). Half of it is counted (:data:`ESTIMATE_SHARE`), plus the result twice
-    (rank 0's copy and the node's output): the check is for requests that cannot fit; a decode between that and the
+    (1.39 of 1.71 GiB at 256x256 px x 9 frames). It follows the decode's shape: for Wan 2.1 / 2.2, whose decoders
+    run one latent frame at a time with a feature cache, ComfyUI's figure is per chunk and does not grow with the frame
+    count (nor does the ranks' measured peak, beyond the frames decoded: results/cpu-vae-memory/); for HunyuanVideo,
+    LTX-Video and the 3-D KL VAEs, which decode the whole clip at once, it grows with the frames, as their peak does.
+    Half of it is counted (:data:`ESTIMATE_SHARE`; Wan 2.1 and HunyuanVideo decodes: their measured
+    :data:`DECODE_SHARE`), plus the result twice (rank 0's copy and the node's output): the check is for requests that cannot fit; a decode between that and the
     machine's limit meets Ray's memory monitor, which stops a rank at 95% of the machine's memory (a clear error, the
     machine keeps working). The weights are not counted: ranks that already hold them have them in the memory in use, and on a
     first call their one copy per rank stays within the estimate's margin. Past the free memory Ray stops rank
@@ -206,26 +224,64 @@ def check_host_memory(node: str, name: str, what: str, estimate: Optional[int], 
     way. GPU ranks compute on their GPUs (an out-of-memory there retries row-tiled), but the result comes back through
     this machine's memory: ``out_bytes`` (the IMAGE or the pixels shipped) is checked for them, three copies (the
     rank's host copy, Ray's object store, the node's output).
+
+    ``share`` replaces :data:`ESTIMATE_SHARE` for a family measured above it (:data:`DECODE_SHARE`).
+    ``fits(free)``, when given, says what would fit in ``free`` bytes (how many frames at this size, or how much smaller
+    an image) in the node's terms; it leads the advice.
     """
     from ...distributed.cluster.limits import this_machine
 
     free = this_machine().available_bytes if available is None else available
     if not free:
         return
+    need = host_need(estimate, out_bytes, config, share)
+    if need <= free:
+        return
     if _cpu_ranks_here(config):
-        need = int((estimate or 0) * ESTIMATE_SHARE) + 2 * out_bytes
         where = f"the {config.num_ranks} CPU rank(s) of 'cluster'"
-        fix = (f"{verb} fewer frames or a smaller image per call (split the batch), set 'precision' to bf16, or use GPU ranks "
-               "(device on the PatchRay Cluster node)")
+        # not bf16: PyTorch's CPU bf16 convolutions are many times slower than fp32 (minutes instead of seconds)
+        tail = "or use GPU ranks (device on the PatchRay Cluster node)"
     else:
-        need = 3 * out_bytes
         where = "the result coming back from the GPU ranks"
-        fix = f"{verb} fewer frames or a smaller image per call (split the batch)"
-    if need > free:
-        raise ValueError(
-            f"{node}: '{name}' is {what}; that needs about {need / _GIB:.1f} GiB of this machine's memory for {where}, "
-            f"and {free / _GIB:.1f} GiB is free: {fix}"
-        )
+        tail = ""
+    lead = fits(free) if fits is not None else f"{verb} fewer frames or a smaller image per call (split the batch)"
+    fix = f"{lead}; {tail}" if tail else lead
+    raise ValueError(
+        f"{node}: '{name}' is {what}; that needs about {need / _GIB:.1f} GiB of this machine's memory for {where}, "
+        f"and {free / _GIB:.1f} GiB is free: {fix}"
+    )
+
+
+def _largest_fitting(need_at: Callable[[int], int], top: int, free: int) -> int:
+    """The largest count in 1..top whose need fits in ``free`` (needs grow with the count), 0 when even 1 does not."""
+    lo, hi = 0, top
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if need_at(mid) <= free:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _fits_words(verb: str, need_at: Callable[[int], int], count: int, frames_of: Callable[[int], int], video: bool,
+                width: int, height: int, widget: str) -> Callable[[int], str]:
+    """``fits(free)`` for :func:`check_host_memory`: the most frames (video) or images (a batch) this machine holds per
+    call at this size, else how much smaller one frame or image must be."""
+
+    def fits(free: int) -> str:
+        n = _largest_fitting(need_at, count, free) if count > 1 else 0
+        if n >= 1:
+            what = f"{frames_of(n)} frame(s)" if video else f"{n} image(s)"
+            return (f"at {width}x{height} px this machine's free memory holds about {what} per call: {verb} at most that "
+                    f"many at a time ({widget})")
+        one = need_at(1)
+        shrink = max(1.1, (one / free) ** 0.5)
+        w, h = (max(16, int(v / shrink) // 16 * 16) for v in (width, height))
+        return (f"even one {'frame' if video else 'image'} at {width}x{height} px needs about {one / _GIB:.1f} GiB: {verb} a "
+                f"smaller image (about {w}x{h} px or less)")
+
+    return fits
 
 
 def _estimate(fn, shape, dtype: torch.dtype, per_sample: bool) -> Optional[int]:
@@ -257,10 +313,26 @@ def _check_decode_memory(vae, samples, z: torch.Tensor, spec, dtype: torch.dtype
     height, width = int(z.shape[-2]) * ratio, int(z.shape[-1]) * ratio
     frames = _decoded_frames(vae, raw)
     batch = int(raw.shape[0])
-    out_bytes = batch * frames * height * width * 3 * 4  # ComfyUI's IMAGE: float32 RGB
+    video = raw.dim() == 5 and int(raw.shape[2]) > 1
     what = f"{batch} x {frames} frame(s) of {width}x{height} px" if frames > 1 else f"{batch} image(s) of {width}x{height} px"
-    estimate = _estimate(getattr(vae, "memory_used_decode", None), raw.shape, dtype, per_sample=True)
-    check_host_memory(_DECODE, "samples", f"{what} to decode", estimate, out_bytes, config, "decode")
+    fn = getattr(vae, "memory_used_decode", None)
+    share = DECODE_SHARE.get(spec.family, ESTIMATE_SHARE)
+
+    def shape_at(n: int) -> tuple:  # n latent frames (video) or n samples of the batch
+        return tuple(raw.shape[:2]) + (n,) + tuple(raw.shape[3:]) if video else (n,) + tuple(raw.shape[1:])
+
+    def need_at(n: int) -> int:
+        out = (batch * _decoded_frames(vae, raw[:, :, :n]) if video else n * frames) * height * width * 3 * 4
+        return host_need(_estimate(fn, shape_at(n), dtype, per_sample=True), out, config, share)
+
+    count = int(raw.shape[2]) if video else batch
+    frames_of = (lambda n: _decoded_frames(vae, raw[:, :, :n])) if video else (lambda n: n)
+    widget = ("e.g. a shorter length on the node that made the latent, or decode the video in parts" if video
+              else "e.g. a smaller batch_size on the node that made the latent")
+    fits = _fits_words("decode", need_at, count, frames_of, video, width, height, widget)
+    out_bytes = batch * frames * height * width * 3 * 4  # ComfyUI's IMAGE: float32 RGB
+    estimate = _estimate(fn, raw.shape, dtype, per_sample=True)
+    check_host_memory(_DECODE, "samples", f"{what} to decode", estimate, out_bytes, config, "decode", fits=fits, share=share)
 
 
 def _decoded_frames(vae, raw: torch.Tensor) -> int:
@@ -318,7 +390,7 @@ def decode(
     _check_decode_memory(vae, samples, z, spec, dtype, config)
     with _out_of_memory_hint(config), rank_errors_for_user():
         report = decode_report(
-            get_cluster(config),
+            get_cluster(config, cancel_check=cancel_check),  # the ranks start here on first use
             spec,
             z,
             mode=mode,
@@ -337,6 +409,40 @@ def decode(
     if note:
         log.warning("%s: %s", _DECODE, note)
     return Result(cv.decoded_to_image(report.sample), note)
+
+
+def _check_encode_memory(vae, pixels, x: torch.Tensor, dtype: torch.dtype, config) -> None:
+    frames = int(pixels.shape[0])
+    height, width = int(pixels.shape[1]), int(pixels.shape[2])
+    video = x.dim() == 5 and x.shape[0] == 1
+    fn = getattr(vae, "memory_used_encode", None)
+    per_frame = int(x.numel()) * 4 // max(1, frames)  # the pixels shipped, float32
+
+    def shape_at(n: int) -> tuple:
+        return (1, 3, n, height, width) if video else (n, 3, height, width)
+
+    def need_at(n: int) -> int:
+        return host_need(_estimate(fn, shape_at(n), dtype, per_sample=not video), n * per_frame, config)
+
+    # a causal video VAE encodes 1 + k x its temporal ratio frames: count in those steps
+    t = _temporal_ratio(vae) if video else 1
+    steps = (frames - 1) // t + 1 if t > 1 else frames
+    frames_of = (lambda k: (k - 1) * t + 1) if t > 1 else (lambda k: k)
+    widget = ("e.g. fewer frames from the node that made the images, or encode the video in parts" if video
+              else "e.g. a smaller batch on the node that made the images")
+    fits = _fits_words("encode", lambda k: need_at(frames_of(k)), steps, frames_of, video, width, height, widget)
+    check_host_memory(_ENCODE, "pixels", f"{frames} frame(s) of {width}x{height} px to encode",
+                      _estimate(fn, shape_at(frames), dtype, per_sample=not video), int(x.numel()) * 4, config, "encode",
+                      fits=fits)
+
+
+def _temporal_ratio(vae) -> int:
+    """Frames per latent frame of a causal video VAE (ComfyUI's ``upscale_index_formula``), 1 when unknown."""
+    formula = getattr(vae, "upscale_index_formula", None)
+    try:
+        return max(1, int(formula[0])) if isinstance(formula, (tuple, list)) else 1
+    except (TypeError, ValueError):
+        return 1
 
 
 def encode(
@@ -374,15 +480,10 @@ def encode(
             "set on the PatchRay Cluster node)"
         ) from None
     dtype = cv.resolve_dtype(precision, vae)
-    frames = int(pixels.shape[0])
-    height, width = int(pixels.shape[1]), int(pixels.shape[2])
-    shape = (1, 3, frames, height, width) if x.dim() == 5 and x.shape[0] == 1 else (frames, 3, height, width)
-    estimate = _estimate(getattr(vae, "memory_used_encode", None), shape, dtype, per_sample=len(shape) == 4)
-    check_host_memory(_ENCODE, "pixels", f"{frames} frame(s) of {width}x{height} px to encode", estimate,
-                      int(x.numel()) * 4, config, "encode")
+    _check_encode_memory(vae, pixels, x, dtype, config)
     with rank_errors_for_user():
         z: torch.Tensor = distributed_encode(
-            get_cluster(config), spec, x, dtype=dtype, cancel_check=cancel_check, progress=progress,
+            get_cluster(config, cancel_check=cancel_check), spec, x, dtype=dtype, cancel_check=cancel_check, progress=progress,
             balance=balance,
         )
     return Result({"samples": cv.latent_from_library(spec, z)}, None)

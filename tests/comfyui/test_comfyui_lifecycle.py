@@ -151,7 +151,7 @@ def test_too_many_ranks_are_refused_at_once_in_the_cluster_nodes_terms(lifecycle
 
 def test_cancel_stops_a_cluster_start_and_the_next_prompt_works(lifecycle_server):
     url, _, _ = lifecycle_server
-    api = {  # another rank count: the Cluster node starts four new ranks (seconds); nothing runs before it
+    api = {  # another rank count: the probe, first to use the handle, starts four new ranks (seconds)
         "1": {"class_type": "PatchRayCluster", "inputs": {"num_ranks": 4, "device": "cpu", "address": "", "gpu_ids": ""}},
         "2": {"class_type": "PatchRayTopologyProbe", "inputs": {"measure": False, "cluster": ["1", 0]}},
         "3": {"class_type": "PreviewImage", "inputs": {"images": ["2", 0]}},
@@ -178,7 +178,7 @@ def test_cancel_stops_a_cluster_start_and_the_next_prompt_works(lifecycle_server
     messages = hist[pid]["status"]["messages"]
     interrupted = [m[1] for m in messages if m[0] == "execution_interrupted"]
     assert interrupted, [m[0] for m in messages]
-    assert interrupted[0]["node_id"] == "1", interrupted  # it stopped in the Cluster node, while the ranks started
+    assert interrupted[0]["node_id"] == "2", interrupted  # it stopped in the probe, while the ranks started
     _run(url, _decode_prompt())  # the next prompt starts its cluster and completes
 
 

@@ -16,15 +16,18 @@ RANKS = 2
 
 @pytest.fixture(scope="module")
 def cluster():
+    from patchray.distributed.cluster import get_cluster
     from patchray.nodes.cluster import PatchRayCluster
 
+    config = PatchRayCluster.execute(num_ranks=RANKS, device="cpu", address="", gpu_ids="").args[0]
+    get_cluster(config)  # what the first node to use the handle does (the node itself starts nothing: test_cluster_lazy.py)
     out = PatchRayCluster.execute(num_ranks=RANKS, device="cpu", address="", gpu_ids="")
-    config, info = out.args
-    assert config.num_ranks == RANKS and config.device == "cpu"
-    described = json.loads(info)
-    assert described["num_ranks"] == RANKS and described["backend"] == "gloo"
+    again, info = out.args
+    assert again == config and config.num_ranks == RANKS and config.device == "cpu"
+    described = json.loads(info)  # a running cluster of the node's configuration is described as it runs
+    assert described["started"] is True and described["num_ranks"] == RANKS and described["backend"] == "gloo"
     assert len(described["ranks"]) == RANKS and len({r["pid"] for r in described["ranks"]}) == RANKS
-    assert "2 cpu rank(s)" in out.ui.value
+    assert "2 cpu rank(s)" in out.ui.value and "they start when" not in out.ui.value
     return config
 
 
