@@ -8,7 +8,7 @@ The package is split along its seams; this module re-exports the public names:
 * ``actor``     the rank actor: device, rendezvous (FileStore on one machine, TCPStore across nodes),
   :func:`rank_cache`, :func:`report_progress`;
 * ``ranks``     :class:`RankCluster`: placement, version checks, run-on-all, faults, progress;
-  :func:`get_cluster` / :func:`shutdown_cluster` keep one cluster per process;
+* ``registry``  :func:`get_cluster` / :func:`running_cluster` / :func:`shutdown_cluster` keep one cluster per process;
 * ``errors``    :class:`RankFailure`, :class:`ClusterSetupError`, clean messages from Ray's errors;
 * ``imports``   how the ranks import the library and the functions sent to them;
 * ``check``     :func:`check_cluster`, the probe's collective and bandwidth check;
@@ -26,7 +26,8 @@ from .config import ClusterConfig
 from .errors import ClusterSetupError, RankFailure, caused_by
 from .imports import fn_ref, resolve_fn
 from .limits import check_rank_count
-from .ranks import RankCluster, free_rank_caches, get_cluster, running_cluster, shutdown_cluster
+from .ranks import RankCluster
+from .registry import free_rank_caches, get_cluster, running_cluster, shutdown_cluster
 
 __all__ = [
     "ClusterConfig",

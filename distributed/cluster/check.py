@@ -15,7 +15,7 @@ import torch
 from .. import comm
 from ..context import ParallelContext
 from .config import ClusterConfig
-from .ranks import get_cluster
+from .registry import get_cluster
 
 __all__ = ["check_cluster"]
 

@@ -14,13 +14,11 @@ Design decisions:
   the root cause (see ``errors.py``). The actors are then killed (a group with a lost member cannot be
   trusted) and the next call rebuilds the cluster. An interrupt (Ctrl-C, or a caller's ``cancel_check``)
   stops every rank the same way.
-* **Reused across calls.** :func:`get_cluster` keeps one cluster per process and rebuilds it only when its
-  configuration changes or after a fault, so a second call pays no start-up.
+* **Reused across calls**: the process-wide cluster lives in ``registry.py`` (:func:`.registry.get_cluster`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import tempfile
@@ -42,9 +40,9 @@ from .errors import (
 )
 from .imports import fn_ref, require_canonical_root, staging_pythonpath
 from .limits import check_rank_count
-from .ray_setup import ensure_ray, forget_ray, package_versions
+from .ray_setup import ensure_ray, package_versions
 
-__all__ = ["RankCluster", "get_cluster", "running_cluster", "shutdown_cluster", "free_rank_caches"]
+__all__ = ["RankCluster", "task_label"]
 
 log = logging.getLogger(__name__)
 
@@ -464,95 +462,6 @@ class _ProgressPoll:
                 self._forward(tuple(ray.get(ref)))
             except Exception:
                 return
-
-
-_current: Optional[RankCluster] = None
-_current_lock = threading.Lock()
-
-
-def get_cluster(config: Optional[ClusterConfig] = None, cancel_check: Optional[Callable[[], None]] = None, **overrides) -> RankCluster:
-    """Return the process-wide cluster for ``config``, building (or rebuilding) it when needed.
-
-    ``cancel_check`` is polled about twice a second while a new cluster starts (placing, starting the ranks, forming
-    the group); when it raises, the ranks started so far are stopped and its exception propagates.
-    """
-    global _current
-    config = config or ClusterConfig()
-    if overrides:
-        config = dataclasses.replace(config, **overrides)
-    with _current_lock:
-        if _current is not None and _current.config == config and not _current.broken:
-            return _current
-        if _current is not None:
-            _current.shutdown()
-            _current = None
-        _current = RankCluster(config, cancel_check=cancel_check)
-        return _current
-
-
-def running_cluster(config: ClusterConfig) -> Optional[RankCluster]:
-    """The process-wide cluster when it runs with ``config`` and is usable, else ``None``; never starts, never waits.
-
-    For describing a configured cluster without starting its ranks (a start in progress on another thread reads as
-    not running)."""
-    if not _current_lock.acquire(blocking=False):
-        return None
-    try:
-        cluster = _current
-    finally:
-        _current_lock.release()
-    if cluster is None or cluster.broken or cluster.config != config:
-        return None
-    return cluster
-
-
-def free_rank_caches(timeout_s: float = 10.0) -> List[int]:
-    """Drop the cached models and weights on the process-wide cluster's ranks, if there is one (ranks stay up).
-
-    Bounded: returns ``[]`` at once when no cluster runs or one is being started (it has cached nothing yet), and
-    within ``timeout_s`` otherwise. Failures are logged, not raised: freeing memory must never break its caller.
-    """
-    if not _current_lock.acquire(timeout=1.0):
-        return []
-    try:
-        cluster = _current
-    finally:
-        _current_lock.release()
-    if cluster is None:
-        return []
-    try:
-        freed = cluster.free_cached(timeout_s)
-    except Exception as exc:  # a dead rank: the next call rebuilds the cluster anyway
-        log.warning("could not free the ranks' cached models: %s", exc)
-        return []
-    log.info("freed the ranks' cached models (%s entries per rank)", freed)
-    return freed
-
-
-def shutdown_cluster(stop_ray: bool = False, lock_timeout_s: Optional[float] = None) -> None:
-    """Stop the process-wide cluster (and the embedded Ray if ``stop_ray``).
-
-    ``lock_timeout_s`` bounds the wait for a call or a start in progress on another thread; past it the cluster is
-    stopped anyway (for a process that is terminating: that call then fails, which no one will read).
-    """
-    global _current
-    locked = _current_lock.acquire(timeout=-1 if lock_timeout_s is None else lock_timeout_s)
-    try:
-        cluster, _current = _current, None
-        if cluster is not None:
-            if locked:
-                cluster.shutdown()
-            else:
-                cluster._kill()  # no graceful close: the other thread may be inside a collective
-    finally:
-        if locked:
-            _current_lock.release()
-    if stop_ray:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-        forget_ray()
 
 
 def _annotate(exc: BaseException, err: RankError) -> None:

@@ -19,9 +19,9 @@ RANKS = 3  # no other node test builds a cluster of 3 ranks: a start here would 
 
 
 def _current():
-    from patchray.distributed.cluster import ranks
+    from patchray.distributed.cluster import registry
 
-    return ranks._current
+    return registry._current
 
 
 @pytest.fixture(scope="module")

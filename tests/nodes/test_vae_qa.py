@@ -54,10 +54,10 @@ def test_the_suggested_request_plans():
 
 
 def test_tile_runs_on_a_latent_too_small_for_tiles_is_refused_in_node_terms_before_any_rank_starts():
-    from patchray.distributed.cluster import ranks
+    from patchray.distributed.cluster import registry
     from patchray.nodes.vae import PatchRayVAEDecode
 
-    before = ranks._current
+    before = registry._current
     z = torch.randn(1, 4, 17, 25)  # 200x136 px at 8x
     with pytest.raises(ValueError) as info:
         PatchRayVAEDecode.execute(samples={"samples": z}, vae=_kl_vae(4), cluster=_untouched_cluster(2), mode="tile-runs",
@@ -66,7 +66,7 @@ def test_tile_runs_on_a_latent_too_small_for_tiles_is_refused_in_node_terms_befo
     assert msg.startswith("PatchRay Distributed VAE Decode: mode 'tile-runs' cannot tile the 200x136 px image of 'samples'"), msg
     assert "use mode 'row'" in msg and "decode an image of at least 256x176 px" in msg, msg
     assert not _FLAG.search(msg), msg
-    assert ranks._current is before, "no cluster was started"
+    assert registry._current is before, "no cluster was started"
 
 
 def _kl_formula(shape, dtype):
@@ -77,19 +77,19 @@ def _kl_formula(shape, dtype):
 def test_a_decode_larger_than_this_machines_memory_is_refused_before_any_rank_starts():
     """An Empty Latent Image at the widgets' limit (16384 x 16384): ComfyUI's own estimate for its decode is 2.3 TB,
     more than any machine that runs this test has free; CPU ranks would compute it in this machine's memory."""
-    from patchray.distributed.cluster import ranks
+    from patchray.distributed.cluster import registry
     from patchray.nodes.vae import PatchRayVAEDecode
 
     vae = _kl_vae(4)
     vae.memory_used_decode = _kl_formula
-    before = ranks._current
+    before = registry._current
     with pytest.raises(ValueError) as info:
         PatchRayVAEDecode.execute(samples={"samples": torch.zeros(1, 4, 2048, 2048)}, vae=vae, cluster=_untouched_cluster(2),
                                   mode="row", precision="fp32", gn_sync=False)
     msg = str(info.value)
     assert msg.startswith("PatchRay Distributed VAE Decode: 'samples' is 1 image(s) of 16384x16384 px to decode"), msg
     assert "GiB is free" in msg and "CPU rank(s) of 'cluster'" in msg and "smaller image" in msg, msg
-    assert ranks._current is before, "no cluster was started"
+    assert registry._current is before, "no cluster was started"
 
 
 def test_the_memory_check_counts_what_the_ranks_and_the_result_take():
@@ -147,17 +147,17 @@ def test_the_family_widgets_say_which_comfyui_vae_each_family_is():
 def test_a_plan_for_a_family_of_another_ratio_is_refused_before_any_rank_starts():
     """A Tile Planner left on family kl (8 px per latent) wired to a 2x VAE at the same pixel size: the plan's latent
     rectangles are not this latent's; refused naming the planner's family widget."""
-    from patchray.distributed.cluster import ranks
+    from patchray.distributed.cluster import registry
     from patchray.nodes.planner import PatchRayTilePlanner
     from patchray.nodes.vae import PatchRayVAEDecode
 
     plan = PatchRayTilePlanner.execute(family="kl", width=256, height=512, frames=1, ranks=2, choice="coarse").args[0]
-    before = ranks._current
+    before = registry._current
     with pytest.raises(ValueError, match=r"'plan' was made for family kl \(8 px per latent\), but 'vae' .* has 2 px per latent: plan "
                                          r"with a family of 2 px per latent"):
         PatchRayVAEDecode.execute(samples={"samples": torch.randn(1, 4, 256, 128)}, vae=_kl_vae(2), cluster=_untouched_cluster(2),
                                   mode="tile-runs", precision="fp32", gn_sync=False, plan=plan)
-    assert ranks._current is before
+    assert registry._current is before
 
 
 def test_a_benchmark_larger_than_this_machines_memory_is_refused_on_cpu_ranks():

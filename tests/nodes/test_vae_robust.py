@@ -222,10 +222,10 @@ def _image_vae():
     ids=["channels", "video-latent", "rows", "nan", "inf"],
 )
 def test_bad_latents_get_one_message_in_node_terms_before_any_rank_starts(z, expect):
-    from patchray.distributed.cluster import ranks
+    from patchray.distributed.cluster import registry
     from patchray.nodes.vae import PatchRayVAEDecode
 
-    before = ranks._current
+    before = registry._current
     with pytest.raises(ValueError) as info:
         PatchRayVAEDecode.execute(samples={"samples": z}, vae=_image_vae(), cluster=_untouched_cluster(), mode="auto",
                                   precision="fp32", gn_sync=False)
@@ -234,30 +234,30 @@ def test_bad_latents_get_one_message_in_node_terms_before_any_rank_starts(z, exp
     for part in expect:
         assert part in msg, msg
     assert "Ray" not in msg.replace("PatchRay", "") and "Traceback" not in msg
-    assert ranks._current is before, "no cluster was started (nothing was shipped)"
+    assert registry._current is before, "no cluster was started (nothing was shipped)"
 
 
 def test_a_tile_plan_for_another_rank_count_is_refused_before_any_rank_starts():
-    from patchray.distributed.cluster import ranks
+    from patchray.distributed.cluster import registry
     from patchray.nodes.planner import PatchRayTilePlanner
     from patchray.nodes.vae import PatchRayVAEDecode
 
     plan = PatchRayTilePlanner.execute(family="kl", width=128, height=512, frames=1, ranks=2, choice="coarse").args[0]
-    before = ranks._current
+    before = registry._current
     with pytest.raises(ValueError, match=r"'plan' was made for 2 ranks but 'cluster' has 3.*Tile Planner"):
         PatchRayVAEDecode.execute(samples={"samples": torch.randn(1, 4, 64, 16)}, vae=_kl_vae(4), cluster=_untouched_cluster(),
                                   mode="tile-runs", precision="fp32", gn_sync=False, plan=plan)
-    assert ranks._current is before
+    assert registry._current is before
 
 
 def test_an_image_too_small_to_encode_on_the_ranks_is_refused_before_any_rank_starts():
-    from patchray.distributed.cluster import ranks
+    from patchray.distributed.cluster import registry
     from patchray.nodes.vae import PatchRayVAEEncode
 
-    before = ranks._current
+    before = registry._current
     with pytest.raises(ValueError, match=r"'pixels'.*num_ranks.*PatchRay Cluster"):
         PatchRayVAEEncode.execute(pixels=torch.rand(1, 4, 16, 3), vae=_image_vae(), cluster=_untouched_cluster(), precision="fp32")
-    assert ranks._current is before
+    assert registry._current is before
 
 
 def test_the_fallback_note_lists_the_vaes_patchray_shards():
@@ -276,17 +276,17 @@ def test_the_fallback_note_lists_the_vaes_patchray_shards():
 
 
 def test_a_tile_plan_for_another_image_size_is_refused_before_any_rank_starts():
-    from patchray.distributed.cluster import ranks
+    from patchray.distributed.cluster import registry
     from patchray.nodes.planner import PatchRayTilePlanner
     from patchray.nodes.vae import PatchRayVAEDecode
 
     plan = PatchRayTilePlanner.execute(family="kl", width=128, height=512, frames=1, ranks=3, choice="coarse").args[0]
-    before = ranks._current
+    before = registry._current
     # the latent decodes to 128 x 256 px (ratio 8): the plan's 128 x 512 cannot tile it
     with pytest.raises(ValueError, match=r"plan was made for 128x512 px.*decodes to 128x256 px.*height to 256"):
         PatchRayVAEDecode.execute(samples={"samples": torch.randn(1, 4, 32, 16)}, vae=_kl_vae(4), cluster=_untouched_cluster(),
                                   mode="tile-runs", precision="fp32", gn_sync=False, plan=plan)
-    assert ranks._current is before
+    assert registry._current is before
 
 
 def test_a_plan_wired_into_row_mode_is_reported_unused_not_silently_dropped(capped, vae8):

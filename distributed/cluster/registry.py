@@ -1,0 +1,109 @@
+"""The process-wide rank cluster: one :class:`~.ranks.RankCluster` per process, reused across calls.
+
+:func:`get_cluster` rebuilds it only when its configuration changes or after a fault, so a second call pays no
+start-up; :func:`running_cluster` describes it without starting anything; :func:`free_rank_caches` and
+:func:`shutdown_cluster` are bounded, for callers that must not hang (ComfyUI's model unloading, signal handlers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Callable, List, Optional
+
+from .config import ClusterConfig
+from .ranks import RankCluster
+from .ray_setup import forget_ray
+
+__all__ = ["get_cluster", "running_cluster", "shutdown_cluster", "free_rank_caches"]
+
+log = logging.getLogger(__name__)
+
+_current: Optional[RankCluster] = None
+_current_lock = threading.Lock()
+
+
+def get_cluster(config: Optional[ClusterConfig] = None, cancel_check: Optional[Callable[[], None]] = None, **overrides) -> RankCluster:
+    """Return the process-wide cluster for ``config``, building (or rebuilding) it when needed.
+
+    ``cancel_check`` is polled about twice a second while a new cluster starts (placing, starting the ranks, forming
+    the group); when it raises, the ranks started so far are stopped and its exception propagates.
+    """
+    global _current
+    config = config or ClusterConfig()
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
+    with _current_lock:
+        if _current is not None and _current.config == config and not _current.broken:
+            return _current
+        if _current is not None:
+            _current.shutdown()
+            _current = None
+        _current = RankCluster(config, cancel_check=cancel_check)
+        return _current
+
+
+def running_cluster(config: ClusterConfig) -> Optional[RankCluster]:
+    """The process-wide cluster when it runs with ``config`` and is usable, else ``None``; never starts, never waits.
+
+    For describing a configured cluster without starting its ranks (a start in progress on another thread reads as
+    not running)."""
+    if not _current_lock.acquire(blocking=False):
+        return None
+    try:
+        cluster = _current
+    finally:
+        _current_lock.release()
+    if cluster is None or cluster.broken or cluster.config != config:
+        return None
+    return cluster
+
+
+def free_rank_caches(timeout_s: float = 10.0) -> List[int]:
+    """Drop the cached models and weights on the process-wide cluster's ranks, if there is one (ranks stay up).
+
+    Bounded: returns ``[]`` at once when no cluster runs or one is being started (it has cached nothing yet), and
+    within ``timeout_s`` otherwise. Failures are logged, not raised: freeing memory must never break its caller.
+    """
+    if not _current_lock.acquire(timeout=1.0):
+        return []
+    try:
+        cluster = _current
+    finally:
+        _current_lock.release()
+    if cluster is None:
+        return []
+    try:
+        freed = cluster.free_cached(timeout_s)
+    except Exception as exc:  # a dead rank: the next call rebuilds the cluster anyway
+        log.warning("could not free the ranks' cached models: %s", exc)
+        return []
+    log.info("freed the ranks' cached models (%s entries per rank)", freed)
+    return freed
+
+
+def shutdown_cluster(stop_ray: bool = False, lock_timeout_s: Optional[float] = None) -> None:
+    """Stop the process-wide cluster (and the embedded Ray if ``stop_ray``).
+
+    ``lock_timeout_s`` bounds the wait for a call or a start in progress on another thread; past it the cluster is
+    stopped anyway (for a process that is terminating: that call then fails, which no one will read).
+    """
+    global _current
+    locked = _current_lock.acquire(timeout=-1 if lock_timeout_s is None else lock_timeout_s)
+    try:
+        cluster, _current = _current, None
+        if cluster is not None:
+            if locked:
+                cluster.shutdown()
+            else:
+                cluster._kill()  # no graceful close: the other thread may be inside a collective
+    finally:
+        if locked:
+            _current_lock.release()
+    if stop_ray:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        forget_ray()
