@@ -35,7 +35,7 @@ from .context import ParallelContext
 
 __all__ = [
     # collectives (this file)
-    "all_reduce", "REDUCE_OPS", "all_gather_into", "broadcast", "all_gather_padded", "gather_to", "all_to_all_equal",
+    "all_reduce", "REDUCE_OPS", "all_gather_into", "all_gather_start", "broadcast", "all_gather_padded", "gather_to", "all_to_all_equal",
     "Halo", "exchange_halo", "exchange_pieces",
     # process groups, stores and barriers (this file)
     "init_process_group", "file_store", "tcp_store", "context_for_group", "nccl_available", "is_initialized",
@@ -92,6 +92,30 @@ def all_gather_into(outputs: List[torch.Tensor], send: torch.Tensor, ctx: Parall
         return None
     work = dist.all_gather(outputs, send, group=ctx.group, async_op=async_op)
     return work if async_op else None
+
+
+def all_gather_start(send: torch.Tensor, ctx: ParallelContext):
+    """Start an all-gather of ``send`` (the same shape on every rank) into a new ``[N, *send.shape]`` tensor; returns it
+    and the work handle to ``wait()`` on before reading the peers' entries (``None``: complete; gloo's collective on
+    CUDA tensors copies them through the host inside the call). One flat collective where the backend has it."""
+    n = ctx.world_size
+    out = send.new_empty((n,) + tuple(send.shape))
+    send = send.contiguous()
+    if n == 1:
+        out[0].copy_(send)
+        return out, None
+    async_op = not ctx.stages_p2p_through_host  # gloo copies CUDA tensors through the host inside the call
+    if _into_tensor_ok(ctx):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # see _gather_into
+            try:
+                return out, dist.all_gather_into_tensor(out.view((n * send.shape[0],) + tuple(send.shape[1:])) if send.dim()
+                                                        else out, send, group=ctx.group, async_op=async_op)
+            except RuntimeError as exc:
+                if "support" not in str(exc).lower() and "not implemented" not in str(exc).lower():
+                    raise
+                _NO_INTO_TENSOR.add(id(ctx.group))
+    return out, dist.all_gather(list(out.unbind(0)), send, group=ctx.group, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, ctx: ParallelContext, src: int = 0) -> torch.Tensor:

@@ -76,9 +76,11 @@ class PatchRayKSampler(io.ComfyNode):
                     default="auto",
                     optional=True,
                     tooltip=(
-                        "DiT sequence parallelism's attention (both exact). gathered: every rank gathers all keys and "
-                        "values. ulysses: all-to-all over attention heads (heads must divide by the sequence ranks; "
-                        "less traffic from 3 ranks). auto: per layer, from the modelled link cost."
+                        "DiT sequence parallelism's attention (all exact). gathered: every rank gathers all keys and "
+                        "values. overlapped: the same gather, running while the rank attends to its own keys "
+                        "(PyTorch's attention kernel; calls with a mask run gathered). ulysses: all-to-all over "
+                        "attention heads (heads must divide by the sequence ranks; less traffic from 3 ranks). auto: "
+                        "per layer, from the modelled link cost, the gather overlapped on 2 NCCL ranks."
                     ),
                 ),
                 io.Combo.Input(

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .dit_models import (MODES, PRESETS, TEXT_TOKENS, Case, DiTPreset, _constructor_tensors, build_random, dit_shape,
+from .dit_models import (DEFAULT_MODES, MODES, PRESETS, TEXT_TOKENS, Case, DiTPreset, _constructor_tensors, build_random, dit_shape,
                          make_inputs, plan_cases, ranks_that_fit, token_share)
 from .dit_rank import BF16_TOLERANCE, FP32_TOLERANCE, SHOWN_PROFILES, bench_rank, write_doc
 from .dit_report import BASELINE_CALL_MS, GOALS, estimate, format_estimate, format_table, write_chart
@@ -49,7 +49,7 @@ __all__ = ["DiTPreset", "PRESETS", "MODES", "GOALS", "TEXT_TOKENS", "Case", "bui
            "write_chart", "format_table", "ranks_that_fit", "main", "_constructor_tensors", "SHOWN_PROFILES"]
 
 
-def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] = (1, 2, 4), modes: Sequence[str] = MODES,
+def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] = (1, 2, 4), modes: Sequence[str] = DEFAULT_MODES,
                   size: str = "full", device: str = "cuda", dtype: Optional[str] = None, warmup: Optional[int] = None,
                   iters: Optional[int] = None, deadline_s: float = 1e9, out: Optional[str] = None,
                   timeout_s: float = 900.0, watchdog_s: float = 0.0, cfg_inner: str = "gathered",
@@ -145,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--preset", action="append", default=None, help=f"preset(s) (repeatable); default all: {', '.join(PRESETS)}")
     ap.add_argument("--ranks", type=int, default=4, help="rank processes on the one device (the largest N)")
     ap.add_argument("--ns", default="1,2,4", help="rank counts to measure, comma-separated (each <= --ranks)")
-    ap.add_argument("--mode", action="append", default=None, help=f"modes (repeatable); default all: {', '.join(MODES)}")
+    ap.add_argument("--mode", action="append", default=None, help=f"modes (repeatable) of {', '.join(MODES)}; default {', '.join(DEFAULT_MODES)}")
     ap.add_argument("--size", choices=["full", "tiny"], default="full")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 on cuda, fp32 on cpu")
@@ -187,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {png}")
         return 0
     presets = [p for item in (args.preset or list(PRESETS)) for p in item.split(",") if p]
-    modes = [m for item in (args.mode or list(MODES)) for m in item.split(",") if m]
+    modes = [m for item in (args.mode or list(DEFAULT_MODES)) for m in item.split(",") if m]
     ns = [int(x) for x in args.ns.split(",") if x]
     if args.estimate:
         doc = estimate(presets, ns, modes, cfg_inner=args.cfg_inner, text_tokens=args.text_tokens)

@@ -35,12 +35,14 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["DiTPreset", "PRESETS", "MODES", "TEXT_TOKENS", "Case", "build_random", "skeleton", "constructor_tensors",
+__all__ = ["DiTPreset", "PRESETS", "MODES", "DEFAULT_MODES", "TEXT_TOKENS", "Case", "build_random", "skeleton", "constructor_tensors",
            "constructor_dtypes", "set_constructor_tensors", "init_random_", "make_inputs", "plan_cases",
            "dit_shape", "token_share", "ranks_that_fit"]
 
 #: the exact modes (``cfg`` with N > 2 is CFG x sequence, gathered inside each group)
-MODES = ("gathered", "ulysses", "cfg")
+MODES = ("gathered", "ulysses", "cfg", "overlapped")
+#: the modes a run measures unless told (overlapped moves gathered's bytes; its gain is compute it hides behind)
+DEFAULT_MODES = ("gathered", "ulysses", "cfg")
 
 _GIB = 2**30
 
@@ -305,7 +307,7 @@ def _heads(preset: DiTPreset, size: str) -> int:
     return (preset.full if size == "full" else preset.tiny)["num_attention_heads"]
 
 
-def plan_cases(preset: DiTPreset, size: str, ns: Sequence[int], modes: Sequence[str] = MODES) -> List[Case]:
+def plan_cases(preset: DiTPreset, size: str, ns: Sequence[int], modes: Sequence[str] = DEFAULT_MODES) -> List[Case]:
     """The cases of one preset, most informative first: N = 1, then for each N the modes that apply.
 
     Ulysses needs the heads to divide by N; ``cfg`` needs an even N.

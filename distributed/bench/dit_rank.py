@@ -105,7 +105,7 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
 
     device = ctx.device
     handle = None
-    if case.mode in ("gathered", "ulysses"):
+    if case.mode in ("gathered", "ulysses", "overlapped"):
         handle = parallelize_dit(model, ctx, mode=case.mode)
         attention = case.mode
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from .dit_models import MODES, PRESETS, TEXT_TOKENS, _calls_per_step, _reference_calls, dit_shape, plan_cases, token_share
+from .dit_models import DEFAULT_MODES, PRESETS, TEXT_TOKENS, _calls_per_step, _reference_calls, dit_shape, plan_cases, token_share
 from .dit_rank import SHOWN_PROFILES
 
 __all__ = ["GOALS", "BASELINE_CALL_MS", "estimate", "format_estimate", "format_table", "write_chart"]
@@ -25,7 +25,7 @@ GOALS = {"nvlink": {2: 1.9, 4: 3.6}, "pcie4_x16_no_p2p_cfg": {2: 1.9}}
 BASELINE_CALL_MS = {"flux1_1024": 172.3, "wan21_14b_480x832x81": 3230.0, "qwen_image_1328": 347.0}
 
 
-def estimate(presets: Sequence[str], ns: Sequence[int] = (1, 2, 4), modes: Sequence[str] = MODES, *,
+def estimate(presets: Sequence[str], ns: Sequence[int] = (1, 2, 4), modes: Sequence[str] = DEFAULT_MODES, *,
              cfg_inner: str = "gathered", itemsize: int = 2, call_ms: Optional[Dict[str, float]] = None,
              text_tokens: Optional[str] = None) -> dict:
     """Step latency ESTIMATED without a device: ``calls x (share x one rank's call + link time of the call's bytes)``.

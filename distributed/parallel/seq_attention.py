@@ -3,21 +3,23 @@
 :class:`SequenceState` is the step state of one sequence-parallel model (context, shard table, step flags, stale
 memory, and an optional completion of the output tokens); :class:`SequenceAttention` computes the local queries'
 attention over every rank's keys in gathered mode (K/V completed through a :class:`~.exchange.PeerExchange`
-strategy: exact, stale, displaced or compressed residuals) or Ulysses mode (all-to-all over heads). See
-``sequence.py`` for the design.
+strategy: exact, stale, displaced or compressed residuals), overlapped mode (the exact gather in flight behind the
+local part of the attention, :mod:`.seq_overlap`) or Ulysses mode (all-to-all over heads). See ``sequence.py`` for
+the design.
 """
 
 from __future__ import annotations
 
-import enum
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import torch
 
 from ..comm import all_gather_padded, all_to_all_equal
 from ..context import ParallelContext
 from .exchange import EXACT, ExactExchange, PeerExchange, StepState
+from .seq_cost import AttentionCost, SeqMode, attention_cost, choose_mode
 from .seq_masks import _key_mask, _valid_mask
+from .seq_overlap import overlapped_attention
 from .tokens import TokenShards, split_replicated
 
 __all__ = [
@@ -77,6 +79,8 @@ class SequenceState(StepState):
         #: ``fn(local_tokens, dim) -> full tokens`` used by ``GatherTokens`` inside a step (e.g. OTIL's block
         #: exchange of the output, set by ``sampling/dit.py``); ``None``: the exact all-gather
         self.output_exchange: Optional[Callable] = None
+        #: attention calls per mode that ran (after ``auto`` and fallbacks resolved), for reports and tests
+        self.mode_calls: Dict[str, int] = {}
 
     def set_shards(self, shards: TokenShards) -> bool:
         """Use ``shards`` from now on; True (and a fresh, empty stale memory for the current stream) when the table
@@ -192,95 +196,6 @@ class SequenceState(StepState):
 # attention
 
 
-class SeqMode(str, enum.Enum):
-    """How :class:`SequenceAttention` reaches the other ranks' tokens (both exact with the exact K/V strategy)."""
-
-    GATHERED = "gathered"  # all-gather the sharded part of K and V; local queries
-    ULYSSES = "ulysses"  # all-to-all: my tokens x all heads <-> all tokens x heads/N
-    AUTO = "auto"  # per call, by the modelled cost (choose_mode)
-
-
-class AttentionCost(NamedTuple):
-    """Modelled traffic of one self-attention call for one rank (the slowest: the largest band).
-
-    ``wire_bytes``: bytes the rank sends; ``messages``: collective calls; ``counted``: the bytes comm's accounting
-    (``log_comm``) counts per operation, so ``bench/linkmodel.wire_bytes(counted, N) == wire_bytes``.
-    """
-
-    wire_bytes: int
-    messages: int
-    counted: Dict[str, int]
-
-
-def attention_cost(mode: Union[str, SeqMode], counts: Sequence[int], heads: int, head_dim: int, itemsize: int, *,
-                   batch: int = 1, replicated: int = 0) -> AttentionCost:
-    """The modelled cost of one exact self-attention call (per rank), from shapes.
-
-    Args:
-        mode: ``gathered`` or ``ulysses``.
-        counts: sharded tokens per rank (:attr:`TokenShards.seq_counts`: the image band, plus the text slice when
-            the text is sharded).
-        heads, head_dim, itemsize: of q/k/v.
-        batch: batch size of the call.
-        replicated: replicated (text) tokens in the joint sequence (0 when the text is sharded).
-
-    Gathered: one all-gather of K and V packed, padded to the largest band: each rank sends ``2 * n_max * H * D``
-    to N-1 peers. Ulysses: an all-to-all of q, k and v packed (``3 * n_max * H * D``, N-1 of N pieces leave) and one
-    of the output (``n_max * H * D``), plus an all-gather of the replicated tokens' output over heads.
-    """
-    mode = SeqMode(mode)
-    n = len(counts)
-    if n <= 1:
-        return AttentionCost(0, 0, {})
-    n_max = max(counts)
-    row = batch * heads * head_dim * itemsize
-    if mode is SeqMode.GATHERED:
-        piece = 2 * n_max * row
-        counted = {"all_gather": piece * (n + 1)}  # N outputs + the input
-        return AttentionCost(piece * (n - 1), 1, counted)
-    if mode is SeqMode.ULYSSES:
-        qkv = 3 * n_max * row  # this rank's whole send buffer (N pieces of heads/N)
-        out = n_max * row
-        counted = {"all_to_all_single": 2 * (qkv + out)}  # input + output buffers of both calls
-        wire = (qkv + out) * (n - 1) // n
-        messages = 2
-        if replicated:
-            piece = replicated * row // n
-            counted["all_gather"] = piece * (n + 1)
-            wire += piece * (n - 1)
-            messages += 1
-        return AttentionCost(wire, messages, counted)
-    raise ValueError("attention_cost needs a concrete mode (gathered or ulysses), not auto")
-
-
-def choose_mode(counts: Sequence[int], heads: int, head_dim: int, itemsize: int, *, batch: int = 1, replicated: int = 0,
-                kv: PeerExchange = EXACT, link=None) -> SeqMode:
-    """The ``auto`` rule: Ulysses where it is possible and modelled faster on ``link``, else gathered.
-
-    * Gathered when there is one rank, when the heads do not divide by N, or when the K/V strategy is not the exact
-      one (stale/displaced K/V live in the gathered memory).
-    * Otherwise the two modes' modelled times on the link profile ``link`` (a ``topology.links`` profile or its
-      name; default ``pcie4_x16_p2p``), ``messages * latency + wire_bytes / bandwidth``, decide; ties go to
-      gathered (fewer messages). Per layer, gathered sends ``2(N-1) n H D`` and Ulysses ``4(N-1)/N n H D`` (plus the
-      replicated tokens' output), so at N = 2 they move the same bytes and gathered wins on messages; from N = 3
-      Ulysses moves fewer bytes (``N/2`` times fewer) and wins once the band is long enough to hide its extra
-      messages.
-
-    Every input is shared by all ranks (shapes, config, the link profile name), so every rank picks the same mode.
-    """
-    n = len(counts)
-    if n <= 1 or heads % n or not isinstance(kv, ExactExchange):
-        return SeqMode.GATHERED
-    from ..topology.links import get_profile, model_latency_ms
-
-    profile = get_profile(link or "pcie4_x16_p2p")
-    costs = {}
-    for mode in (SeqMode.GATHERED, SeqMode.ULYSSES):
-        c = attention_cost(mode, counts, heads, head_dim, itemsize, batch=batch, replicated=replicated)
-        costs[mode] = model_latency_ms(0.0, c.wire_bytes, c.messages, profile)
-    return SeqMode.ULYSSES if costs[SeqMode.ULYSSES] < costs[SeqMode.GATHERED] else SeqMode.GATHERED
-
-
 def _to_blhd(t: torch.Tensor, layout: str, heads: Optional[int]) -> torch.Tensor:
     if layout == "BLHD":
         return t
@@ -302,10 +217,17 @@ class SequenceAttention:
 
     Args:
         state: the shared state (context, shard table, step flags, stale memory).
-        mode: :class:`SeqMode` or its name: ``gathered``, ``ulysses`` or ``auto``.
+        mode: :class:`SeqMode` or its name: ``gathered``, ``overlapped``, ``ulysses`` or ``auto``.
         kv: the K/V exchange strategy of gathered mode (``exchange.EXACT``, ``STALE``, ``DISPLACED``, or any
             further :class:`~.exchange.PeerExchange`). Ulysses needs the exact one.
         link: link profile (name) the ``auto`` rule models (default ``pcie4_x16_p2p``).
+
+    ``overlapped`` computes the local keys' part while the exact K/V gather is in flight and merges the parts by
+    their log-sum-exp (:mod:`.seq_overlap`: PyTorch's fused attention instead of the model's function); a call it
+    cannot take (a mask, stale K/V) runs gathered. ``auto`` uses it where it picks gathered on a 2-rank NCCL group
+    (whose gather runs on its own stream): there the own keys are half the attention and hide the gather; at 4 ranks
+    they are a quarter, which hid 2 of FLUX.1's 7 ms of gather per step on NVLink while splitting the attention cost
+    2 ms (measured on an H200, kernels of each rank alone), so gathered stays.
 
     Call it with the local q, k, v as the model would pass them to its attention function; the output is what that
     function would return for the local queries over the whole sequence.
@@ -334,7 +256,7 @@ class SequenceAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_fn: AttentionFn, *, layout: str = "BHLD",
                  heads: Optional[int] = None, before: int = 0, after: int = 0, cross: bool = False,
-                 mask: Optional[torch.Tensor] = None, key: str = "attn") -> torch.Tensor:
+                 mask: Optional[torch.Tensor] = None, key: str = "attn", scale: Optional[float] = None) -> torch.Tensor:
         """Attention of the local queries over every rank's keys.
 
         Args:
@@ -351,6 +273,7 @@ class SequenceAttention:
             mask: the caller's attention mask (broadcastable to ``[B, H, Lq, Lk]``): over the local keys or over the
                 full key sequence in global order; see :func:`_key_mask`.
             key: a name unique per attention layer (the stale memory's slot).
+            scale: the score scale ``attn_fn`` applies (``None``: ``1/sqrt(head_dim)``), for overlapped mode.
         """
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS} (got {layout!r})")
@@ -395,7 +318,17 @@ class SequenceAttention:
         lk_full = before + shards.seq_total + after
         if mask is not None and shards.text_sharded and st.key_valid is not None:
             mask = _valid_mask(st.key_valid, mask, key)
-        if mode is SeqMode.GATHERED:
+        if mode is SeqMode.OVERLAPPED or (self.mode is SeqMode.AUTO and mode is SeqMode.GATHERED and ctx.backend == "nccl"
+                                          and ctx.world_size == 2):
+            mode = SeqMode.OVERLAPPED if mask is None and isinstance(kv, ExactExchange) else SeqMode.GATHERED
+            self.last_mode = mode
+        st.mode_calls[mode.value] = st.mode_calls.get(mode.value, 0) + 1
+        if mode is SeqMode.OVERLAPPED:
+            ki, vi = (split_replicated(t, 1, before, after)[1] for t in (k4, v4)) if before or after else (k4, v4)
+            packed = torch.stack([ki, vi], dim=2)  # [B, n, 2, H, D]: what the peers need, one gather
+            st.traffic.add("kv", packed.numel() * packed.element_size() * (ctx.world_size - 1), collectives=1)
+            out = overlapped_attention(q4, k4, v4, packed, ctx, st.scaled(packed.shape[1]), scale)
+        elif mode is SeqMode.GATHERED:
             out = self._gathered(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full, kv)
         else:
             out = self._ulysses(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full)

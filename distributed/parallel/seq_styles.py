@@ -220,7 +220,8 @@ class SequenceAttentionStyle(Style):
                     raise ValueError(f"{path}: an image-only self-attention in a model whose text is sharded")
             elif not cross:
                 before, after = _replicated(lq - shards.counts[rank] + shards.total, shards.total, text, path)
-            return attn(q, k, v, attn_fn, layout=layout, before=before, after=after, cross=cross, mask=mask, key=path)
+            return attn(q, k, v, attn_fn, layout=layout, before=before, after=after, cross=cross, mask=mask, key=path,
+                        scale=call.get("scale"))
 
         slot, unroute = reroute_processor(module, path)
 

@@ -1,0 +1,132 @@
+"""Gathered K/V with the exchange in flight behind the local part of the attention (``overlapped`` mode).
+
+A query's attention over all keys is the log-sum-exp merge of its attention over disjoint key sets (the identity
+that FlashAttention's blockwise softmax and ring attention rest on): with ``o_s`` and ``l_s`` the output and the
+log-sum-exp of the scores over key set ``s``, ``l = logsumexp_s l_s`` and ``o = sum_s exp(l_s - l) o_s``. So a
+rank starts the all-gather of its K/V, computes its queries over its own keys (its text tokens included) while the
+peers' K/V travel, then over each peer's share, and merges. It moves the same bytes as gathered mode in the same
+one collective; on NCCL the gather runs on its own stream behind the local part, so a K/V gather that takes no
+longer than the local part costs no time. Exact up to floating-point order (the merge runs in fp32).
+
+The attention itself is PyTorch's fused attention with its log-sum-exp (cuDNN's or flash attention on CUDA for
+fp16/bf16, memory-efficient attention for fp32, the fused CPU kernel on CPU; the plain softmax product elsewhere), not the
+model's own attention function, which returns no log-sum-exp: a model whose attention is not softmax(QK^T/sqrt(d))V
+over its keys (a mask, another scale) is not routed here (:class:`~.seq_attention.SequenceAttention` keeps gathered
+mode for such a call).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ..comm import all_gather_start
+from ..context import ParallelContext
+
+__all__ = ["attention_lse", "merge_parts", "overlapped_attention"]
+
+
+def _math_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(q k^T * scale) v`` and the scores' log-sum-exp per query, for ``[B, H, L, D]`` tensors.
+
+    Returns ``(out [B, H, Lq, D] in q's dtype, lse [B, H, Lq] fp32)``; ``scale`` defaults to ``1/sqrt(D)``.
+    """
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    lq = q.shape[-2]
+    try:
+        if q.device.type == "cuda":
+            if q.dtype in (torch.float16, torch.bfloat16) and d <= 128 and d % 8 == 0 and torch.backends.cuda.cudnn_sdp_enabled():
+                # cuDNN's fused attention: what PyTorch's SDPA picks on Hopper for these shapes (faster than FA2)
+                try:
+                    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False, scale=scale)
+                    return r[0], r[1].reshape(r[1].shape[0], r[1].shape[1], -1)[..., :lq].float()
+                except (RuntimeError, NotImplementedError):
+                    pass
+            if q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0:
+                r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+            else:
+                r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
+        elif q.device.type == "cpu":
+            r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        else:
+            return _math_lse(q, k, v, scale)
+    except (RuntimeError, NotImplementedError):  # a kernel this build lacks for these shapes: the same maths, unfused
+        return _math_lse(q, k, v, scale)
+    return r[0], r[1][..., :lq].float()  # memory-efficient attention pads the log-sum-exp's query dim
+
+
+def _merge(outs: List[torch.Tensor], lses: List[torch.Tensor]) -> torch.Tensor:
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    acc = outs[0].float() * torch.exp(lses[0] - lse).unsqueeze(-1)
+    for o, l in zip(outs[1:], lses[1:]):
+        acc = acc + o.float() * torch.exp(l - lse).unsqueeze(-1)
+    return acc.to(outs[0].dtype)
+
+
+#: the merge compiled per CUDA device (one fused kernel instead of 2N + 1 passes over the outputs); ``False`` after a
+#: compile failure (the eager merge from then on)
+_FUSED: dict = {}
+
+
+def merge_parts(outs: List[torch.Tensor], lses: List[torch.Tensor]) -> torch.Tensor:
+    """The attention over the union of the key sets from each set's ``(out [B, H, L, D], lse [B, H, L])``, in the
+    outputs' dtype (weights and sums in fp32). On CUDA the merge is compiled (Inductor fuses it into one pass);
+    elsewhere, or when compiling fails, it runs eagerly (the same arithmetic)."""
+    if len(outs) == 1:
+        return outs[0]
+    dev = outs[0].device
+    if dev.type == "cuda" and _FUSED.get(dev.index) is not False:
+        try:
+            fused = _FUSED.get(dev.index)
+            if fused is None:
+                fused = _FUSED[dev.index] = torch.compile(_merge, dynamic=False, fullgraph=True)
+            return fused(outs, lses)
+        except Exception:  # noqa: BLE001 - any compiler failure: the eager merge is the same arithmetic
+            _FUSED[dev.index] = False
+    return _merge(outs, lses)
+
+
+def overlapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shared: torch.Tensor, ctx: ParallelContext,
+                         sizes: Sequence[int], scale: Optional[float] = None) -> torch.Tensor:
+    """The local queries' attention over every rank's keys, the K/V gather overlapped with the local part.
+
+    Args:
+        q, k, v: this rank's queries, keys and values, ``[B, L, H, D]`` (keys and values: every token of the
+            rank's local sequence, replicated text included).
+        shared: the part of the rank's K and V its peers need, packed ``[B, n_me, 2, H, D]`` (its image band, and
+            its text slice when the text is sharded), ``n_me == sizes[rank]``.
+        ctx: the sequence group.
+        sizes: every rank's shared token count (the shard table's, known to all ranks).
+        scale: the score scale (``None``: ``1/sqrt(D)``).
+
+    Returns the output ``[B, L, H, D]`` in q's dtype.
+    """
+    me = ctx.rank
+    biggest = max(sizes)
+    if shared.shape[1] < biggest:  # equal extents for transport; the padding is never read
+        pad = shared.new_zeros((shared.shape[0], biggest - shared.shape[1]) + tuple(shared.shape[2:]))
+        shared = torch.cat([shared, pad], dim=1)
+    gathered, work = all_gather_start(shared, ctx)  # [N, B, n_max, 2, H, D]
+    qt = q.transpose(1, 2)
+    o, l = attention_lse(qt, k.transpose(1, 2), v.transpose(1, 2), scale)  # the local keys, while the gather runs
+    outs, lses = [o], [l]
+    if work is not None:
+        work.wait()
+    for s, n in enumerate(sizes):
+        if s == me or n == 0:
+            continue
+        piece = gathered[s, :, :n]
+        o, l = attention_lse(qt, piece[:, :, 0].transpose(1, 2), piece[:, :, 1].transpose(1, 2), scale)
+        outs.append(o)
+        lses.append(l)
+    return merge_parts(outs, lses).transpose(1, 2)
