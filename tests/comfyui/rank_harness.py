@@ -88,15 +88,20 @@ def stock_sample(mp, inputs):
 @contextlib.contextmanager
 def watch_text():
     """The text shard sizes of every sequence-parallel model call of the block (``()``: the text stayed whole), read
-    from the rank's shard table after each call (the rank side's own state; nothing is replaced)."""
+    from the rank's shard table after each call (the rank side's own state; nothing is replaced); ``.modes``: the
+    attention calls per mode that ran, from the same state."""
     from patchray.nodes.bridge import dit_rank
 
-    seen = []
+    class Seen(list):
+        modes: dict = {}
+
+    seen = Seen()
     original = dit_rank.DitSequence.wrapper
 
     def wrapper(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         seen.append(self.state.require_shards().text_sizes)
+        seen.modes = dict(self.state.mode_calls)
         return out
 
     dit_rank.DitSequence.wrapper = wrapper
@@ -141,7 +146,7 @@ def sample_case(ctx, key, mp, inputs, layout, kind, attention):
         final = session.finalize(latent).float().cpu()
     rec = {"layout": layout.mode, "groups": layout.cfg_groups, "seq": layout.seq_ranks, "calls": session.calls,
            "note": layout.note, "comm_calls": dict(log.calls), "comm_bytes": log.total_bytes,
-           "text_sizes": sorted({tuple(t) for t in texts})}
+           "text_sizes": sorted({tuple(t) for t in texts}), "attention_modes": texts.modes}
     if ref is not None:
         rec["rel_l2"] = ((final - ref).norm() / ref.norm()).item()
         rec["shape"] = list(final.shape)
