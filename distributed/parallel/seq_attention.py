@@ -256,7 +256,8 @@ class SequenceAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_fn: AttentionFn, *, layout: str = "BHLD",
                  heads: Optional[int] = None, before: int = 0, after: int = 0, cross: bool = False,
-                 mask: Optional[torch.Tensor] = None, key: str = "attn", scale: Optional[float] = None) -> torch.Tensor:
+                 mask: Optional[torch.Tensor] = None, key: str = "attn", scale: Optional[float] = None,
+                 custom: bool = False) -> torch.Tensor:
         """Attention of the local queries over every rank's keys.
 
         Args:
@@ -274,6 +275,8 @@ class SequenceAttention:
                 full key sequence in global order; see :func:`_key_mask`.
             key: a name unique per attention layer (the stale memory's slot).
             scale: the score scale ``attn_fn`` applies (``None``: ``1/sqrt(head_dim)``), for overlapped mode.
+            custom: ``attn_fn`` is an attention kernel the user chose (another node's override): ``auto`` keeps it
+                (gathered) instead of overlapping with PyTorch's kernel; an explicit ``overlapped`` still overlaps.
         """
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS} (got {layout!r})")
@@ -319,7 +322,7 @@ class SequenceAttention:
         if mask is not None and shards.text_sharded and st.key_valid is not None:
             mask = _valid_mask(st.key_valid, mask, key)
         if mode is SeqMode.OVERLAPPED or (self.mode is SeqMode.AUTO and mode is SeqMode.GATHERED and ctx.backend == "nccl"
-                                          and ctx.world_size == 2):
+                                          and ctx.world_size == 2 and not custom):
             mode = SeqMode.OVERLAPPED if mask is None and isinstance(kv, ExactExchange) else SeqMode.GATHERED
             self.last_mode = mode
         st.mode_calls[mode.value] = st.mode_calls.get(mode.value, 0) + 1

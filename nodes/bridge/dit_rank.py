@@ -258,6 +258,9 @@ class DitSequence:
                 raise TypeError(f"{path}: unexpected positional attention arguments {len(rest)}")
             bhld = bool(kwargs.get("skip_reshape", False))
             keep_heads = bool(kwargs.pop("skip_output_reshape", False))
+            # an attention kernel the user chose (another node's override, or a ComfyUI attention other than PyTorch's,
+            # e.g. --use-sage-attention): auto keeps it rather than overlapping with PyTorch's kernel
+            custom = inner is not None or getattr(func, "__name__", "attention_pytorch") != "attention_pytorch"
 
             def attn_fn(q_, k_, v_, mask_, heads_):
                 kw = dict(kwargs, mask=mask_, skip_output_reshape=bhld)  # BHLD in, BHLD out; BLC in, BLC out
@@ -266,19 +269,22 @@ class DitSequence:
                 return func(q_, k_, v_, heads_, **kw)
 
             if kind == "cross":
-                out = self.attn(q, k, v, attn_fn, layout="BHLD" if bhld else "BLC", heads=heads, cross=True, mask=mask, key=path)
+                out = self.attn(q, k, v, attn_fn, layout="BHLD" if bhld else "BLC", heads=heads, cross=True, mask=mask, key=path,
+                                custom=custom)
             elif self.state.require_shards().text_sharded:
                 if kind == "self":  # backstop: only rows whose attentions are joint have a text site
                     raise ValueError(f"{path}: an image-only self-attention in a model whose text is sharded")
                 # the rank's joint sequence: its text slice and image band, nothing replicated
-                out = self.attn(q, k, v, attn_fn, layout="BHLD" if bhld else "BLC", heads=heads, mask=mask, key=path)
+                out = self.attn(q, k, v, attn_fn, layout="BHLD" if bhld else "BLC", heads=heads, mask=mask, key=path,
+                                custom=custom)
             else:
                 n_me = self.state.require_shards().counts[self.ctx.rank]
                 extra = q.shape[2 if bhld else 1] - n_me
                 before, after = (extra, 0) if self.row.text == "prefix" else (0, extra)
                 if kind == "self" and extra:
                     raise ValueError(f"{path}: self-attention over {q.shape[2 if bhld else 1]} tokens, this rank holds {n_me}")
-                out = self.attn(q, k, v, attn_fn, layout="BHLD" if bhld else "BLC", heads=heads, before=before, after=after, mask=mask, key=path)
+                out = self.attn(q, k, v, attn_fn, layout="BHLD" if bhld else "BLC", heads=heads, before=before, after=after, mask=mask, key=path,
+                                custom=custom)
             if bhld and not keep_heads:
                 b, h, l, d = out.shape
                 out = out.transpose(1, 2).reshape(b, l, h * d)

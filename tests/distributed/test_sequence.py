@@ -205,6 +205,9 @@ def _core_task(ctx):
     out = auto(shard(qf, text, 0), shard(kf, text, 0), shard(vf, text, 0), _sdpa, before=text, key="a")
     res["auto_nccl"] = (auto.last_mode.value, rel(gather_tokens(out, s, ctx, dim=2, before=text),
                                                   F.scaled_dot_product_attention(qf, kf, vf)))
+    # ... unless the caller's attention function is one the user chose: auto keeps it (gathered)
+    auto(shard(qf, text, 0), shard(kf, text, 0), shard(vf, text, 0), _sdpa, before=text, key="a", custom=True)
+    res["auto_nccl_custom"] = auto.last_mode.value
 
     # displaced K/V over three steps: step 0 synchronous (exact), then remote K/V one step old
     traffic = Traffic()
@@ -252,6 +255,7 @@ def test_gathered_overlapped_and_ulysses_equal_one_rank_attention(n):
         assert res["modes"][("overlapped", "mask")] == "gathered"  # a masked call runs gathered
         mode, err = res["auto_nccl"]
         assert mode == ("overlapped" if n == 2 else "gathered"), mode  # auto overlaps the gather on 2 ranks only
+        assert res["auto_nccl_custom"] == "gathered"
         assert err <= TOL, err
         assert res["cross_calls"] == 0
         assert "differs between image keys" in res["bad_mask"], res["bad_mask"]
