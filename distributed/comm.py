@@ -5,11 +5,11 @@ Design decisions:
 * **One place talks to torch.distributed.** Adapters, the runtime and the benchmark call the helpers here
   (``all_reduce``, ``all_gather_padded``, ``exchange_halo``, ``gather_to``, ``barrier``, ...), never ``dist.*``
   directly, so the gloo host-staging rule, padding for transport and one-rank short cuts live in one place. That
-  place is three modules with one job each, and every other module imports them through this one (it re-exports
-  their names): this file (collectives, process groups, stores, barriers), :mod:`.comm_intercept` (the one
-  interception layer: count / throttle / time) and :mod:`.comm_fsdp` (weight sharding's FSDP2 wrappers). A
-  structure test (tests/distributed/test_structure.py) keeps every other module off ``torch.distributed`` and off
-  the two siblings.
+  place is four modules with one job each, and every other module imports them through this one (it re-exports
+  their names): this file (collectives, process groups, stores, barriers), :mod:`.comm_p2p` (point-to-point: halos,
+  pieces, ring stages), :mod:`.comm_intercept` (the one interception layer: count / throttle / time) and
+  :mod:`.comm_fsdp` (weight sharding's FSDP2 wrappers). A structure test (tests/distributed/test_structure.py) keeps
+  every other module off ``torch.distributed`` and off the siblings.
 * **Halo sizes come from shared data, never from a metadata collective.** Every caller passes the
   per-rank sizes it derived from global shapes, so a halo exchange is one ``batch_isend_irecv``.
 * **gloo cannot send CUDA tensors point-to-point** ('writev: Bad address', measured on an H200), so under
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, List, NamedTuple, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -31,12 +31,14 @@ import torch.distributed as dist
 from .accounting import COUNTED_OPS, CommCall, CommHook, CommLog, tensor_bytes
 from .comm_fsdp import ShardTally, base_class, fully_shard, is_sharded, local_shard, set_forward_prefetch
 from .comm_intercept import intercept, log_comm, unwrapped
+from .comm_p2p import Halo, exchange_halo, exchange_pieces, ring_start
 from .context import ParallelContext
 
 __all__ = [
     # collectives (this file)
     "all_reduce", "REDUCE_OPS", "all_gather_into", "all_gather_start", "broadcast", "all_gather_padded", "gather_to", "all_to_all_equal",
-    "Halo", "exchange_halo", "exchange_pieces",
+    # point-to-point exchanges (comm_p2p)
+    "Halo", "exchange_halo", "exchange_pieces", "ring_start",
     # process groups, stores and barriers (this file)
     "init_process_group", "file_store", "tcp_store", "context_for_group", "nccl_available", "is_initialized",
     "destroy_process_group", "barrier", "bounded_barrier", "uncounted_barrier", "new_group", "all_gather_object",
@@ -247,144 +249,6 @@ def all_to_all_equal(send: torch.Tensor, ctx: ParallelContext, stage_on_host: Op
     out = torch.empty_like(send)
     dist.all_to_all_single(out, send, group=ctx.group)
     return out
-
-
-class Halo(NamedTuple):
-    """Rows received from the previous (``before``) and next (``after``) rank; ``None`` at the image edge."""
-
-    before: Optional[torch.Tensor]
-    after: Optional[torch.Tensor]
-
-
-def exchange_halo(
-    x: torch.Tensor,
-    ctx: ParallelContext,
-    dim: int,
-    halos: Sequence[Sequence[int]],
-    buffers: Optional[Dict[tuple, torch.Tensor]] = None,
-) -> Halo:
-    """Swap boundary slices with the neighbouring ranks along ``dim`` in one batched point-to-point.
-
-    Args:
-        x: this rank's band.
-        ctx: the parallel context.
-        dim: the sharded dimension (rows).
-        halos: ``halos[r] == (before_r, after_r)``: how many slices rank r needs from rank r-1 and r+1.
-            Every rank passes the same table (derived from global shapes), so no sizes travel.
-        buffers: a caller-owned dict in which receive buffers are kept and reused by
-            ``(side, shape, dtype, device)``. Only for callers that consume the halo before their next
-            exchange of the same shape (a row-sharded convolution does); callers that keep halos across
-            calls (stale halos in displaced sampling) must leave it ``None``.
-
-    Returns:
-        :class:`Halo` with the received slices (``None`` where nothing is needed or at the edge).
-    """
-    if ctx.world_size == 1:
-        return Halo(None, None)
-    r, n = ctx.rank, ctx.world_size
-    need_before, need_after = halos[r]
-    # what my neighbours need from me
-    give_prev = halos[r - 1][1] if r > 0 else 0  # rank r-1 needs `after` slices: my first ones
-    give_next = halos[r + 1][0] if r < n - 1 else 0  # rank r+1 needs `before` slices: my last ones
-    extent = x.shape[dim]
-    if max(give_prev, give_next) > extent:
-        # backstop, not the guard: callers refuse thin bands from shared shapes before any rank gets here
-        raise ValueError(f"rank {r} holds {extent} slices along dim {dim} but a neighbour needs {max(give_prev, give_next)}")
-
-    stage = ctx.stages_p2p_through_host
-    host = torch.device("cpu")
-
-    def _send_buf(t):
-        if not stage:
-            return t.contiguous()
-        # page-locked staging (PyTorch's caching host allocator: reused after the first call): a copy into
-        # freshly allocated pageable memory ran at about 1 GB/s on an H200 host and was billed to the rank's
-        # compute, as was the copy back; pinned copies run at the link's speed
-        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        buf.copy_(t)
-        return buf
-
-    def _recv_buf(count, side):
-        shape = list(x.shape)
-        shape[dim] = count
-        device = host if stage else x.device
-        if buffers is None:
-            return torch.empty(shape, dtype=x.dtype, device=device, pin_memory=stage)
-        key = (side, tuple(shape), x.dtype, device)
-        buf = buffers.get(key)
-        if buf is None:
-            buf = buffers[key] = torch.empty(shape, dtype=x.dtype, device=device, pin_memory=stage)
-        return buf
-
-    ops = []
-    recv_before = recv_after = None
-    g = ctx.global_ranks or tuple(range(n))
-    if r > 0 and need_before:
-        recv_before = _recv_buf(need_before, "before")
-        ops.append(dist.P2POp(dist.irecv, recv_before, g[r - 1], ctx.group))
-    if r < n - 1 and need_after:
-        recv_after = _recv_buf(need_after, "after")
-        ops.append(dist.P2POp(dist.irecv, recv_after, g[r + 1], ctx.group))
-    if r > 0 and give_prev:
-        ops.append(dist.P2POp(dist.isend, _send_buf(x.narrow(dim, 0, give_prev)), g[r - 1], ctx.group))
-    if r < n - 1 and give_next:
-        ops.append(dist.P2POp(dist.isend, _send_buf(x.narrow(dim, extent - give_next, give_next)), g[r + 1], ctx.group))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    if stage:
-        recv_before = recv_before.to(x.device) if recv_before is not None else None
-        recv_after = recv_after.to(x.device) if recv_after is not None else None
-    return Halo(recv_before, recv_after)
-
-
-def exchange_pieces(
-    ctx: ParallelContext,
-    sends: Dict[int, List[torch.Tensor]],
-    recv_shapes: Dict[int, List[torch.Size]],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> Dict[int, List[torch.Tensor]]:
-    """Send tensors to any peers and receive from any peers in one ``batch_isend_irecv``.
-
-    The general sibling of :func:`exchange_halo` (which only talks to the previous and next rank): a
-    tile's neighbour can belong to any rank. To each peer, its pieces travel flattened into one buffer;
-    the receiver knows the shapes from shared geometry (``recv_shapes``), so no sizes travel.
-
-    Args:
-        ctx: the parallel context.
-        sends: ``{peer: [tensor, ...]}`` (group ranks).
-        recv_shapes: ``{peer: [shape, ...]}``: what each peer sends this rank, in order.
-        dtype, device: of the received tensors.
-
-    Returns:
-        ``{peer: [tensor, ...]}`` with the received pieces in ``recv_shapes`` order.
-    """
-    stage = ctx.stages_p2p_through_host
-    host = torch.device("cpu")
-    g = ctx.global_ranks or tuple(range(ctx.world_size))
-    ops, recv_bufs = [], {}
-    for peer in sorted(recv_shapes):
-        numel = sum(int(torch.Size(s).numel()) for s in recv_shapes[peer])
-        buf = torch.empty(numel, dtype=dtype, device=host if stage else device)
-        recv_bufs[peer] = buf
-        ops.append(dist.P2POp(dist.irecv, buf, g[peer], ctx.group))
-    for peer in sorted(sends):
-        flat = torch.cat([p.reshape(-1) for p in sends[peer]])
-        ops.append(dist.P2POp(dist.isend, flat.to(host) if stage else flat, g[peer], ctx.group))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    received = {}
-    for peer, buf in recv_bufs.items():
-        buf = buf.to(device) if stage else buf
-        pieces, offset = [], 0
-        for shape in recv_shapes[peer]:
-            n = int(torch.Size(shape).numel())
-            pieces.append(buf[offset : offset + n].view(shape))
-            offset += n
-        received[peer] = pieces
-    return received
 
 
 # --------------------------------------------------------------------------------------------------

@@ -78,9 +78,11 @@ class PatchRayKSampler(io.ComfyNode):
                     tooltip=(
                         "DiT sequence parallelism's attention (all exact). gathered: every rank gathers all keys and "
                         "values. overlapped: the same gather, running while the rank attends to its own keys "
-                        "(PyTorch's attention kernel; calls with a mask run gathered). ulysses: all-to-all over "
-                        "attention heads (heads must divide by the sequence ranks; less traffic from 3 ranks). auto: "
-                        "per layer, from the modelled link cost, the gather overlapped on 2 NCCL ranks."
+                        "(PyTorch's attention kernel; calls with a mask run gathered). ring: the same keys and values "
+                        "sent to one peer at a time, each peer's part attended while the next travels. ulysses: "
+                        "all-to-all over attention heads (heads must divide by the sequence ranks; less traffic from "
+                        "3 ranks). auto: per layer, from the modelled link cost; on NCCL the gather is hidden "
+                        "(overlapped at 2 ranks, ring from 3)."
                     ),
                 ),
                 io.Combo.Input(

@@ -19,7 +19,7 @@ from ..context import ParallelContext
 from .exchange import EXACT, ExactExchange, PeerExchange, StepState
 from .seq_cost import AttentionCost, SeqMode, attention_cost, choose_mode
 from .seq_masks import _key_mask, _valid_mask
-from .seq_overlap import overlapped_attention
+from .seq_overlap import overlapped_attention, ring_attention
 from .tokens import TokenShards, split_replicated
 
 __all__ = [
@@ -223,11 +223,13 @@ class SequenceAttention:
         link: link profile (name) the ``auto`` rule models (default ``pcie4_x16_p2p``).
 
     ``overlapped`` computes the local keys' part while the exact K/V gather is in flight and merges the parts by
-    their log-sum-exp (:mod:`.seq_overlap`: PyTorch's fused attention instead of the model's function); a call it
-    cannot take (a mask, stale K/V) runs gathered. ``auto`` uses it where it picks gathered on a 2-rank NCCL group
-    (whose gather runs on its own stream): there the own keys are half the attention and hide the gather; at 4 ranks
-    they are a quarter, which hid 2 of FLUX.1's 7 ms of gather per step on NVLink while splitting the attention cost
-    2 ms (measured on an H200, kernels of each rank alone), so gathered stays.
+    their log-sum-exp; ``ring`` sends the same K/V point to point, one peer per stage, and attends to each peer's
+    part while the next one travels (:mod:`.seq_overlap`: PyTorch's fused attention instead of the model's
+    function); a call they cannot take (a mask, stale K/V) runs gathered. Where ``auto`` picks gathered on an NCCL
+    group (whose exchanges run on their own stream) it takes ``overlapped`` at 2 ranks (the own keys, half the
+    attention, hide the gather) and ``ring`` from 3 (the own keys alone, a quarter at 4 ranks, hid 2 of FLUX.1's 7 ms
+    of gather per step on NVLink while splitting the attention cost 2 ms: measured on an H200, each rank's kernels
+    alone), unless the caller's function is a kernel the user chose (``custom``).
 
     Call it with the local q, k, v as the model would pass them to its attention function; the output is what that
     function would return for the local queries over the whole sequence.
@@ -321,16 +323,22 @@ class SequenceAttention:
         lk_full = before + shards.seq_total + after
         if mask is not None and shards.text_sharded and st.key_valid is not None:
             mask = _valid_mask(st.key_valid, mask, key)
-        if mode is SeqMode.OVERLAPPED or (self.mode is SeqMode.AUTO and mode is SeqMode.GATHERED and ctx.backend == "nccl"
-                                          and ctx.world_size == 2 and not custom):
-            mode = SeqMode.OVERLAPPED if mask is None and isinstance(kv, ExactExchange) else SeqMode.GATHERED
-            self.last_mode = mode
+        if self.mode is SeqMode.AUTO and mode is SeqMode.GATHERED and ctx.backend == "nccl" and not custom:
+            # NCCL runs the exchange on its own stream: hide it behind the attention (one peer's part per stage from
+            # 3 ranks, where the own keys alone are too small a part to hide a whole gather)
+            mode = SeqMode.OVERLAPPED if ctx.world_size == 2 else SeqMode.RING
+        if mode in (SeqMode.OVERLAPPED, SeqMode.RING) and (mask is not None or not isinstance(kv, ExactExchange)):
+            mode = SeqMode.GATHERED  # a mask or stale K/V: the model's own function over the gathered keys
+        self.last_mode = mode
         st.mode_calls[mode.value] = st.mode_calls.get(mode.value, 0) + 1
-        if mode is SeqMode.OVERLAPPED:
+        if mode in (SeqMode.OVERLAPPED, SeqMode.RING):
             ki, vi = (split_replicated(t, 1, before, after)[1] for t in (k4, v4)) if before or after else (k4, v4)
-            packed = torch.stack([ki, vi], dim=2)  # [B, n, 2, H, D]: what the peers need, one gather
-            st.traffic.add("kv", packed.numel() * packed.element_size() * (ctx.world_size - 1), collectives=1)
-            out = overlapped_attention(q4, k4, v4, packed, ctx, st.scaled(packed.shape[1]), scale)
+            packed = torch.stack([ki, vi], dim=2)  # [B, n, 2, H, D]: what the peers need
+            n = ctx.world_size
+            st.traffic.add("kv", packed.numel() * packed.element_size() * (n - 1),
+                           collectives=1 if mode is SeqMode.OVERLAPPED else n - 1)
+            fn = overlapped_attention if mode is SeqMode.OVERLAPPED else ring_attention
+            out = fn(q4, k4, v4, packed, ctx, st.scaled(packed.shape[1]), scale)
         elif mode is SeqMode.GATHERED:
             out = self._gathered(q4, k4, v4, attn_fn, layout, before, after, mask, key, lq, lk_full, kv)
         else:

@@ -15,6 +15,7 @@ class SeqMode(str, enum.Enum):
 
     GATHERED = "gathered"  # all-gather the sharded part of K and V; local queries
     OVERLAPPED = "overlapped"  # gathered, the gather in flight behind the local keys' part (log-sum-exp merge)
+    RING = "ring"  # the same K/V point to point, one peer per stage, each peer's part attended behind the next's transfer
     ULYSSES = "ulysses"  # all-to-all: my tokens x all heads <-> all tokens x heads/N
     AUTO = "auto"  # per call, by the modelled cost (choose_mode)
 
@@ -53,6 +54,9 @@ def attention_cost(mode: Union[str, SeqMode], counts: Sequence[int], heads: int,
     n = len(counts)
     if n <= 1:
         return AttentionCost(0, 0, {})
+    if mode is SeqMode.RING:  # gathered's piece to each of N-1 peers, one send (and one receive) per stage
+        piece = 2 * max(counts) * batch * heads * head_dim * itemsize
+        return AttentionCost(piece * (n - 1), n - 1, {"batch_isend_irecv": 0, "isend": piece * (n - 1), "irecv": piece * (n - 1)})
     n_max = max(counts)
     row = batch * heads * head_dim * itemsize
     if mode is SeqMode.GATHERED:

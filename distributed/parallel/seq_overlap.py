@@ -8,6 +8,12 @@ peers' K/V travel, then over each peer's share, and merges. It moves the same by
 one collective; on NCCL the gather runs on its own stream behind the local part, so a K/V gather that takes no
 longer than the local part costs no time. Exact up to floating-point order (the merge runs in fp32).
 
+``ring`` mode sends the same K/V point to point instead, one peer per stage (stage ``s``: to rank ``+s``, from rank
+``-s``), every stage posted at once: the rank attends to its own keys while the first peer's K/V travel, then to each
+peer's as the next one travels (the pipelining of ring attention, "Ring Attention with Blockwise Transformers for
+Near-Infinite Context"), so at N > 2 more than the own keys' part hides the transfers. The same bytes per rank, in
+N - 1 messages.
+
 The attention itself is PyTorch's fused attention with its log-sum-exp (cuDNN's or flash attention on CUDA for
 fp16/bf16, memory-efficient attention for fp32, the fused CPU kernel on CPU; the plain softmax product elsewhere), not the
 model's own attention function, which returns no log-sum-exp: a model whose attention is not softmax(QK^T/sqrt(d))V
@@ -22,10 +28,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..comm import all_gather_start
+from ..comm import all_gather_start, ring_start
 from ..context import ParallelContext
 
-__all__ = ["attention_lse", "merge_parts", "overlapped_attention"]
+__all__ = ["attention_lse", "merge_parts", "overlapped_attention", "ring_attention"]
 
 
 def _math_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -126,6 +132,28 @@ def overlapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shar
         if s == me or n == 0:
             continue
         piece = gathered[s, :, :n]
+        o, l = attention_lse(qt, piece[:, :, 0].transpose(1, 2), piece[:, :, 1].transpose(1, 2), scale)
+        outs.append(o)
+        lses.append(l)
+    return merge_parts(outs, lses).transpose(1, 2)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shared: torch.Tensor, ctx: ParallelContext,
+                   sizes: Sequence[int], scale: Optional[float] = None) -> torch.Tensor:
+    """:func:`overlapped_attention` with the K/V sent point to point, one peer per stage, each peer's part attended
+    to while the next peer's K/V travel (same arguments and result)."""
+    biggest = max(sizes)
+    if shared.shape[1] < biggest:
+        pad = shared.new_zeros((shared.shape[0], biggest - shared.shape[1]) + tuple(shared.shape[2:]))
+        shared = torch.cat([shared, pad], dim=1)
+    stages = ring_start(shared, ctx)  # [(source rank, get)], posted at once
+    qt = q.transpose(1, 2)
+    o, l = attention_lse(qt, k.transpose(1, 2), v.transpose(1, 2), scale)  # the local keys, while stage 1 travels
+    outs, lses = [o], [l]
+    for src, get in stages:
+        piece = get()[:, : sizes[src]]
+        if sizes[src] == 0:
+            continue
         o, l = attention_lse(qt, piece[:, :, 0].transpose(1, 2), piece[:, :, 1].transpose(1, 2), scale)
         outs.append(o)
         lses.append(l)

@@ -63,7 +63,7 @@ def sequence_families() -> str:
             names.append(name)
     return "UNets SD 1.x/2.x/SDXL and the DiTs " + ", ".join(names)
 
-ATTENTION_NAMES = ["auto", "gathered", "overlapped", "ulysses"]
+ATTENTION_NAMES = ["auto", "gathered", "overlapped", "ring", "ulysses"]
 BALANCE_NAMES = ["equal", "speed"]  # topology.throughput.BALANCE_MODES, without importing it here
 SHARDING_NAMES = bridge_shard.SHARDING_NAMES
 # samplers whose step control reads the whole latent: with OTIL's approximate remote regions the ranks would take
@@ -145,8 +145,10 @@ def sample(
         config: the :class:`PatchConfig` (:func:`patch_config`) of the UNet's row-band patch parallelism.
         parallelism: the node's widget (:data:`PARALLELISM_NAMES`; see :mod:`.dit_layout`).
         attention: sequence-parallel attention of DiTs: ``gathered`` K/V, ``overlapped`` (gathered, the gather in
-            flight behind the rank's own keys' part), ``ulysses`` (heads must divide by the sequence ranks) or
-            ``auto`` (per call, from the modelled link cost; gathered calls overlapped on 2 NCCL ranks).
+            flight behind the rank's own keys' part), ``ring`` (the K/V point to point, one peer per stage, each
+            peer's part attended while the next travels), ``ulysses`` (heads must divide by the sequence ranks) or
+            ``auto`` (per call, from the modelled link cost; on NCCL gathered calls become overlapped at 2 ranks,
+            ring from 3).
         balance: the sequence split's bands (UNet row bands, DiT token shards): ``equal``, or ``speed``
             (proportional to each rank's measured throughput, measured once per cluster; the result is the same).
         sharding: the diffusion model's weights on the ranks: ``none`` (each rank holds all of them), ``blocks``

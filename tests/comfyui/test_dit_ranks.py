@@ -26,18 +26,23 @@ RUNS = {
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_overlapped_attention_equals_the_stock_sampler(tmp_path, ranks):
-    """sequence_attention=overlapped (the K/V gather in flight behind the own keys' part, log-sum-exp merge) on
-    ComfyUI's Flux and WanModel: fp32, the same bound as gathered (only the order of sums differs)."""
-    names = ["flux-seq-overlapped", "wan21-seq-overlapped"]
+def test_overlapped_and_ring_attention_equal_the_stock_sampler(tmp_path, ranks):
+    """sequence_attention=overlapped (the K/V gather in flight behind the own keys' part, log-sum-exp merge) and ring
+    (the K/V point to point, one peer per stage) on ComfyUI's Flux and WanModel: fp32, the same bound as gathered
+    (only the order of sums differs)."""
+    names = ["flux-seq-overlapped", "wan21-seq-overlapped", "flux-seq-ring", "wan21-seq-ring"]
     report = run_rank_script("dit_ranks.py", tmp_path, ranks, names, timeout=900)
     for name in names:
         rec = report["cases"][name]
         print(f"{ranks} ranks {name}: relative L2 {rec['rel_l2']:.2e}, collectives {rec['comm_calls']}")
         assert rec["layout"] == "sequence" and rec["seq"] == ranks, rec
         assert rec["rel_l2"] <= 1e-5, (ranks, name, rec)
-        assert rec["comm_calls"].get("all_gather", 0) >= STEPS * 3, rec  # two attention layers + the output gather
-        assert set(rec["attention_modes"]) == {"overlapped"}, rec  # every self/joint attention call overlapped
+        mode = name.rsplit("-", 1)[1]
+        assert set(rec["attention_modes"]) == {mode}, rec  # every self/joint attention call took the mode
+        if mode == "ring":  # two attention layers, N - 1 point-to-point stages each; the output gathered once
+            assert rec["comm_calls"].get("batch_isend_irecv", 0) >= STEPS * 2 * (ranks - 1), rec
+        else:
+            assert rec["comm_calls"].get("all_gather", 0) >= STEPS * 3, rec  # two attention layers + the output
 
 
 @pytest.mark.parametrize("ranks", sorted(RUNS))
