@@ -98,7 +98,7 @@ def step_cost(shape: DiTShape, world_size: int, mode: str = "auto", *, itemsize:
                                kv=kv, link=link)
     one: AttentionCost = attention_cost(resolved, counts, shape.heads, shape.head_dim, itemsize, batch=batch,
                                         replicated=replicated)
-    if isinstance(kv, CompressedExchange) and resolved in (SeqMode.GATHERED, SeqMode.OVERLAPPED):
+    if isinstance(kv, CompressedExchange) and resolved in (SeqMode.GATHERED, SeqMode.OVERLAPPED, SeqMode.RING):
         # each rank sends its packed residual codes of K and V (padded to the largest share) to N-1 peers
         piece = packed_bytes(2 * max(counts) * batch * shape.heads * shape.head_dim, kv.bits)
         one = AttentionCost(piece * (world_size - 1), 1, {"all_gather": piece * (world_size + 1)})
