@@ -445,6 +445,8 @@ def _check_encode_memory(vae, pixels, x: torch.Tensor, dtype: torch.dtype, confi
     frames_of = (lambda k: (k - 1) * t + 1) if t > 1 else (lambda k: k)
     widget = ("e.g. fewer frames from the node that made the images, or encode the video in parts" if video
               else "e.g. a smaller batch on the node that made the images")
+    if spec is not None:
+        widget += "; that count leaves room for decoding them"
     fits = _fits_words("encode", lambda k: max(need_at(frames_of(k)), decode_need(frames_of(k))), steps, frames_of, video,
                        width, height, widget)
     check_host_memory(_ENCODE, "pixels", f"{frames} frame(s) of {width}x{height} px to encode",

@@ -149,6 +149,7 @@ def test_the_encode_names_frames_whose_decode_fits_too(free_memory):
         bridge_vae._check_encode_memory(_HunyuanVideo, pixels, x, torch.float32, _cpu_cluster(), spec=spec)
     msg = str(info.value)
     named = int(re.search(r"holds about (\d+) frame\(s\) per call: encode at most that many", msg).group(1))
+    assert "that count leaves room for decoding them" in msg, msg
     # the decode's own count on 20 GiB, by hand (test_a_clip_that_does_not_fit_is_refused_with_the_frames_that_do)
     assert named == 9, msg
     _decode_check(_HunyuanVideo, "hunyuan_video", torch.zeros(1, 16, (named - 1) // 4 + 1, 60, 106))  # accepted
