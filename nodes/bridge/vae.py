@@ -454,6 +454,22 @@ def _check_encode_memory(vae, pixels, x: torch.Tensor, dtype: torch.dtype, confi
                       fits=fits)
 
 
+def _check_encode_frames(spec, x: torch.Tensor) -> None:
+    """Refuse a clip whose frame count ComfyUI's own encoder of this VAE refuses (LTX-Video: 1 + 8k frames only), as
+    the stock VAE Encode does, instead of encoding fewer frames than it was given."""
+    from .vae_layouts import encode_frame_step
+
+    step = encode_frame_step(spec.family)
+    frames = int(x.shape[2]) if x.dim() == 5 else 1
+    if step > 1 and (frames - 1) % step:
+        lower = (frames - 1) // step * step + 1
+        raise ValueError(
+            f"{_ENCODE}: 'pixels' has {frames} frame(s), but the {_vae_label(spec)} encodes 1 + {step}k frames (1, "
+            f"{1 + step}, {1 + 2 * step}, ...), as the stock VAE Encode does: give it {lower} or {lower + step} frames "
+            f"(e.g. length on the node that made the images)"
+        )
+
+
 def _temporal_ratio(vae) -> int:
     """Frames per latent frame of a causal video VAE (ComfyUI's ``upscale_index_formula``), 1 when unknown."""
     formula = getattr(vae, "upscale_index_formula", None)
@@ -490,6 +506,7 @@ def encode(
     except ValueError as exc:
         raise ValueError(f"{_ENCODE}: 'pixels': {exc}") from None
     _refuse_non_finite(_ENCODE, "pixels", x, "the image is broken upstream (a node that produced it diverged)")
+    _check_encode_frames(spec, x)
     try:
         check_encode_input(spec.family, x, image_channels(spec.family, spec.config), config.num_ranks)
     except ValueError as exc:
