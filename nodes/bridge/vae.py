@@ -180,8 +180,9 @@ _GIB = 2**30
 ESTIMATE_SHARE = 0.5
 #: decode families whose CPU ranks' live tensors were measured above :data:`ESTIMATE_SHARE` of ComfyUI's figure: the
 #: share counted for them, rounded up from the measured peak (results/cpu-vae-memory/, 2 CPU ranks, fp32: Wan 2.1
-#: 0.66-0.73 from its second 4-frame chunk on, HunyuanVideo 0.55-0.68 from 5 frames)
-DECODE_SHARE = {"wan": 0.75, "hunyuan_video": 0.7}
+#: 0.66-0.73 from its second 4-frame chunk on, HunyuanVideo 0.55-0.68 from 5 frames, measured on ComfyUI's own class,
+#: which the layout table converts to ``hunyuan_video_full_attention``)
+DECODE_SHARE = {"wan": 0.75, "hunyuan_video": 0.7, "hunyuan_video_full_attention": 0.7}
 
 
 def _cpu_ranks_here(config) -> bool:

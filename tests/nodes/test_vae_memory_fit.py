@@ -189,3 +189,16 @@ def test_the_encode_of_an_image_batch_names_images_whose_decode_fits_too(free_me
     _decode_check(_KL, "kl", torch.zeros(named, 4, 128, 128))
     with pytest.raises(ValueError):
         _decode_check(_KL, "kl", torch.zeros(named + 1, 4, 128, 128))
+
+
+def test_the_family_comfyuis_hunyuan_video_vae_converts_to_is_counted_at_its_measured_share(free_memory):
+    """The node sees the family the layout table converts ComfyUI's HunyuanVideo VAE to (whole-clip decode with
+    full attention), not the library's causal ``hunyuan_video``: the measured share (0.7, results/cpu-vae-memory/, run
+    on ComfyUI's own class) must apply to that family, so the node names 9 frames on 20 GiB, as counted by hand in
+    test_a_clip_that_does_not_fit_is_refused_with_the_frames_that_do (at 0.5 it would name 13)."""
+    from patchray.nodes.bridge.vae_layouts import LAYOUTS
+
+    family = next(row.family for row in LAYOUTS if row.name == "HunyuanVideo VAE")
+    free_memory(20 * GIB)
+    with pytest.raises(ValueError, match="holds about 9 frame"):
+        _decode_check(_HunyuanVideo, family, torch.zeros(1, 16, 19, 60, 106))
