@@ -519,6 +519,7 @@ class PatchRayTestSaveImageTensor:
         from safetensors.torch import save_file
 
         name = prefix + ".safetensors"
+        os.makedirs(folder_paths.get_output_directory(), exist_ok=True)
         save_file({"image": images.detach().float().contiguous().cpu()}, os.path.join(folder_paths.get_output_directory(), name))
         return {"ui": {"tensors": [name]}}
 
