@@ -140,8 +140,10 @@ def test_the_encode_names_frames_whose_decode_fits_too(free_memory):
     import re
 
     from patchray.nodes.bridge import vae as bridge_vae
+    from patchray.nodes.bridge.vae_layouts import LAYOUTS
 
-    spec = SimpleNamespace(family="hunyuan_video", config={})
+    family = next(row.family for row in LAYOUTS if row.name == "HunyuanVideo VAE")  # what the node sees
+    spec = SimpleNamespace(family=family, config={})
     pixels = torch.zeros(()).expand(73, 480, 848, 3)
     x = torch.zeros(()).expand(1, 3, 73, 480, 848)
     free_memory(20 * GIB)
@@ -152,9 +154,9 @@ def test_the_encode_names_frames_whose_decode_fits_too(free_memory):
     assert "that count leaves room for decoding them" in msg, msg
     # the decode's own count on 20 GiB, by hand (test_a_clip_that_does_not_fit_is_refused_with_the_frames_that_do)
     assert named == 9, msg
-    _decode_check(_HunyuanVideo, "hunyuan_video", torch.zeros(1, 16, (named - 1) // 4 + 1, 60, 106))  # accepted
+    _decode_check(_HunyuanVideo, family, torch.zeros(1, 16, (named - 1) // 4 + 1, 60, 106))  # accepted
     with pytest.raises(ValueError):  # and the next 4k + 1 count is not
-        _decode_check(_HunyuanVideo, "hunyuan_video", torch.zeros(1, 16, (named - 1) // 4 + 2, 60, 106))
+        _decode_check(_HunyuanVideo, family, torch.zeros(1, 16, (named - 1) // 4 + 2, 60, 106))
 
 
 def test_the_encode_of_an_image_batch_names_images_whose_decode_fits_too(free_memory):
