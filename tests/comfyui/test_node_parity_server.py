@@ -255,3 +255,29 @@ def test_distributed_ksampler_equals_the_stock_ksampler(server, ranks, sampler, 
     assert rel < 1e-5, rel
     if cfg == 1.0 and parallelism == "cfg":
         assert "cfg = 1 has no unconditional prediction to split" in "\n".join(entry["outputs"]["10"]["text"])
+
+
+def test_an_ltx_encode_of_a_frame_count_the_stock_encode_refuses_is_refused_too(server):  # noqa: F811
+    """13 frames into the LTX-Video VAE: ComfyUI's own encoder raises (1 + 8k frames only); PatchRay refuses in the
+    node's terms instead of encoding 9 of them, and the next prompt works."""
+    url, _ = server
+
+    def prompt(node, frames):
+        return {
+            "1": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
+            "2": {"class_type": "ImageScale", "inputs": {"image": ["1", 0], "upscale_method": "bilinear", "width": 96, "height": 64, "crop": "center"}},
+            "3": {"class_type": "RepeatImageBatch", "inputs": {"image": ["2", 0], "amount": frames}},
+            "4": {"class_type": "VAELoader", "inputs": {"vae_name": "ltxv_090_vae.safetensors"}},
+            "5": _cluster(2),
+            "6": ({"class_type": "VAEEncode", "inputs": {"pixels": ["3", 0], "vae": ["4", 0]}} if node == "stock" else
+                  {"class_type": "PatchRayVAEEncode", "inputs": {"pixels": ["3", 0], "vae": ["4", 0], "cluster": ["5", 0], "precision": "fp32"}}),
+            "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": f"ltx_frames_{node}_{frames}"}},
+        }
+
+    with pytest.raises(AssertionError, match=r"1 \+ 8 \* x frames"):
+        _run(url, prompt("stock", 13))
+    with pytest.raises(AssertionError) as refused:
+        _run(url, prompt("ours", 13))
+    msg = str(refused.value)
+    assert "'pixels' has 13 frame(s), but the LTX-Video 0.9.0 VAE encodes 1 + 8k frames" in msg and "give it 9 or 17 frames" in msg, msg
+    _run(url, prompt("ours", 9))
