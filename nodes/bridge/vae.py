@@ -180,8 +180,9 @@ _GIB = 2**30
 ESTIMATE_SHARE = 0.5
 #: decode families whose CPU ranks' live tensors were measured above :data:`ESTIMATE_SHARE` of ComfyUI's figure: the
 #: share counted for them, rounded up from the measured peak (results/cpu-vae-memory/, 2 CPU ranks, fp32: Wan 2.1
-#: 0.66-0.73 from its second 4-frame chunk on, HunyuanVideo 0.55-0.68 from 5 frames)
-DECODE_SHARE = {"wan": 0.75, "hunyuan_video": 0.7}
+#: 0.66-0.73 from its second 4-frame chunk on, HunyuanVideo 0.55-0.68 from 5 frames, measured on ComfyUI's own class,
+#: which the layout table converts to ``hunyuan_video_full_attention``)
+DECODE_SHARE = {"wan": 0.75, "hunyuan_video": 0.7, "hunyuan_video_full_attention": 0.7}
 
 
 def _cpu_ranks_here(config) -> bool:
@@ -411,29 +412,63 @@ def decode(
     return Result(cv.decoded_to_image(report.sample), note)
 
 
-def _check_encode_memory(vae, pixels, x: torch.Tensor, dtype: torch.dtype, config) -> None:
+def _check_encode_memory(vae, pixels, x: torch.Tensor, dtype: torch.dtype, config, spec=None) -> None:
+    """Refuse an encode this machine cannot hold (:func:`check_host_memory`). The count the refusal names is one whose
+    decode fits as well (given ``spec``): a workflow decodes what it encodes, and for whole-clip video VAEs
+    (HunyuanVideo) ComfyUI's decode estimate is many times the encode's, so an encode-only count would be refused by
+    the decode after it."""
     frames = int(pixels.shape[0])
     height, width = int(pixels.shape[1]), int(pixels.shape[2])
     video = x.dim() == 5 and x.shape[0] == 1
     fn = getattr(vae, "memory_used_encode", None)
     per_frame = int(x.numel()) * 4 // max(1, frames)  # the pixels shipped, float32
+    # a causal video VAE encodes 1 + k x its temporal ratio frames: count in those steps
+    t = _temporal_ratio(vae) if video else 1
 
     def shape_at(n: int) -> tuple:
         return (1, 3, n, height, width) if video else (n, 3, height, width)
 
+    def decode_need(n: int) -> int:  # the decode of the latent n frames (video) or n images encode to
+        if spec is None:
+            return 0
+        ratio = cv.spatial_ratio(spec)
+        channels = int(getattr(vae, "latent_channels", 4) or 4)
+        lat = ((1, channels, (n - 1) // t + 1, height // ratio, width // ratio) if video
+               else (n, channels, height // ratio, width // ratio))
+        out = n * height * width * 3 * 4  # the decoded IMAGE, float32 RGB
+        return host_need(_estimate(getattr(vae, "memory_used_decode", None), lat, dtype, per_sample=True), out, config,
+                         DECODE_SHARE.get(spec.family, ESTIMATE_SHARE))
+
     def need_at(n: int) -> int:
         return host_need(_estimate(fn, shape_at(n), dtype, per_sample=not video), n * per_frame, config)
 
-    # a causal video VAE encodes 1 + k x its temporal ratio frames: count in those steps
-    t = _temporal_ratio(vae) if video else 1
     steps = (frames - 1) // t + 1 if t > 1 else frames
     frames_of = (lambda k: (k - 1) * t + 1) if t > 1 else (lambda k: k)
     widget = ("e.g. fewer frames from the node that made the images, or encode the video in parts" if video
               else "e.g. a smaller batch on the node that made the images")
-    fits = _fits_words("encode", lambda k: need_at(frames_of(k)), steps, frames_of, video, width, height, widget)
+    if spec is not None:
+        widget += "; that count leaves room for decoding them"
+    fits = _fits_words("encode", lambda k: max(need_at(frames_of(k)), decode_need(frames_of(k))), steps, frames_of, video,
+                       width, height, widget)
     check_host_memory(_ENCODE, "pixels", f"{frames} frame(s) of {width}x{height} px to encode",
                       _estimate(fn, shape_at(frames), dtype, per_sample=not video), int(x.numel()) * 4, config, "encode",
                       fits=fits)
+
+
+def _check_encode_frames(spec, x: torch.Tensor) -> None:
+    """Refuse a clip whose frame count ComfyUI's own encoder of this VAE refuses (LTX-Video: 1 + 8k frames only), as
+    the stock VAE Encode does, instead of encoding fewer frames than it was given."""
+    from .vae_layouts import encode_frame_step
+
+    step = encode_frame_step(spec.family)
+    frames = int(x.shape[2]) if x.dim() == 5 else 1
+    if step > 1 and (frames - 1) % step:
+        lower = (frames - 1) // step * step + 1
+        raise ValueError(
+            f"{_ENCODE}: 'pixels' has {frames} frame(s), but the {_vae_label(spec)} encodes 1 + {step}k frames (1, "
+            f"{1 + step}, {1 + 2 * step}, ...), as the stock VAE Encode does: give it {lower} or {lower + step} frames "
+            f"(e.g. length on the node that made the images)"
+        )
 
 
 def _temporal_ratio(vae) -> int:
@@ -472,6 +507,7 @@ def encode(
     except ValueError as exc:
         raise ValueError(f"{_ENCODE}: 'pixels': {exc}") from None
     _refuse_non_finite(_ENCODE, "pixels", x, "the image is broken upstream (a node that produced it diverged)")
+    _check_encode_frames(spec, x)
     try:
         check_encode_input(spec.family, x, image_channels(spec.family, spec.config), config.num_ranks)
     except ValueError as exc:
@@ -480,7 +516,7 @@ def encode(
             "set on the PatchRay Cluster node)"
         ) from None
     dtype = cv.resolve_dtype(precision, vae)
-    _check_encode_memory(vae, pixels, x, dtype, config)
+    _check_encode_memory(vae, pixels, x, dtype, config, spec=spec)
     with rank_errors_for_user():
         z: torch.Tensor = distributed_encode(
             get_cluster(config, cancel_check=cancel_check), spec, x, dtype=dtype, cancel_check=cancel_check, progress=progress,

@@ -8,7 +8,8 @@ not PatchRay's code.
 
 Usage (ComfyUI's Python): ``python reference_encode.py <ComfyUI dir> <vae file> <image> WIDTH HEIGHT FRAMES <out>``
 (the image scaled as the stock ImageScale node does with ``bilinear`` / ``center``, repeated FRAMES times, as
-RepeatImageBatch; the latent written with safetensors under ``latent``).
+RepeatImageBatch; the latent written with safetensors under ``latent``). An ``<image>`` ending in ``.safetensors`` is an
+IMAGE tensor (key ``image``, as the test-only save node writes it) encoded as it is.
 """
 
 import sys
@@ -31,9 +32,14 @@ def main(comfy_dir, vae_file, image, width, height, frames, out):
     vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(vae_file))
     vae.first_stage_model.double()
     vae.vae_dtype = torch.float64
-    pixels = torch.from_numpy(np.asarray(Image.open(image).convert("RGB"), dtype=np.float32) / 255.0)[None]
-    pixels = comfy.utils.common_upscale(pixels.movedim(-1, 1), int(width), int(height), "bilinear", "center").movedim(1, -1)
-    pixels = pixels.repeat(int(frames), 1, 1, 1).double()
+    if image.endswith(".safetensors"):  # an IMAGE batch saved as it entered the encode nodes (WIDTH HEIGHT FRAMES unused)
+        from safetensors.torch import load_file
+
+        pixels = load_file(image)["image"].double()
+    else:
+        pixels = torch.from_numpy(np.asarray(Image.open(image).convert("RGB"), dtype=np.float32) / 255.0)[None]
+        pixels = comfy.utils.common_upscale(pixels.movedim(-1, 1), int(width), int(height), "bilinear", "center").movedim(1, -1)
+        pixels = pixels.repeat(int(frames), 1, 1, 1).double()
     with torch.no_grad():
         z = vae.encode(pixels)
     save_file({"latent": z.double().contiguous()}, out)

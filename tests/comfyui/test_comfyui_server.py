@@ -500,7 +500,31 @@ class PatchRayTestConditioning:
         return ([[torch.randn(1, tokens, width, generator=g), extra]],)
 
 
-NODE_CLASS_MAPPINGS = {"PatchRayTestConditioning": PatchRayTestConditioning}
+class PatchRayTestSaveImageTensor:
+    """An IMAGE saved as float32 (SaveImage rounds to 8 bits): output/<prefix>.safetensors, key "image"."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"images": ("IMAGE",), "prefix": ("STRING", {"default": "image"})}}
+
+    RETURN_TYPES = ()
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+    CATEGORY = "testing"
+
+    def save(self, images, prefix):
+        import os
+
+        import folder_paths
+        from safetensors.torch import save_file
+
+        name = prefix + ".safetensors"
+        os.makedirs(folder_paths.get_output_directory(), exist_ok=True)
+        save_file({"image": images.detach().float().contiguous().cpu()}, os.path.join(folder_paths.get_output_directory(), name))
+        return {"ui": {"tensors": [name]}}
+
+
+NODE_CLASS_MAPPINGS = {"PatchRayTestConditioning": PatchRayTestConditioning, "PatchRayTestSaveImageTensor": PatchRayTestSaveImageTensor}
 '''
 
 

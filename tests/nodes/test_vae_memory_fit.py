@@ -131,3 +131,76 @@ def test_the_encode_names_the_frames_that_fit(free_memory):
     fit = max(f for f in range(1, 74, 4) if need(f) <= 20 * GIB)
     assert msg.startswith("PatchRay Distributed VAE Encode: 'pixels' is 73 frame(s) of 848x480 px to encode"), msg
     assert f"holds about {fit} frame(s) per call: encode at most that many" in msg, msg
+
+
+def test_the_encode_names_frames_whose_decode_fits_too(free_memory):
+    """The encode's advice and the decode after it agree: the frame count the encode names is one the decode of its
+    latent accepts on the same free memory (HunyuanVideo's whole-clip decode needs far more than its encode: at 848x480
+    px on 20 GiB the encode alone would hold 25 frames, the decode 9)."""
+    import re
+
+    from patchray.nodes.bridge import vae as bridge_vae
+    from patchray.nodes.bridge.vae_layouts import LAYOUTS
+
+    family = next(row.family for row in LAYOUTS if row.name == "HunyuanVideo VAE")  # what the node sees
+    spec = SimpleNamespace(family=family, config={})
+    pixels = torch.zeros(()).expand(73, 480, 848, 3)
+    x = torch.zeros(()).expand(1, 3, 73, 480, 848)
+    free_memory(20 * GIB)
+    with pytest.raises(ValueError) as info:
+        bridge_vae._check_encode_memory(_HunyuanVideo, pixels, x, torch.float32, _cpu_cluster(), spec=spec)
+    msg = str(info.value)
+    named = int(re.search(r"holds about (\d+) frame\(s\) per call: encode at most that many", msg).group(1))
+    assert "that count leaves room for decoding them" in msg, msg
+    # the decode's own count on 20 GiB, by hand (test_a_clip_that_does_not_fit_is_refused_with_the_frames_that_do)
+    assert named == 9, msg
+    _decode_check(_HunyuanVideo, family, torch.zeros(1, 16, (named - 1) // 4 + 1, 60, 106))  # accepted
+    with pytest.raises(ValueError):  # and the next 4k + 1 count is not
+        _decode_check(_HunyuanVideo, family, torch.zeros(1, 16, (named - 1) // 4 + 2, 60, 106))
+
+
+def test_the_encode_of_an_image_batch_names_images_whose_decode_fits_too(free_memory):
+    """The same for a batch of images with the KL VAE, whose decode estimate (2178 x 64 per latent element) is above
+    its encode's (1767 per pixel): the batch size the encode names decodes on the same free memory."""
+    import re
+
+    from patchray.nodes.bridge import vae as bridge_vae
+
+    class _KL:
+        upscale_ratio = 8
+        upscale_index_formula = None
+
+        @staticmethod
+        def memory_used_decode(shape, dtype):
+            return 2178 * shape[2] * shape[3] * 64 * _size(dtype)
+
+        @staticmethod
+        def memory_used_encode(shape, dtype):
+            return 1767 * shape[2] * shape[3] * _size(dtype)
+
+    spec = SimpleNamespace(family="kl", config={})
+    pixels = torch.zeros(()).expand(64, 1024, 1024, 3)
+    x = torch.zeros(()).expand(64, 3, 1024, 1024)
+    # encode alone: 0.5 x 1767 x 4 + 24 = 3558 B per pixel; decode: 0.5 x 2178 x 4 + 24 = 4380 B per pixel
+    free_memory(int(4380 * 2**20 * 20.5))  # 20 images decode, 25 encode
+    with pytest.raises(ValueError) as info:
+        bridge_vae._check_encode_memory(_KL, pixels, x, torch.float32, _cpu_cluster(), spec=spec)
+    msg = str(info.value)
+    named = int(re.search(r"holds about (\d+) image\(s\) per call: encode at most that many", msg).group(1))
+    assert named == 20, msg
+    _decode_check(_KL, "kl", torch.zeros(named, 4, 128, 128))
+    with pytest.raises(ValueError):
+        _decode_check(_KL, "kl", torch.zeros(named + 1, 4, 128, 128))
+
+
+def test_the_family_comfyuis_hunyuan_video_vae_converts_to_is_counted_at_its_measured_share(free_memory):
+    """The node sees the family the layout table converts ComfyUI's HunyuanVideo VAE to (whole-clip decode with
+    full attention), not the library's causal ``hunyuan_video``: the measured share (0.7, results/cpu-vae-memory/, run
+    on ComfyUI's own class) must apply to that family, so the node names 9 frames on 20 GiB, as counted by hand in
+    test_a_clip_that_does_not_fit_is_refused_with_the_frames_that_do (at 0.5 it would name 13)."""
+    from patchray.nodes.bridge.vae_layouts import LAYOUTS
+
+    family = next(row.family for row in LAYOUTS if row.name == "HunyuanVideo VAE")
+    free_memory(20 * GIB)
+    with pytest.raises(ValueError, match="holds about 9 frame"):
+        _decode_check(_HunyuanVideo, family, torch.zeros(1, 16, 19, 60, 106))

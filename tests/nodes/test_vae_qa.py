@@ -193,3 +193,33 @@ def test_benchmark_shape_refusals_are_in_the_widgets_order(family, shape, expect
     with pytest.raises(ValueError) as info:
         bench_request(family, shape, "auto", "cpu")
     assert expect in str(info.value) and not _FLAG.search(str(info.value))
+
+
+@pytest.mark.parametrize("family", ["ltx_video_090", "ltx_video"])
+def test_an_ltx_encode_of_a_frame_count_comfyui_refuses_is_refused_the_same_way(family, monkeypatch):
+    """ComfyUI's LTX-Video VAE encodes only 1 + 8k frames (``VideoVAE.encode`` in
+    comfy/ldm/lightricks/vae/causal_video_autoencoder.py raises for 13): the stock VAE Encode fails on 13 frames, so
+    the distributed one must not return a latent of 9 of them; refused naming the counts that work, before any rank
+    starts. (The full-size layouts' conversion to these families is checked in test_vae_convert.py; here the VAE's
+    spec is the family's own, so no 200-570 M weights are built.)"""
+    from patchray.distributed.cluster import registry
+    from patchray.distributed.vae.spec import spec_for_family
+    from patchray.nodes.bridge import convert
+    from patchray.nodes.vae import PatchRayVAEEncode
+
+    monkeypatch.setattr(convert, "vae_spec", lambda vae: spec_for_family(family, size="tiny"))
+    before = registry._current
+    with pytest.raises(ValueError) as info:
+        PatchRayVAEEncode.execute(pixels=torch.rand(13, 64, 64, 3), vae=object(), cluster=_untouched_cluster(2), precision="fp32")
+    msg = str(info.value)
+    assert msg.startswith("PatchRay Distributed VAE Encode: 'pixels' has 13 frame(s), but the LTX-Video"), msg
+    assert "encodes 1 + 8k frames (1, 9, 17, ...)" in msg and "give it 9 or 17 frames" in msg, msg
+    assert not _FLAG.search(msg), msg
+    assert registry._current is before, "no cluster was started"
+
+
+def test_video_vaes_comfyui_encodes_at_any_frame_count_are_not_refused_for_it():
+    """Wan and HunyuanVideo encode 6 frames in ComfyUI (two latent frames): no frame-step refusal for them."""
+    from patchray.nodes.bridge.vae_layouts import encode_frame_step
+
+    assert [encode_frame_step(f) for f in ("wan", "wan22", "hunyuan_video", "kl")] == [1, 1, 1, 1]

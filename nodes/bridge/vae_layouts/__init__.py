@@ -86,3 +86,8 @@ def latent_layout(family: str):
         if row.family == family and row.latents is not None:
             return row.latents
     return None
+
+
+def encode_frame_step(family: str) -> int:
+    """The frame step of the row converting to ``family`` (:class:`LayoutRow`): ComfyUI encodes only 1 + k x step frames."""
+    return max((row.encode_frame_step for row in LAYOUTS if row.family == family), default=1)

@@ -269,6 +269,8 @@ ROWS = [
         "LTX-Video 0.9.1 VAE: its decoder adds fresh random noise at every position in most layers, which a "
         "row-sharded decode cannot reproduce",
     ),
-    LayoutRow("LTX-Video 0.9.5 / 0.9.7 / 0.9.8 VAE", "ltx_video", _timestep_conditioned, _convert_ltx, latents=DecodeNoise()),
-    LayoutRow("LTX-Video 0.9.0 VAE", "ltx_video_090", _is_ltx, _convert_ltx),
+    # ComfyUI's VideoVAE.encode (every version) raises for a frame count other than 1 + 8k
+    LayoutRow("LTX-Video 0.9.5 / 0.9.7 / 0.9.8 VAE", "ltx_video", _timestep_conditioned, _convert_ltx, latents=DecodeNoise(),
+              encode_frame_step=8),
+    LayoutRow("LTX-Video 0.9.0 VAE", "ltx_video_090", _is_ltx, _convert_ltx, encode_frame_step=8),
 ]

@@ -39,6 +39,8 @@ class LayoutRow(NamedTuple):
         latents: how ComfyUI's LATENT / IMAGE for this layout differ from the diffusers model's (an object with
             ``to_library``, ``from_library`` and ``images_are_batch``, e.g. ``hunyuan.LatentLayout``); ``None``:
             the latent passes through and IMAGE batches of a 5-D VAE are the frames of one clip.
+        encode_frame_step: ComfyUI's encoder of this layout takes only 1 + k x this many frames and raises for any
+            other count (LTX-Video: 8); 1: any count.
     """
 
     name: str
@@ -47,6 +49,7 @@ class LayoutRow(NamedTuple):
     convert: Optional[Callable[..., Tuple[str, dict, dict]]] = None
     refusal: str = ""
     latents: Optional[object] = None
+    encode_frame_step: int = 1
 
 
 def indices(sd: Mapping[str, torch.Tensor], pattern: str) -> list:
