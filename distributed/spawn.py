@@ -26,7 +26,6 @@ import torch
 import torch.multiprocessing as mp
 
 from . import comm
-from .context import ParallelContext
 
 __all__ = ["run_ranks", "RankError"]
 
@@ -35,10 +34,14 @@ class RankError(RuntimeError):
     """A rank raised; the message names the rank and carries its traceback."""
 
 
-def _worker(rank, world_size, store_path, backend, device_kind, fn, args, kwargs, queue, timeout_s, threads=1):
+def _worker(rank, world_size, store_path, backend, device_kind, fn, args, kwargs, queue, timeout_s, threads=1,
+            gpu_per_rank=False):
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     try:
+        index = rank if gpu_per_rank else 0
+        if device_kind == "cuda":
+            torch.cuda.set_device(index)  # NCCL's communicators and every default-device call use the rank's own GPU
         comm.init_process_group(
             backend,
             store=comm.file_store(store_path, world_size),
@@ -46,7 +49,7 @@ def _worker(rank, world_size, store_path, backend, device_kind, fn, args, kwargs
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        device = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
+        device = torch.device("cuda", index) if device_kind == "cuda" else torch.device("cpu")
         ctx = comm.context_for_group(None, device)
         result = fn(ctx, *args, **kwargs)
         # Tensors in a multiprocessing queue travel as shared-memory handles that die with this process;
@@ -68,6 +71,7 @@ def run_ranks(
     device: str = "cpu",
     timeout_s: float = 300.0,
     threads: Union[int, Sequence[int]] = 1,
+    gpu_per_rank: bool = False,
     **kwargs,
 ) -> List[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` spawned ranks; return the results by rank.
@@ -76,10 +80,12 @@ def run_ranks(
         fn: a module-level (importable) function taking the rank's :class:`ParallelContext` first.
         world_size: number of rank processes.
         backend: ``"gloo"`` (CPU, or several ranks sharing one GPU) or ``"nccl"``.
-        device: ``"cpu"`` or ``"cuda"`` (every rank uses ``cuda:0`` of what it sees).
+        device: ``"cpu"`` or ``"cuda"`` (every rank uses ``cuda:0`` of what it sees, unless ``gpu_per_rank``).
         timeout_s: bound on forming the group and on each collective.
         threads: compute threads per rank: one count for every rank, or one per rank (e.g. ``(2, 1)``: ranks of
             unequal speed on one machine).
+        gpu_per_rank: with ``device="cuda"``, rank ``r`` uses ``cuda:r`` (one GPU per rank; the process group's
+            backend is then usually ``"nccl"``). Refused when fewer GPUs are visible than ranks.
 
     Raises:
         RankError: naming the first failing rank, with its traceback.
@@ -91,6 +97,12 @@ def run_ranks(
     per_rank = [threads] * world_size if isinstance(threads, int) else list(threads)
     if len(per_rank) != world_size or any(not isinstance(t, int) or t < 1 for t in per_rank):
         raise ValueError(f"threads must be a count >= 1 or one count per rank (got {threads!r} for {world_size} ranks)")
+    if gpu_per_rank:
+        if device != "cuda":
+            raise ValueError(f"gpu_per_rank needs device='cuda' (got {device!r})")
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible < world_size:
+            raise ValueError(f"one GPU per rank needs {world_size} GPUs; this machine shows {visible}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     rendezvous = tempfile.mkdtemp(prefix="patchray-spawn-")
@@ -98,7 +110,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, store_path, backend, device, fn, args, kwargs, queue, timeout_s, per_rank[r]),
+            args=(r, world_size, store_path, backend, device, fn, args, kwargs, queue, timeout_s, per_rank[r], gpu_per_rank),
             daemon=True,
         )
         for r in range(world_size)

@@ -26,6 +26,8 @@ Usage::
 
     python -m patchray.distributed.bench.dit_bench --device cuda --ranks 4 --out results/h200/dit/dit_h200.json
     python -m patchray.distributed.bench.dit_bench --size tiny --device cpu --ranks 2 --out /tmp/dit.json   # CPU smoke run
+    # several GPUs, one rank each (NCCL): measured latency beside the modelled one
+    python -m patchray.distributed.bench.dit_bench --device cuda --gpu-per-rank --ranks 4 --concurrent --out x4.json
 """
 
 from __future__ import annotations
@@ -54,11 +56,17 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
                   iters: Optional[int] = None, deadline_s: float = 1e9, out: Optional[str] = None,
                   timeout_s: float = 900.0, watchdog_s: float = 0.0, cfg_inner: str = "gathered",
                   alone_clock: str = "prefilled", profile_dir: Optional[str] = None,
-                  compile_mode: Optional[str] = None, compile_attention: str = "compiled") -> dict:
-    """Run the benchmark on ``ranks`` spawned rank processes (gloo) and return the report (see the module docstring).
+                  compile_mode: Optional[str] = None, compile_attention: str = "compiled",
+                  gpu_per_rank: bool = False, backend: Optional[str] = None, concurrent: bool = False) -> dict:
+    """Run the benchmark on ``ranks`` spawned rank processes and return the report (see the module docstring).
+
+    ``gpu_per_rank``: rank r on ``cuda:r`` (a multi-GPU machine; ``backend`` defaults to NCCL there, gloo otherwise).
+    ``concurrent``: every case also runs with the ranks at once and records the measured latency beside the
+    modelled one (CPU ranks, or one GPU per rank: ranks sharing one GPU would measure nothing a multi-GPU rig sees).
 
     Raises:
-        ValueError: an unknown preset or mode, a rank count below 1, or ``ns`` above ``ranks`` (before any rank starts).
+        ValueError: an unknown preset or mode, a rank count below 1, ``ns`` above ``ranks``, or a placement that
+            cannot give the figures asked for (before any rank starts).
     """
     from ..spawn import run_ranks
 
@@ -85,6 +93,16 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
     if compile_attention not in ATTENTION_SCOPES:
         raise ValueError(f"compile_attention must be one of {list(ATTENTION_SCOPES)} (got {compile_attention!r})")
     kind = "cuda" if device == "cuda" else "cpu"
+    backend = backend or ("nccl" if gpu_per_rank else "gloo")
+    if gpu_per_rank and kind != "cuda":
+        raise ValueError("--gpu-per-rank needs --device cuda")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl' (got {backend!r})")
+    if backend == "nccl" and not gpu_per_rank and ranks > 1:
+        raise ValueError("NCCL refuses two ranks on one GPU: use --backend gloo, or --gpu-per-rank on a multi-GPU machine")
+    if concurrent and kind == "cuda" and not gpu_per_rank and ranks > 1:
+        raise ValueError("--concurrent on ranks sharing one GPU measures the ranks competing for it, not N GPUs: "
+                         "add --gpu-per-rank on a machine with a GPU per rank, or use CPU ranks")
     dtype = dtype or ("bf16" if kind == "cuda" else "fp32")
     doc = {
         "benchmark": "dit-bench",
@@ -92,8 +110,10 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
         "size": size,
         "dtype": dtype,
         "device": kind,
-        "ranks_on_one_device": ranks,
-        "backend": "gloo",
+        "ranks_on_one_device": 1 if gpu_per_rank else ranks,
+        "placement": "one GPU per rank" if gpu_per_rank else ("CPU ranks" if kind == "cpu" else "ranks share one GPU"),
+        "backend": backend,
+        "concurrent": bool(concurrent),
         "presets": list(presets),
         "ns": list(ns),
         "modes": list(modes),
@@ -102,6 +122,8 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
         "compile_attention": compile_attention if compile_mode else None,
         "alone_clock": resolve_clock(torch.device(kind), alone_clock),
         "modelled": ["records[].modelled_step_ms", "records[].speedup_modelled"],
+        "measured": (["records[].measured_step_ms", "records[].speedup_measured", "records[].model_error_vs_measured"]
+                     if concurrent else []),
         "method": ("N rank processes share one device (gloo). compute: each rank's compute per call measured alone "
                    "(ranks take turns between collectives; CUDA events on GPU, with alone_clock gpu-prefilled each "
                    "stage's GPU time behind a prefilled launch queue and its CPU issue time beside it), per stage the "
@@ -109,7 +131,12 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
                    "step latency = calls_per_step x (that compute + per collective "
                    "the slowest rank's latency + wire_bytes / bandwidth, doubled when staged through host). "
                    "speed-up = N=1 reference step (measured alone) / modelled step. Peak memory: "
-                   "torch.cuda.max_memory_allocated per rank process, weights included."),
+                   "torch.cuda.max_memory_allocated per rank process, weights included."
+                   + (" measured (--concurrent): after the turn-taking calls, the same call with every rank at once "
+                      "after a barrier; per call the slowest rank's wall time (median over the timed calls); "
+                      "model_error_vs_measured = modelled step / measured step - 1, per link profile and for "
+                      "measured_collectives (the alone compute + the collectives' times measured in the "
+                      "turn-taking run)." if concurrent else "")),
         "exactness_note": ("relative L2 of one call's output vs N=1's on the same inputs. bf16 tolerance "
                            f"{BF16_TOLERANCE:g}: bands change only the row count of every GEMM (kernel tiling) and the "
                            "order of the softmax sum over keys, each a rounding of unit 2^-8 = 3.9e-3 per operation; "
@@ -122,11 +149,11 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
     plan = dict(presets=list(presets), ns=sorted(set(ns)), modes=list(modes), size=size, dtype=dtype, warmup=warmup,
                 iters=iters, deadline_s=deadline_s, out=out, doc=doc, watchdog_s=watchdog_s, cfg_inner=cfg_inner,
                 alone_clock=alone_clock, profile_dir=profile_dir, compile=compile_mode,
-                compile_attention=compile_attention)
+                compile_attention=compile_attention, gpu_per_rank=gpu_per_rank, concurrent=concurrent)
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
     started = time.time()
-    results = run_ranks(bench_rank, ranks, plan, device=kind, backend="gloo", timeout_s=timeout_s)
+    results = run_ranks(bench_rank, ranks, plan, device=kind, backend=backend, timeout_s=timeout_s, gpu_per_rank=gpu_per_rank)
     print(f"[dit_bench] ranks done after {time.time() - started:.1f} s", flush=True)
     report = results[0]
     report["wall_s"] = round(time.time() - started, 1)
@@ -176,6 +203,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--profile-dir", default=None,
                     help="after each case's timed calls, one more call per rank under torch.profiler (not timed); its "
                          "kernels by name and by class (GEMM, attention, copies, elementwise...) go to this folder")
+    ap.add_argument("--gpu-per-rank", action="store_true",
+                    help="rank r on GPU r (a multi-GPU machine; NCCL unless --backend gloo); default: every rank on GPU 0")
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default nccl with --gpu-per-rank, else gloo")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="also run every case with the ranks at once and record the measured step and speed-up beside "
+                         "the modelled ones (CPU ranks or --gpu-per-rank)")
     ap.add_argument("--out", help="JSON report path (written after every case); the chart goes next to it (.png)")
     ap.add_argument("--chart-from", help="only redraw the chart (and print the table) of an existing JSON report")
     args = ap.parse_args(argv)
@@ -203,7 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            dtype=args.dtype, warmup=args.warmup, iters=args.iters, deadline_s=args.deadline_s,
                            out=args.out, timeout_s=args.timeout_s, watchdog_s=args.watchdog_s, cfg_inner=args.cfg_inner,
                            alone_clock=args.alone_clock, profile_dir=args.profile_dir, compile_mode=args.compile,
-                           compile_attention=args.compile_attention)
+                           compile_attention=args.compile_attention, gpu_per_rank=args.gpu_per_rank,
+                           backend=args.backend, concurrent=args.concurrent)
     print(format_table(report))
     if args.out:
         try:

@@ -14,8 +14,12 @@ the joint-attention families' text tokens kept whole on every rank or sharded wi
 spawn; with more than one of either, each result is keyed ``preset/wW/text`` (one of each: the preset's name, as
 before).
 
-Compute is not timed here (per-rank compute measured alone is the job of ``dit_bench``; a displaced or compressed
-step computes what a full_sync step computes plus the residual codec).
+Every step is also timed with the ranks running at once (``step_ms``: wall time from the step's start to the end of
+this rank's device work; ``mean_step_ms`` over the steps after the first, which pays one-time set-up). Only with
+one GPU per rank (``--gpu-per-rank``, NCCL) is that a multi-GPU step time; ranks sharing one GPU, or CPU cores,
+compete for it (per-rank compute measured alone is the job of ``dit_bench``; a displaced or compressed step computes
+what a full_sync step computes plus the residual codec). The speed-up over one GPU is the ``--ranks 1`` run's
+full_sync ``mean_step_ms`` over this one's.
 """
 
 from __future__ import annotations
@@ -100,6 +104,17 @@ def sigmas(steps: int, shift: float = 3.0) -> List[float]:
     return (shift * s / (1 + (shift - 1) * s)).tolist()
 
 
+def _settle(ctx) -> None:
+    """Start a timed run with the device idle and every rank past a barrier."""
+    from ..comm import barrier
+
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    barrier(ctx)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+
+
 def _rank(ctx, plan: dict) -> dict:
     from ..sampling.config import preset
     from ..sampling.dit import parallelize_dit
@@ -128,8 +143,11 @@ def _rank(ctx, plan: dict) -> dict:
         h = parallelize_dit(model, ctx, mode=plan.get("mode", "gathered"), config=cfg, shard_text=shard_text, link=plan.get("link"))
         x = x0.clone()
         per_step = []
+        step_ms = []
+        _settle(ctx)
         t0 = time.perf_counter()
         for i in range(plan["steps"]):
+            ts = time.perf_counter()
             before = h.traffic.snapshot()
             h.begin_step(i)
             with torch.no_grad():
@@ -137,6 +155,9 @@ def _rank(ctx, plan: dict) -> dict:
                           return_dict=False)[0]
             h.end_step()
             x = x + (sig[i + 1] - sig[i]) * v
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            step_ms.append((time.perf_counter() - ts) * 1e3)
             d = h.traffic.diff(h.traffic.snapshot(), before)
             per_step.append({"bytes": {k: v for k, v in d["bytes"].items() if v}, "async": {k: v for k, v in d["async_bytes"].items() if v}})
         h.state.finish()
@@ -146,7 +167,9 @@ def _rank(ctx, plan: dict) -> dict:
         tot = [sum(s["bytes"].values()) for s in per_step]
         asy = [sum(s["async"].values()) for s in per_step]
         out[key] = {"preset": name, "warmup": w, "text": text, "bytes_per_step": tot, "async_bytes_per_step": asy, "mean_bytes_per_step": sum(tot) / len(tot),
-                     "mean_async_bytes_per_step": sum(asy) / len(asy), "by_kind_last_step": per_step[-1], "wall_s": time.perf_counter() - t0}
+                     "mean_async_bytes_per_step": sum(asy) / len(asy), "by_kind_last_step": per_step[-1], "wall_s": time.perf_counter() - t0,
+                    "step_ms": [round(v, 3) for v in step_ms],
+                    "mean_step_ms": round(sum(step_ms[1:]) / len(step_ms[1:]), 3) if len(step_ms) > 1 else None}
     ref = finals.get("full_sync")
     for name in out:
         out[name]["rel_l2_vs_full_sync"] = None if ref is None else float((finals[name] - ref).norm() / ref.norm())
@@ -156,19 +179,28 @@ def _rank(ctx, plan: dict) -> dict:
 def run_dit_error(family: str, ranks: int, *, layers: int = 2, size: str = "full", steps: int = 20, warmup=4,
                   shift: float = 3.0, presets=PRESET_NAMES, device: str = "cpu", dtype: str = "float32",
                   out: Optional[str] = None, texts=None, text_tokens: Optional[int] = None, mode: str = "gathered",
-                  link: Optional[str] = None, cases=None) -> dict:
+                  link: Optional[str] = None, cases=None, gpu_per_rank: bool = False, backend: Optional[str] = None) -> dict:
     """Run the presets on ``ranks`` spawned ranks; ``warmup``: one warm-up count or a list of them; ``texts``: a list
     of ``"whole"``/``"sharded"`` (``None``: ``parallelize_dit``'s default for each preset); ``cases``: instead of the
-    cross product, these ``preset/wW/text`` keys (and full_sync)."""
+    cross product, these ``preset/wW/text`` keys (and full_sync); ``gpu_per_rank``: rank r on ``cuda:r`` (NCCL unless
+    ``backend`` says otherwise), the placement whose step times are multi-GPU step times."""
     from ..spawn import run_ranks
 
     warmups = [int(warmup)] if isinstance(warmup, int) else [int(w) for w in warmup]
     plan = dict(family=family, layers=layers, size=size, steps=steps, warmup=warmups[0], warmups=warmups, shift=shift,
                 presets=list(presets), dtype=dtype, texts=list(texts) if texts else None, text_tokens=text_tokens, mode=mode, link=link,
                 cases=list(cases) if cases else None)
+    backend = backend or ("nccl" if gpu_per_rank else "gloo")
+    if backend == "nccl" and not gpu_per_rank and ranks > 1:
+        raise ValueError("NCCL refuses two ranks on one GPU: use --backend gloo, or --gpu-per-rank on a multi-GPU machine")
     t0 = time.time()
-    per_rank = run_ranks(_rank, ranks, plan, device=device, timeout_s=1800)
+    per_rank = run_ranks(_rank, ranks, plan, device=device, timeout_s=1800, backend=backend, gpu_per_rank=gpu_per_rank)
+    placement = "one GPU per rank" if gpu_per_rank else ("CPU ranks" if device == "cpu" else "ranks share one GPU")
     doc = {"benchmark": "dit-error", "ranks": ranks, "device": device, **plan, "wall_s": time.time() - t0,
+           "placement": placement, "backend": backend,
+           "step_ms_note": ("measured with the ranks at once; a multi-GPU step time only with one GPU per rank (or one "
+                            "rank): ranks sharing a device compete for it" + ("" if gpu_per_rank or ranks == 1 else
+                                                                            ": NOT a multi-GPU figure here")),
            "note": "rel_l2_vs_full_sync: final latent vs the full_sync run of the same N; bytes: what rank 0 sent per step "
                    "(Traffic accounting: all-gathers count bytes x (N-1), compressed slots their packed size)",
            "results": per_rank[0], "rel_l2_by_rank": [{k: v["rel_l2_vs_full_sync"] for k, v in r.items()} for r in per_rank]}
@@ -231,6 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shift", type=float, default=3.0)
     ap.add_argument("--preset", action="append", default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--gpu-per-rank", action="store_true", help="rank r on GPU r (NCCL unless --backend gloo)")
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
     ap.add_argument("--chart-from", nargs="+", default=None, help="JSONs to chart into --out (a .png); nothing is run")
@@ -240,10 +274,11 @@ def main(argv=None) -> int:
         return 0
     doc = run_dit_error(a.family, a.ranks, layers=a.layers, size=a.size, steps=a.steps, warmup=a.warmup or [4], shift=a.shift,
                         presets=a.preset or (["full_sync"] if a.case else PRESET_NAMES), device=a.device, dtype=a.dtype, out=a.out, texts=a.text,
-                        text_tokens=a.text_tokens, mode=a.attention, link=a.link, cases=a.case)
+                        text_tokens=a.text_tokens, mode=a.attention, link=a.link, cases=a.case,
+                        gpu_per_rank=a.gpu_per_rank, backend=a.backend)
     for name, r in doc["results"].items():
         print(f"{name:28s} rel L2 vs full_sync {r['rel_l2_vs_full_sync']:.3e}  MB/step {r['mean_bytes_per_step'] / 1e6:8.3f}"
-              f"  async {r['mean_async_bytes_per_step'] / 1e6:8.3f}  wall {r['wall_s']:.1f}s")
+              f"  async {r['mean_async_bytes_per_step'] / 1e6:8.3f}  wall {r['wall_s']:.1f}s  step {r['mean_step_ms']} ms")
     return 0
 
 

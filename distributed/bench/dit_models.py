@@ -40,8 +40,9 @@ __all__ = ["DiTPreset", "PRESETS", "MODES", "DEFAULT_MODES", "TEXT_TOKENS", "Cas
            "dit_shape", "token_share", "ranks_that_fit"]
 
 #: the exact modes (``cfg`` with N > 2 is CFG x sequence, gathered inside each group)
-MODES = ("gathered", "ulysses", "cfg", "overlapped")
-#: the modes a run measures unless told (overlapped moves gathered's bytes; its gain is compute it hides behind)
+MODES = ("gathered", "ulysses", "cfg", "overlapped", "ring")
+#: the modes a run measures unless told (overlapped and ring move gathered's bytes; their gain is the compute they hide
+#: the exchange behind)
 DEFAULT_MODES = ("gathered", "ulysses", "cfg")
 
 _GIB = 2**30

@@ -20,6 +20,7 @@ import faulthandler
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -87,8 +88,12 @@ def _gloo_cuda_all_to_all(ctx):
 def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: int, keep_output: bool,
                   cfg_inner: str = "gathered", clock: str = "prefilled",
                   profile: Optional[str] = None, compile_mode: Optional[str] = None,
-                  compile_attention: str = "compiled") -> Tuple[dict, Optional[torch.Tensor]]:
+                  compile_attention: str = "compiled", concurrent: bool = False) -> Tuple[dict, Optional[torch.Tensor]]:
     """Run ``warmup + iters`` calls with the ranks taking turns; the first call is also the logged one.
+
+    With ``concurrent`` (CPU ranks, or one GPU per rank), ``1 + iters`` more calls run with every rank at once, after
+    a barrier; each rank's wall time per timed call is recorded (``concurrent_ms``): the measured latency the
+    turn-taking model predicts.
 
     With ``profile`` (a path prefix) one more call runs under ``torch.profiler`` after the timed ones (not timed
     itself: the profiler slows the CPU side) and its kernels are written per rank (:func:`.kernel_profile.write`).
@@ -105,7 +110,7 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
 
     device = ctx.device
     handle = None
-    if case.mode in ("gathered", "ulysses", "overlapped"):
+    if case.mode in ("gathered", "ulysses", "overlapped", "ring"):
         handle = parallelize_dit(model, ctx, mode=case.mode)
         attention = case.mode
 
@@ -153,6 +158,10 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
                         output = y.detach().float().cpu()
                 del y
                 out["runs"].append(turns.to_dict())
+            if concurrent:
+                out["concurrent_ms"] = _time_at_once(ctx, call, iters)
+            state = getattr(handle, "state", None)
+            out["mode_calls"] = dict(getattr(state, "mode_calls", None) or {})  # the attention modes that ran, calls each
             if profile:
                 from . import kernel_profile
 
@@ -175,6 +184,26 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
     return out, output
 
 
+def _time_at_once(ctx, call, iters: int) -> List[float]:
+    """Wall milliseconds of ``iters`` calls with every rank running at once (one untimed call first: the
+    collectives' first concurrent use); each call starts after a barrier with the device idle and ends when this
+    rank's device has finished it."""
+    from ..comm import barrier
+
+    walls = []
+    for i in range(1 + iters):
+        _sync(ctx.device)
+        barrier(ctx)
+        _sync(ctx.device)
+        t0 = time.perf_counter()
+        y = call()
+        _sync(ctx.device)
+        if i:
+            walls.append((time.perf_counter() - t0) * 1e3)
+        del y
+    return walls
+
+
 def _rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
@@ -184,8 +213,34 @@ BF16_TOLERANCE = 5e-2
 FP32_TOLERANCE = 1e-5
 
 
+def _measured_at_once(rec: dict, per_rank: List[dict], calls: int, link: Dict[str, Optional[float]],
+                      comm_ms: Optional[float], ref_measured_ms: Optional[float]) -> None:
+    """Add the concurrent run's figures to ``rec`` (when the ranks ran at once): per timed call the slowest rank's
+    wall time, its median per step, the speed-up over one rank's measured step, and each model's error against it
+    (``model / measured - 1``): every link profile's, and ``measured_collectives`` (the alone compute plus the
+    collectives' times measured inside the turn-taking run, i.e. this machine's own links)."""
+    walls = [r.get("concurrent_ms") for r in per_rank]
+    if not walls or not all(walls):
+        return
+    per_call = [max(ms) for ms in zip(*walls)]
+    call_ms = statistics.median(per_call)
+    step = call_ms * calls
+    models = dict(link)
+    if comm_ms is not None and rec.get("compute_ms_per_call_alone") is not None:
+        models["measured_collectives"] = (rec["compute_ms_per_call_alone"] + comm_ms) * calls
+    rec.update({
+        "measured": True,
+        "measured_ms_per_call": round(call_ms, 3),
+        "measured_ms_per_call_iterations": [round(v, 3) for v in per_call],
+        "measured_step_ms": round(step, 3),
+        "speedup_measured": round(ref_measured_ms / step, 3) if ref_measured_ms else None,
+        "model_error_vs_measured": {k: (round(v / step - 1.0, 4) if v else None) for k, v in models.items()},
+        "modelled_step_ms_measured_collectives": models.get("measured_collectives"),
+    })
+
+
 def _summarise(preset: DiTPreset, case: Case, per_rank: List[dict], warmup: int, ref_call_ms: Optional[float],
-               size: str, itemsize: int) -> dict:
+               size: str, itemsize: int, ref_measured_ms: Optional[float] = None) -> dict:
     from .linkmodel import LINK_PROFILES, summarise_alone
 
     calls = _calls_per_step(preset, case)
@@ -202,7 +257,7 @@ def _summarise(preset: DiTPreset, case: Case, per_rank: List[dict], warmup: int,
     ref_step = ref_call_ms * _reference_calls(preset, case) if ref_call_ms else None
     rec = {
         "preset": preset.name, "model": preset.title, "case": case.label, "n": case.n, "mode": case.mode,
-        "attention": per_rank[0]["attention"], "status": "ok",
+        "attention": per_rank[0]["attention"], "attention_calls_by_mode": per_rank[0].get("mode_calls"), "status": "ok",
         "cfg_groups": 2 if case.mode == "cfg" else 1,
         "sequence_ranks": case.n // 2 if case.mode == "cfg" else case.n,
         "calls_per_step": calls,
@@ -242,6 +297,8 @@ def _summarise(preset: DiTPreset, case: Case, per_rank: List[dict], warmup: int,
         rec["cost_model_wire_bytes_per_step"] = calls * _cost_model_wire(preset, size, case, itemsize,
                                                                          per_rank[0]["attention"] if case.mode == "cfg" and case.n > 2 else "gathered")
     rec["link_profiles"] = {name: LINK_PROFILES[name]._asdict() for name in SHOWN_PROFILES}
+    ref_measured_step = ref_measured_ms * _reference_calls(preset, case) if ref_measured_ms else None
+    _measured_at_once(rec, per_rank, calls, link, alone["comm_ms_measured"], ref_measured_step)
     return rec
 
 
@@ -300,14 +357,16 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
         warmup = plan["warmup"] if plan["warmup"] is not None else preset.warmup
         iters = plan["iters"] if plan["iters"] is not None else preset.iters
         weights = _weights_bytes(preset, plan["size"], itemsize)
-        fit = max([n for n in ns if n <= ranks_that_fit(weights, total, world)] or [1])
+        # ranks sharing one device hold as many full copies as fit it; with one GPU per rank each holds its own
+        per_device = 1 if plan.get("gpu_per_rank") else world
+        fit = max([n for n in ns if n <= ranks_that_fit(weights, total, per_device) * (world // per_device)] or [1])
         cases = plan_cases(preset, plan["size"], ns, plan["modes"])
         model = inputs = None
         _log(ctx, start, f"{name}: building on {fit} ranks")
         try:
             if ctx.rank < fit:
                 if device.type == "cuda":
-                    torch.cuda.set_per_process_memory_fraction(min(1.0, 0.97 / fit), device)
+                    torch.cuda.set_per_process_memory_fraction(min(1.0, 0.97 / min(fit, per_device)), device)
                 model = build_random(preset, plan["size"], device, dtype, seed=0)
                 inputs = make_inputs(preset, plan["size"], device, dtype, seed=1)
             built_err = None
@@ -317,7 +376,7 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
         errs = all_gather_object(built_err, ctx)
         _log(ctx, start, f"{name}: {weights / _GIB:.1f} GiB of weights, built on {fit} of {world} ranks"
                          + (f"; build failed: {[e for e in errs if e]}" if any(errs) else ""))
-        ref_call_ms = None
+        ref_call_ms = ref_measured_ms = None
         ref_out: List[Optional[torch.Tensor]] = [None, None]
         for case in cases:
             if case.n > fit or any(errs):
@@ -342,7 +401,8 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
                                                   clock=plan.get("alone_clock", "prefilled"),
                                                   profile=(os.path.join(plan["profile_dir"], name) if plan.get("profile_dir") else None),
                                                   compile_mode=plan.get("compile"),
-                                                  compile_attention=plan.get("compile_attention", "compiled"))
+                                                  compile_attention=plan.get("compile_attention", "compiled"),
+                                                  concurrent=bool(plan.get("concurrent")))
                     if case.mode == "none" and ctx.rank == 0 and (preset.cfg or "cfg" in plan["modes"]):
                         with torch.no_grad():  # the uncond branch of the reference, for the CFG rows' check
                             ref_out[1] = model(**inputs[1])[0].float().cpu()
@@ -359,9 +419,12 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
                 rec = _skipped(preset, case, "error", (failed[0] or {}).get("error", "no result"))
                 rec["traceback"] = (failed[0] or {}).get("traceback")
             else:
-                rec = _summarise(preset, case, gathered, warmup, ref_call_ms, plan["size"], itemsize)
+                rec = _summarise(preset, case, gathered, warmup, ref_call_ms, plan["size"], itemsize, ref_measured_ms)
                 if case.mode == "none":
                     ref_call_ms = rec["compute_ms_per_call_alone"]
+                    if rec.get("measured"):  # one rank alone: its measured step is the measured speed-ups' reference
+                        ref_measured_ms = rec["measured_ms_per_call"]
+                        rec["speedup_measured"] = 1.0
                     ref_out[0] = output
                     rec["reference_step_ms"] = ref_call_ms * _reference_calls(preset, case)
                     rec["speedup_modelled"] = {k: round(rec["reference_step_ms"] / v, 3) for k, v in rec["modelled_step_ms"].items()}

@@ -111,6 +111,16 @@ def format_table(report: dict) -> str:
             f"{rel if rel is not None else nan:9.2e}")
     lines.append(f"clock: {report.get('alone_clock')}; gpu/call = GPU time per call, issue/call = the CPU's issue time "
                  "(per stage the slowest rank, queued stages); * = launch-bound (the model uses the issue time)")
+    measured = [r for r in report.get("records", []) if r.get("status") == "ok" and r.get("measured")]
+    if measured:
+        lines.append(f"MEASURED with the ranks at once ({report.get('placement')}, {report.get('backend')}): step ms, "
+                     "speed-up over one rank's measured step, model / measured - 1 per model")
+        for r in measured:
+            err = r.get("model_error_vs_measured") or {}
+            errs = " ".join(f"{k} {v:+.1%}" for k, v in err.items() if v is not None and k in SHOWN_PROFILES + ("measured_collectives",))
+            x = r.get("speedup_measured")
+            lines.append(f"{r['preset']:22s} {r['case']:18s} {r['measured_step_ms']:12.1f} ms "
+                         f"{x if x is not None else nan:6.2f}x  {errs}")
     return "\n".join(lines)
 
 
@@ -141,16 +151,19 @@ def write_chart(report: dict, path: str) -> str:
         raise ValueError("no measured records to chart")
     rows = len(by_preset)
     fig, axes = plt.subplots(rows, 2, figsize=(15, 3.2 * rows + 1.0), squeeze=False)
-    colors = {"nvlink": "#2b6cb0", "pcie4_x16_no_p2p": "#dd6b20"}
+    colors = {"nvlink": "#2b6cb0", "pcie4_x16_no_p2p": "#dd6b20", "measured": "#2f855a"}
     for row, (name, recs) in enumerate(by_preset.items()):
         ax, bx = axes[row]
         labels = [r["case"] for r in recs]
         xs = list(range(len(recs)))
-        width = 0.38
-        for j, prof in enumerate(SHOWN_PROFILES):
-            vals = [(r.get("speedup_modelled") or {}).get(prof) if r.get("status") == "ok" else None for r in recs]
+        shown = SHOWN_PROFILES + (("measured",) if any(r.get("measured") for r in recs) else ())
+        width = 0.76 / len(shown)
+        for j, prof in enumerate(shown):
+            key = "speedup_measured" if prof == "measured" else "speedup_modelled"
+            vals = [((r.get(key) if prof == "measured" else (r.get(key) or {}).get(prof)) if r.get("status") == "ok"
+                     else None) for r in recs]
             for x, v, r in zip(xs, vals, recs):
-                pos = x + (j - 0.5) * width
+                pos = x + (j - (len(shown) - 1) / 2) * width
                 if v is None:
                     ax.bar(pos, 0.3, width, color="none", edgecolor="#b22222", hatch="//")
                     if j == 0:
@@ -166,8 +179,10 @@ def write_chart(report: dict, path: str) -> str:
         ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
         ax.set_ylabel(f"speed-up per step ({label})")
         ax.set_title(f"{recs[0].get('model', name)}: {label} speed-up over one rank's step", fontsize=9)
-        handles = [plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in SHOWN_PROFILES]
-        ax.legend(handles, ["NVLink (H200)", "PCIe 4.0 x16, no P2P"], fontsize=7, loc="upper left")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in shown]
+        names = {"nvlink": f"NVLink (H200), {label}", "pcie4_x16_no_p2p": f"PCIe 4.0 x16, no P2P, {label}",
+                 "measured": f"MEASURED, ranks at once ({report.get('placement', '')}, {report.get('backend', '')})"}
+        ax.legend(handles, [names[p] for p in shown], fontsize=7, loc="upper left")
         gb = [r.get("wire_bytes_per_step", 0) / 1e9 if r.get("status") == "ok" else 0 for r in recs]
         bx.bar(xs, gb, color="#4a5568")
         for x, v in zip(xs, gb):
@@ -176,9 +191,11 @@ def write_chart(report: dict, path: str) -> str:
         bx.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
         bx.set_ylabel("GB a rank sends per step")
         bx.set_title("bytes per step (comm accounting, busiest rank)", fontsize=9)
-    title = report.get("suptitle") or ("PatchRay DiT modes: compute measured alone on one device, link latency "
+    title = report.get("suptitle") or ("PatchRay DiT modes: compute measured alone, link latency "
                                        f"MODELLED ({report.get('dtype')}, {report.get('size')} size, "
-                                       f"{report.get('ranks_on_one_device')} ranks on one device)")
+                                       + (f"{report.get('placement')}, {report.get('backend')}"
+                                          if report.get("placement") == "one GPU per rank" else
+                                          f"{report.get('ranks_on_one_device')} ranks on one device") + ")")
     if unmeasured:
         title += f"\nnot run: {', '.join(unmeasured)} (see the JSON's status)"
     fig.suptitle(title, fontsize=10)

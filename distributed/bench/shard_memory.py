@@ -179,7 +179,8 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _case(ctx: ParallelContext, name: str, spec: dict, sharding: str, run_blocks: int, dtype) -> dict:
+def _case(ctx: ParallelContext, name: str, spec: dict, sharding: str, run_blocks: int, dtype,
+          gpu_per_rank: bool = False) -> dict:
     from ..sampling.dit import parallelize_dit
 
     device = ctx.device
@@ -188,7 +189,7 @@ def _case(ctx: ParallelContext, name: str, spec: dict, sharding: str, run_blocks
     rec = {"model": name, "world_size": n, "sharding": sharding, "rank": ctx.rank}
     gc.collect()  # FSDP2 modules sit in reference cycles: a previous case's model is freed only by the collector
     if cuda:
-        torch.cuda.set_per_process_memory_fraction(min(0.95, 0.97 / n), device)
+        torch.cuda.set_per_process_memory_fraction(_fraction(n, gpu_per_rank), device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         rec["baseline_allocated_bytes"] = torch.cuda.memory_allocated(device)  # left over before this case (0 = clean)
@@ -231,7 +232,7 @@ def _case(ctx: ParallelContext, name: str, spec: dict, sharding: str, run_blocks
     if cuda:
         rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-        rec["memory_fraction_bytes"] = int(min(0.95, 0.97 / n) * torch.cuda.get_device_properties(device).total_memory)
+        rec["memory_fraction_bytes"] = int(_fraction(n, gpu_per_rank) * torch.cuda.get_device_properties(device).total_memory)
     try:  # POSIX only; on Windows the field stays empty
         import resource
 
@@ -247,7 +248,13 @@ def _case(ctx: ParallelContext, name: str, spec: dict, sharding: str, run_blocks
     return rec
 
 
-def _bench_rank(ctx: ParallelContext, cases: List[tuple], tiny: bool, run_blocks: int, dtype_name: str) -> List[dict]:
+def _fraction(n: int, gpu_per_rank: bool) -> float:
+    """The share of its GPU a rank may allocate: 1/N of a shared card, 95% of a card of its own."""
+    return 0.95 if gpu_per_rank else min(0.95, 0.97 / n)
+
+
+def _bench_rank(ctx: ParallelContext, cases: List[tuple], tiny: bool, run_blocks: int, dtype_name: str,
+                gpu_per_rank: bool = False) -> List[dict]:
     from .. import comm
 
     dtype = getattr(torch, dtype_name)
@@ -262,7 +269,7 @@ def _bench_rank(ctx: ParallelContext, cases: List[tuple], tiny: bool, run_blocks
         sub = groups[n]
         if ctx.rank < n:
             try:
-                out.append(_case(sub, name, table[name], sharding, run_blocks, dtype))
+                out.append(_case(sub, name, table[name], sharding, run_blocks, dtype, gpu_per_rank))
             except Exception as exc:  # recorded; every rank of a case fails alike (same shapes, same memory cap)
                 kind = "out of memory" if isinstance(exc, torch.OutOfMemoryError) else type(exc).__name__
                 out.append({"model": name, "world_size": n, "sharding": sharding, "rank": ctx.rank,
@@ -308,7 +315,7 @@ def model_rows(records: List[dict], profiles: Sequence[str] = ("nvlink", "pcie4_
 
 
 def run(models: Sequence[str], ranks: Sequence[int], shardings: Sequence[str], *, device: str, tiny: bool,
-        run_blocks: int, dtype: str = "bfloat16", timeout_s: float = 900.0) -> dict:
+        run_blocks: int, dtype: str = "bfloat16", timeout_s: float = 900.0, gpu_per_rank: bool = False) -> dict:
     from ..spawn import run_ranks
 
     # blocks first (the figures the goal is about), then the one-card reference, then every rank holding everything
@@ -317,9 +324,12 @@ def run(models: Sequence[str], ranks: Sequence[int], shardings: Sequence[str], *
     cases += [(m, 1, "none") for m in models]
     cases += [(m, n, "none") for m in models for n in ranks if "none" in shardings]
     world = max(ranks)
-    results = run_ranks(_bench_rank, world, cases, tiny, run_blocks, dtype, backend="gloo", device=device, timeout_s=timeout_s)
+    # one GPU per rank (NCCL): real per-card peaks and step times; otherwise the ranks share one GPU under gloo
+    results = run_ranks(_bench_rank, world, cases, tiny, run_blocks, dtype, gpu_per_rank,
+                        backend="nccl" if gpu_per_rank else "gloo", device=device, timeout_s=timeout_s, gpu_per_rank=gpu_per_rank)
     records = [r for per_rank in results for r in per_rank]
-    env = {"torch": torch.__version__, "device": device, "tiny": tiny, "dtype": dtype, "run_blocks": run_blocks}
+    env = {"torch": torch.__version__, "device": device, "tiny": tiny, "dtype": dtype, "run_blocks": run_blocks,
+           "placement": "one GPU per rank" if gpu_per_rank else ("CPU ranks" if device == "cpu" else "ranks share one GPU")}
     if device == "cuda" and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
     return {"env": env, "records": records, "modelled": model_rows(records)}
@@ -396,13 +406,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--run-blocks", type=int, default=2, help="blocks of each stack the forward runs through")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--gpu-per-rank", action="store_true", help="rank r on GPU r, NCCL (a multi-GPU machine)")
     ap.add_argument("--out", required=True, help="folder for shard_memory.json and shard_memory.png")
     ap.add_argument("--assemble", default=None, help="build the JSON and chart from a run's partial.rank*.jsonl in this folder")
     a = ap.parse_args(argv)
     if a.assemble:
         return _assemble(a.assemble, a.out)
     result = run(a.models.split(","), [int(x) for x in a.ranks.split(",")], a.sharding.split(","), device=a.device,
-                 tiny=a.tiny, run_blocks=a.run_blocks, dtype=a.dtype, timeout_s=a.timeout)
+                 tiny=a.tiny, run_blocks=a.run_blocks, dtype=a.dtype, timeout_s=a.timeout, gpu_per_rank=a.gpu_per_rank)
     result["command"] = "python -m patchray.distributed.bench.shard_memory " + " ".join(sys.argv[1:] if argv is None else argv)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "shard_memory.json"), "w") as f:

@@ -132,3 +132,75 @@ def test_turn_taking_bills_a_collective_by_the_size_of_its_own_group():
     assert _group_size(call, 4) == 2 and _group_size(CommCall("all_gather", (), {}, False), 4) == 4
     # 2 outputs + 1 input of 16 bytes counted; one input leaves the rank on a pair, three of five would on four ranks
     assert call_wire_bytes(call, _group_size(call, 4)) == 16 and call_wire_bytes(call, 4) == 29
+
+
+def test_ranks_at_once_are_timed_beside_the_model_on_cpu_ranks(tmp_path):
+    """``concurrent``: after the turn-taking calls every case runs with the ranks at once; the record holds the
+    slowest rank's wall time per call, the step and speed-up derived from it, and each model's error against it
+    (what a multi-GPU run compares). The ring and overlapped modes run as themselves (their calls are counted) and
+    agree with N = 1 (fp32: only the order of the log-sum-exp merge differs)."""
+    import statistics
+
+    report = db.run_dit_bench(["flux1_1024"], ranks=2, ns=(1, 2), modes=("gathered", "ring", "overlapped"), size="tiny",
+                              device="cpu", warmup=1, iters=2, timeout_s=120, concurrent=True)
+    assert report["concurrent"] and report["placement"] == "CPU ranks" and report["backend"] == "gloo"
+    assert "records[].measured_step_ms" in report["measured"]
+    recs = {r["case"]: r for r in report["records"]}
+    assert list(recs) == ["N=1", "seq-gathered N=2", "seq-ring N=2", "seq-overlapped N=2"]
+    ref = recs["N=1"]
+    assert ref["speedup_measured"] == 1.0 and ref["measured_step_ms"] > 0
+    for label in ("seq-gathered N=2", "seq-ring N=2", "seq-overlapped N=2"):
+        r = recs[label]
+        assert r["status"] == "ok" and r["exactness"]["ok"] and r["exactness"]["rel_l2_vs_n1"] <= 1e-5, label
+        mode = label.split("-")[1].split()[0]
+        assert set(r["attention_calls_by_mode"]) == {mode}, (label, r["attention_calls_by_mode"])
+        walls = r["measured_ms_per_call_iterations"]
+        assert len(walls) == 2 and all(w > 0 for w in walls)
+        assert r["measured_step_ms"] == pytest.approx(r["calls_per_step"] * statistics.median(walls), rel=1e-3)
+        assert r["speedup_measured"] == pytest.approx(ref["measured_step_ms"] / r["measured_step_ms"], abs=1e-3)  # 3 places
+        errs = r["model_error_vs_measured"]
+        assert set(errs) >= {"nvlink", "pcie4_x16_no_p2p", "measured_collectives"}
+        assert errs["nvlink"] == pytest.approx(r["modelled_step_ms"]["nvlink"] / r["measured_step_ms"] - 1, abs=1e-3)
+        assert r["modelled_step_ms_measured_collectives"] >= r["compute_ms_per_step_alone"]
+    table = db.format_table(report)
+    assert "MEASURED with the ranks at once (CPU ranks, gloo)" in table and "seq-ring N=2" in table
+    assert os.path.getsize(db.write_chart(report, str(tmp_path / "dit.png"))) > 10_000
+
+
+def test_placements_that_cannot_give_the_figures_asked_for_are_refused_before_any_rank_starts():
+    from patchray.distributed.spawn import run_ranks
+
+    with pytest.raises(ValueError, match="ranks sharing one GPU measures the ranks competing for it"):
+        db.run_dit_bench(["flux1_1024"], size="tiny", device="cuda", ranks=2, ns=(1, 2), concurrent=True)
+    with pytest.raises(ValueError, match="NCCL refuses two ranks on one GPU"):
+        db.run_dit_bench(["flux1_1024"], size="tiny", device="cuda", ranks=2, ns=(1, 2), backend="nccl")
+    with pytest.raises(ValueError, match="--gpu-per-rank needs --device cuda"):
+        db.run_dit_bench(["flux1_1024"], size="tiny", device="cpu", ranks=2, ns=(1, 2), gpu_per_rank=True)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=f"one GPU per rank needs {visible + 1} GPUs; this machine shows {visible}"):
+        run_ranks(print, visible + 1, device="cuda", gpu_per_rank=True)
+
+
+def test_the_preset_sampling_run_times_every_step_and_says_where_that_is_a_multi_gpu_figure(tmp_path):
+    """``dit_error`` (final-latent error and bytes of the sampling presets) also times each step with the ranks at
+    once, for a one-GPU-per-rank run to read step times and speed-ups from; on CPU ranks it says the figure is not a
+    multi-GPU one. full_sync is the reference (error 0); displaced mode's stale K/V change the result measurably and
+    move part of its bytes asynchronously."""
+    from patchray.distributed.bench import dit_error
+
+    out = tmp_path / "err.json"
+    doc = dit_error.run_dit_error("flux", 2, size="tiny", steps=3, warmup=1, presets=("full_sync", "displaced"),
+                                  out=str(out))
+    assert doc["placement"] == "CPU ranks" and doc["backend"] == "gloo"
+    assert "NOT a multi-GPU figure" in doc["step_ms_note"]
+    res = doc["results"]
+    for name in ("full_sync", "displaced"):
+        steps = res[name]["step_ms"]
+        assert len(steps) == 3 and all(v > 0 for v in steps)
+        assert res[name]["mean_step_ms"] == pytest.approx(sum(steps[1:]) / 2, rel=1e-3)
+    assert res["full_sync"]["rel_l2_vs_full_sync"] == 0.0
+    assert res["displaced"]["rel_l2_vs_full_sync"] > 1e-4
+    assert res["displaced"]["mean_async_bytes_per_step"] > 0 == res["full_sync"]["mean_async_bytes_per_step"]
+    assert json.loads(out.read_text())["results"]["displaced"]["step_ms"] == steps
+    with pytest.raises(ValueError, match="NCCL refuses two ranks on one GPU"):
+        dit_error.run_dit_error("flux", 2, size="tiny", device="cuda", backend="nccl")
