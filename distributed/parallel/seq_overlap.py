@@ -15,7 +15,8 @@ Near-Infinite Context"), so at N > 2 more than the own keys' part hides the tran
 N - 1 messages.
 
 The attention itself is PyTorch's fused attention with its log-sum-exp (cuDNN's or flash attention on CUDA for
-fp16/bf16, memory-efficient attention for fp32, the fused CPU kernel on CPU; the plain softmax product elsewhere), not the
+fp16/bf16, memory-efficient attention for fp32 and on cards without flash attention, the fused CPU kernel on CPU; the
+plain softmax product in bounded query chunks elsewhere), not the
 model's own attention function, which returns no log-sum-exp: a model whose attention is not softmax(QK^T/sqrt(d))V
 over its keys (a mask, another scale) is not routed here (:class:`~.seq_attention.SequenceAttention` keeps gathered
 mode for such a call).
@@ -34,41 +35,95 @@ from ..context import ParallelContext
 __all__ = ["attention_lse", "merge_parts", "overlapped_attention", "ring_attention"]
 
 
+#: a bound on the fp32 score block the unfused fallback materialises at once (the queries go in chunks under it)
+_MATH_BLOCK_BYTES = 256 * 2**20
+
+
 def _math_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
+    """The unfused attention and log-sum-exp, in query chunks whose fp32 scores stay under ``_MATH_BLOCK_BYTES``
+    (a whole ``[B, H, Lq, Lk]`` score matrix of a video model would not fit a card)."""
+    b, h, lq, _ = q.shape
+    per_query = max(1, b * h * k.shape[-2] * 4 * 2)  # the scores and their exponentials
+    step = max(1, min(lq, _MATH_BLOCK_BYTES // per_query))
+    kf, vf = k.float(), v.float()
+    outs, lses = [], []
+    for i in range(0, lq, step):
+        s = torch.matmul(q[:, :, i:i + step].float(), kf.transpose(-1, -2)) * scale
+        lse = torch.logsumexp(s, dim=-1)
+        outs.append(torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vf).to(q.dtype))
+        lses.append(lse)
+        del s
+    return (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, dim=2), torch.cat(lses, dim=2))
+
+
+def _cudnn(q, k, v, scale, lq):
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False, scale=scale)
+    return r[0], r[1].reshape(r[1].shape[0], r[1].shape[1], -1)[..., :lq].float()
+
+
+def _flash(q, k, v, scale, lq):
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+    return r[0], r[1][..., :lq].float()
+
+
+def _efficient(q, k, v, scale, lq):
+    r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
+    return r[0], r[1][..., :lq].float()  # memory-efficient attention pads the log-sum-exp's query dim
+
+
+def _cpu(q, k, v, scale, lq):
+    r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+    return r[0], r[1][..., :lq].float()
+
+
+def _candidates(q: torch.Tensor, d: int) -> list:
+    """The fused kernels to try for these inputs, fastest first (what PyTorch's SDPA would pick)."""
+    if q.device.type == "cpu":
+        return [_cpu]
+    if q.device.type != "cuda":
+        return []
+    half = q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0
+    kernels = []
+    if half and d <= 128 and torch.backends.cuda.cudnn_sdp_enabled():
+        kernels.append(_cudnn)  # cuDNN's fused attention: SDPA's pick on Hopper for these shapes (faster than FA2)
+    if half and d <= 256:
+        kernels.append(_flash)  # Ampere and newer
+    kernels.append(_efficient)  # every CUDA card PyTorch supports, fp32 too
+    return kernels
+
+
+#: per (device, dtype, head dim), where in :func:`_candidates` to start: the first kernel that ever worked there, so a
+#: kernel the card lacks (flash attention before Ampere) fails once, not at every call
+_FIRST: dict = {}
+
+_FATAL = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None)) if t)
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q k^T * scale) v`` and the scores' log-sum-exp per query, for ``[B, H, L, D]`` tensors.
 
-    Returns ``(out [B, H, Lq, D] in q's dtype, lse [B, H, Lq] fp32)``; ``scale`` defaults to ``1/sqrt(D)``.
+    Returns ``(out [B, H, Lq, D] in q's dtype, lse [B, H, Lq] fp32)``; ``scale`` defaults to ``1/sqrt(D)``. The
+    fused kernels are tried fastest first, each in turn when the one before raises for these inputs (a kernel this
+    build or card lacks is skipped from then on for the same device, dtype and head size), down to the unfused maths
+    in bounded query chunks. Out-of-memory and device errors are raised, not retried on a larger path.
     """
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     lq = q.shape[-2]
-    try:
-        if q.device.type == "cuda":
-            if q.dtype in (torch.float16, torch.bfloat16) and d <= 128 and d % 8 == 0 and torch.backends.cuda.cudnn_sdp_enabled():
-                # cuDNN's fused attention: what PyTorch's SDPA picks on Hopper for these shapes (faster than FA2)
-                try:
-                    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False, scale=scale)
-                    return r[0], r[1].reshape(r[1].shape[0], r[1].shape[1], -1)[..., :lq].float()
-                except (RuntimeError, NotImplementedError):
-                    pass
-            if q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0:
-                r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
-            else:
-                r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
-        elif q.device.type == "cpu":
-            r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-        else:
-            return _math_lse(q, k, v, scale)
-    except (RuntimeError, NotImplementedError):  # a kernel this build lacks for these shapes: the same maths, unfused
-        return _math_lse(q, k, v, scale)
-    return r[0], r[1][..., :lq].float()  # memory-efficient attention pads the log-sum-exp's query dim
+    key = (q.device.type, q.device.index, q.dtype, d)
+    kernels = _candidates(q, d)
+    for i in range(_FIRST.get(key, 0), len(kernels)):
+        try:
+            out = kernels[i](q, k, v, scale, lq)
+        except _FATAL:
+            raise
+        except (RuntimeError, NotImplementedError):  # not for these inputs on this build or card: the next one
+            continue
+        _FIRST.setdefault(key, i)
+        return out
+    _FIRST.setdefault(key, len(kernels))  # none ever worked here: the unfused maths directly from now on
+    return _math_lse(q, k, v, scale)
 
 
 def _merge(outs: List[torch.Tensor], lses: List[torch.Tensor]) -> torch.Tensor:
@@ -77,6 +132,12 @@ def _merge(outs: List[torch.Tensor], lses: List[torch.Tensor]) -> torch.Tensor:
     for o, l in zip(outs[1:], lses[1:]):
         acc = acc + o.float() * torch.exp(l - lse).unsqueeze(-1)
     return acc.to(outs[0].dtype)
+
+
+def compile_merge(backend: str = "inductor"):
+    """The merge compiled with dynamic shapes: one graph per part count and dtype, not one per resolution (a static
+    graph per shape would recompile mid-layer at every new size and, with ``fullgraph``, fail after eight)."""
+    return torch.compile(_merge, dynamic=True, fullgraph=True, backend=backend)
 
 
 #: the merge compiled per CUDA device (one fused kernel instead of 2N + 1 passes over the outputs); ``False`` after a
@@ -95,7 +156,7 @@ def merge_parts(outs: List[torch.Tensor], lses: List[torch.Tensor]) -> torch.Ten
         try:
             fused = _FUSED.get(dev.index)
             if fused is None:
-                fused = _FUSED[dev.index] = torch.compile(_merge, dynamic=False, fullgraph=True)
+                fused = _FUSED[dev.index] = compile_merge()
             return fused(outs, lses)
         except Exception:  # noqa: BLE001 - any compiler failure: the eager merge is the same arithmetic
             _FUSED[dev.index] = False

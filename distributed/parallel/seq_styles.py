@@ -32,6 +32,15 @@ def _map_items(out: Any, items: Optional[Tuple[int, ...]], fn: Callable[[torch.T
     raise TypeError(f"expected a tensor or a tuple of tensors, got {type(out).__name__}")
 
 
+def _chosen_kernel(call: dict) -> bool:
+    """Whether a diffusers attention call names a kernel the user chose (the processor's ``backend`` other than
+    PyTorch's native one, e.g. after ``set_attention_backend("flash")``) or passes the kernel arguments of its own
+    (``attention_kwargs``): ``auto`` then keeps that call's kernel (gathered) instead of overlapping with PyTorch's."""
+    backend = call.get("backend")
+    name = str(getattr(backend, "value", backend) or "native")
+    return bool(call.get("attention_kwargs")) or name != "native"
+
+
 def _replicated(extent: int, total: int, text: Optional[str], path: str) -> Tuple[int, int]:
     extra = extent - total
     if extra < 0 or (extra and text not in ("before", "after")):
@@ -221,7 +230,7 @@ class SequenceAttentionStyle(Style):
             elif not cross:
                 before, after = _replicated(lq - shards.counts[rank] + shards.total, shards.total, text, path)
             return attn(q, k, v, attn_fn, layout=layout, before=before, after=after, cross=cross, mask=mask, key=path,
-                        scale=call.get("scale"))
+                        scale=call.get("scale"), custom=_chosen_kernel(call))
 
         slot, unroute = reroute_processor(module, path)
 

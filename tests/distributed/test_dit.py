@@ -105,6 +105,30 @@ def _family_task(ctx, families, modes, extras=False):
         res["displaced"] = _displaced_loop(ctx)
         res["displaced-flux"] = _displaced_loop(ctx, "flux")
         res["backend"] = _backend_task(ctx)
+        res["auto_nccl"] = _auto_nccl_task(ctx)
+    return res
+
+
+def _auto_nccl_task(ctx):
+    """``auto`` on an NCCL group (this gloo group labelled NCCL: the label is all ``auto`` reads) overlaps the K/V
+    gather on a model left at PyTorch's attention, and keeps a kernel the user chose with diffusers'
+    ``set_attention_backend`` (gathered through that kernel); both equal the stock forward."""
+    import dataclasses
+
+    from patchray.distributed.sampling.dit import parallelize_dit
+
+    res = {}
+    for chosen in (None, "_native_math"):
+        model, inputs = build("flux")
+        if chosen:
+            model.set_attention_backend(chosen)
+        with torch.no_grad():
+            ref = model(**inputs, return_dict=False)[0]
+        handle = parallelize_dit(model, dataclasses.replace(ctx, backend="nccl"), mode="auto")
+        with torch.no_grad():
+            out = model(**inputs, return_dict=False)[0]
+        res[chosen or "default"] = {"err": _rel(out, ref), "mode_calls": dict(handle.state.mode_calls)}
+        handle.remove()
     return res
 
 
@@ -417,6 +441,13 @@ def test_an_attention_implementation_that_bypasses_the_dispatch_is_refused():
             assert "native" in msg[when] and "attn1" in msg[when] and "F.scaled_dot_product_attention" in msg[when], msg
         assert "_HandWrittenAttention" in msg["apply"], msg  # named, before any work
         assert msg["apply_leftovers"] == [], msg  # the refusal leaves the model as it was
+
+
+def test_auto_on_nccl_overlaps_unless_the_user_chose_the_attention_kernel():
+    for res in _results(2):
+        r = res["auto_nccl"]
+        assert set(r["default"]["mode_calls"]) == {"overlapped"} and r["default"]["err"] <= TOL, r
+        assert set(r["_native_math"]["mode_calls"]) == {"gathered"} and r["_native_math"]["err"] <= TOL, r
 
 
 def test_no_function_mode_runs_over_an_adapted_attention_module():
