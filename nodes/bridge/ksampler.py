@@ -192,9 +192,10 @@ def sample(
     stale = config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER
     latent, noise = bridge_model.latent_and_noise(model, latent_image, seed)
     n = cluster_config.num_ranks
+    no_sequence = bridge_model.sequence_refusal(model)
     layout = plan_layout(
         parallelism, n, cfg, int(latent.shape[0]),
-        sequence_refusal=bridge_model.sequence_refusal(model), unet_stale_preset=kind == "unet" and stale,
+        sequence_refusal=no_sequence, unet_stale_preset=kind == "unet" and stale,
     )
     if layout.note:
         log.warning("PatchRay KSampler: %s", layout.note)
@@ -297,7 +298,7 @@ def sample(
         )
     attention_calls = (result.get("info") or {}).get("attention_calls")
     summary = layout_summary(layout, result["calls"], attention_calls)
-    unused = attention_note(attention, kind, layout, attention_calls)
+    unused = attention_note(attention, kind, layout, attention_calls, sequence_ok=no_sequence is None)
     log.info("PatchRay KSampler: %s", summary)
     if unused:
         log.info("PatchRay KSampler: %s", unused)
@@ -329,15 +330,21 @@ def layout_summary(layout, calls: int, attention_calls: Optional[dict] = None) -
     return line
 
 
-def attention_note(requested: str, kind: str, layout, attention_calls: Optional[dict]) -> Optional[str]:
+def attention_note(requested: str, kind: str, layout, attention_calls: Optional[dict], *, sequence_ok: bool = True
+                   ) -> Optional[str]:
     """Why the attention did not run as ``requested`` (the sequence_attention widget), or ``None``: a mode other
     than ``auto`` that no call ran (no DiT sequence ranks in this run), or that some calls ran another way (overlapped
     and ring attend with PyTorch's kernel over exact K/V: a call with an attention mask, or a stale preset's K/V,
-    runs gathered)."""
+    runs gathered). ``sequence_ok``: the model has a sequence split (a row of the DiT table)."""
     if requested == "auto":
         return None
     if kind != "dit" or layout.seq_ranks < 2 or not attention_calls:
-        split = "a UNet's row bands" if kind != "dit" and layout.seq_ranks > 1 else f"parallelism {layout.mode}"
+        if kind != "dit":
+            split = "a UNet's row bands" if layout.seq_ranks > 1 else f"parallelism {layout.mode} of a UNet"
+        elif not sequence_ok:
+            split = f"parallelism {layout.mode} of a model without a sequence split"
+        else:
+            split = f"parallelism {layout.mode} (parallelism sequence or cfg+sequence uses it)"
         return (f"sequence_attention={requested} was not used: it applies to a DiT's sequence ranks, and this run "
                 f"is {split}")
     total = sum(attention_calls.values())

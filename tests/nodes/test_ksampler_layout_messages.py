@@ -89,6 +89,10 @@ def test_the_node_summary_names_the_sequence_attention_that_ran():
         note = attention_note("ring", kind, layout, {})
         assert note is not None and "sequence_attention=ring was not used" in note, (layout, kind, note)
     assert attention_note("auto", "dit", plan_layout("batch", 2, 5.0, 2), {}) is None
+    # where the split could use it, the note says how; a model without a sequence split is not sent there
+    assert "parallelism sequence or cfg+sequence uses it" in attention_note("ring", "dit", plan_layout("cfg", 2, 5.0, 1), {})
+    note = attention_note("ring", "dit", plan_layout("cfg", 2, 5.0, 1, sequence_refusal=NO_ROW), {}, sequence_ok=False)
+    assert "without a sequence split" in note and "uses it" not in note, note
 
 
 def test_area_conditioning_under_sequence_points_at_the_splits_that_run_it():
