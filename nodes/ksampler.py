@@ -77,12 +77,13 @@ class PatchRayKSampler(io.ComfyNode):
                     optional=True,
                     tooltip=(
                         "DiT sequence parallelism's attention (all exact). gathered: every rank gathers all keys and "
-                        "values. overlapped: the same gather, running while the rank attends to its own keys "
-                        "(PyTorch's attention kernel; calls with a mask run gathered). ring: the same keys and values "
-                        "sent to one peer at a time, each peer's part attended while the next travels. ulysses: "
-                        "all-to-all over attention heads (heads must divide by the sequence ranks; less traffic from "
-                        "3 ranks). auto: per layer, from the modelled link cost; on NCCL the gather is hidden "
-                        "(overlapped at 2 ranks, ring from 3)."
+                        "values. overlapped: the same gather, running while the rank attends to its own keys. "
+                        "ring: the same keys and values sent to one peer at a time, each peer's part attended while "
+                        "the next travels (overlapped and ring: PyTorch's attention kernel; a call with a mask or a "
+                        "stale preset's keys and values runs gathered). ulysses: all-to-all over attention heads "
+                        "(heads must divide by the sequence ranks; less traffic from 3 ranks). auto: per layer, from "
+                        "the modelled link cost; on NCCL the gather is hidden (overlapped at 2 ranks, ring from 3). "
+                        "The node's text names the mode the attention calls ran."
                     ),
                 ),
                 io.Combo.Input(

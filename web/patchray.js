@@ -182,6 +182,19 @@ export function clearNotes(nodes) {
   return cleared;
 }
 
+// A PatchRay node whose run failed or was cancelled: its panel no longer shows an earlier run's result (which the
+// widgets as they are now did not produce). Returns whether a panel was reset.
+export function endedWithout(nodes, nodeId, outcome) {
+  const node = (nodes || []).find((n) => String(n.id) === String(nodeId));
+  if (!node || !((node.comfyClass || node.type) in PANEL)) return false;
+  const w = node.widgets?.find((x) => x.name === VIEW);
+  if (!w?.element) return false;
+  const why = outcome === "execution_interrupted" ? "This node's last run was cancelled." :
+    "This node's last run failed (the error message says why).";
+  w.element.replaceChildren(el("div", "opacity:.6", `${why} ${HINT}`));
+  return true;
+}
+
 app.registerExtension({
   name: "PatchRay.views",
   async setup() {
@@ -192,6 +205,15 @@ app.registerExtension({
         console.error("PatchRay: could not clear the last run's notes", err);
       }
     });
+    for (const outcome of ["execution_error", "execution_interrupted"]) {
+      app.api?.addEventListener?.(outcome, (event) => {
+        try {
+          if (endedWithout(app.graph?._nodes, event?.detail?.node_id, outcome)) app.graph?.setDirtyCanvas?.(true, true);
+        } catch (err) {
+          console.error("PatchRay: could not reset the panel of a node whose run ended early", err);
+        }
+      });
+    }
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     const name = nodeData?.name;

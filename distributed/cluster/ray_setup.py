@@ -83,6 +83,10 @@ def ray_init_kwargs(config: ClusterConfig) -> Dict[str, Any]:
         total = 8 << 30
     store_mb = config.object_store_mb or int(max(256, min(total * 0.15 / 2**20, 8192)))
     kwargs.update(
+        # the embedded cluster is always a Ray of its own: without an address ray.init() joins the head that a
+        # `ray start` on this machine recorded (<tmp>/ray/ray_current_cluster) or RAY_ADDRESS names, and then refuses
+        # the settings below
+        address="local",
         _node_ip_address="127.0.0.1",
         include_dashboard=config.dashboard,
         dashboard_host="127.0.0.1",

@@ -114,10 +114,14 @@ class RankSession:
         self._fn: Optional[Callable[..., Any]] = None
         self.calls = 0  # UNet calls completed in this run
         self.entered = 0  # UNet calls begun in this run (collectives may have started)
+        #: what this run's sampler leaves for the caller to read (e.g. the attention modes that ran); rank 0's
+        #: comes back beside the latent as ``"info"``
+        self.info: dict = {}
 
     def begin(self) -> None:
         """A new sampling run: every stream starts again at logical step 0 (synchronous)."""
         self.calls = self.entered = 0
+        self.info = {}
         if self.denoiser is not None:
             self.denoiser.reset()
 
@@ -243,6 +247,8 @@ def _sample_on_rank(ctx: ParallelContext, key, sample, inputs_ref, config: dict,
     if ctx.rank != 0:
         return None
     result = {"latent": out.detach().to("cpu"), "calls": session.calls}
+    if session.info:
+        result["info"] = dict(session.info)
     if return_traffic and session.traffic is not None:
         after = session.traffic.snapshot()
         result["traffic"] = Traffic.diff(after, before) if before is not None else after
@@ -314,7 +320,7 @@ def distributed_sample(
     place of the UNet and ``session.progress(done, total)`` per step, and returns its final latent. Every rank
     must make the same sequence of ``denoise`` calls (same shapes): the sampler must be deterministic given the
     inputs (seeded noise included). Returns ``{"latent": exact final latent (CPU), "calls": UNet calls}`` from
-    rank 0, plus ``"traffic"`` when asked.
+    rank 0, plus ``"traffic"`` when asked and ``"info"`` when rank 0's sampler left anything in ``session.info``.
 
     ``band_weights`` (one positive figure per rank, e.g. ``topology.cluster_band_weights(cluster, "speed")``) make
     every band table of the run (UNet row bands, DiT token shards) proportional to them; ``None``: equal bands.

@@ -22,7 +22,7 @@ from .shim import CANONICAL
 __all__ = [
     "PRESET_NAMES", "PRESET_HELP", "PARALLELISM_NAMES", "sequence_families", "ATTENTION_NAMES", "BALANCE_NAMES", "SHARDING_NAMES", "patch_config",
     "auto_inputs",
-    "link_profile", "sample", "rank_call_shape", "check_call_memory", "layout_summary",
+    "link_profile", "sample", "rank_call_shape", "check_call_memory", "layout_summary", "attention_note",
 ]
 
 log = logging.getLogger(__name__)
@@ -192,9 +192,10 @@ def sample(
     stale = config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER
     latent, noise = bridge_model.latent_and_noise(model, latent_image, seed)
     n = cluster_config.num_ranks
+    no_sequence = bridge_model.sequence_refusal(model)
     layout = plan_layout(
         parallelism, n, cfg, int(latent.shape[0]),
-        sequence_refusal=bridge_model.sequence_refusal(model), unet_stale_preset=kind == "unet" and stale,
+        sequence_refusal=no_sequence, unet_stale_preset=kind == "unet" and stale,
     )
     if layout.note:
         log.warning("PatchRay KSampler: %s", layout.note)
@@ -295,19 +296,26 @@ def sample(
             "PatchRay Distributed KSampler: the ranks sampled without calling the model through PatchRay's wrapper "
             "(another extension replaced ComfyUI's diffusion-model call?); refusing to return an unsharded result"
         )
-    summary = layout_summary(layout, result["calls"])
+    attention_calls = (result.get("info") or {}).get("attention_calls")
+    summary = layout_summary(layout, result["calls"], attention_calls)
+    unused = attention_note(attention, kind, layout, attention_calls, sequence_ok=no_sequence is None)
     log.info("PatchRay KSampler: %s", summary)
+    if unused:
+        log.info("PatchRay KSampler: %s", unused)
     if report is not None:
         report(summary)
         if layout.note:
             report(f"note: {layout.note}")
+        if unused:
+            report(f"note: {unused}")
     out = latent_image.copy()
     out["samples"] = result["latent"]
     return out
 
 
-def layout_summary(layout, calls: int) -> str:
-    """One line: how the ranks shared the work (the node shows it; the log has it too)."""
+def layout_summary(layout, calls: int, attention_calls: Optional[dict] = None) -> str:
+    """One line: how the ranks shared the work (the node shows it; the log has it too), and with
+    ``attention_calls`` (``{mode: attention calls}`` of a DiT's sequence ranks) the attention modes that ran."""
     how = {
         "sequence": f"each of the {layout.seq_ranks} ranks a band of the latent's rows",
         "cfg": "cond and uncond on different ranks",
@@ -315,7 +323,37 @@ def layout_summary(layout, calls: int) -> str:
         "batch": "the batch rows split across the ranks",
         "replicated": "the whole model on every rank (no split)",
     }.get(layout.mode, layout.mode)
-    return f"parallelism {layout.mode} on {layout.num_ranks} rank(s): {how}; {calls} model calls"
+    line = f"parallelism {layout.mode} on {layout.num_ranks} rank(s): {how}; {calls} model calls"
+    if attention_calls:
+        ran = ", ".join(f"{mode} ({n} attention call{'s' if n != 1 else ''})" for mode, n in sorted(attention_calls.items()))
+        line += f"; sequence attention {ran}"
+    return line
+
+
+def attention_note(requested: str, kind: str, layout, attention_calls: Optional[dict], *, sequence_ok: bool = True
+                   ) -> Optional[str]:
+    """Why the attention did not run as ``requested`` (the sequence_attention widget), or ``None``: a mode other
+    than ``auto`` that no call ran (no DiT sequence ranks in this run), or that some calls ran another way (overlapped
+    and ring attend with PyTorch's kernel over exact K/V: a call with an attention mask, or a stale preset's K/V,
+    runs gathered). ``sequence_ok``: the model has a sequence split (a row of the DiT table)."""
+    if requested == "auto":
+        return None
+    if kind != "dit" or layout.seq_ranks < 2 or not attention_calls:
+        if kind != "dit":
+            split = "a UNet's row bands" if layout.seq_ranks > 1 else f"parallelism {layout.mode} of a UNet"
+        elif not sequence_ok:
+            split = f"parallelism {layout.mode} of a model without a sequence split"
+        else:
+            split = f"parallelism {layout.mode} (parallelism sequence or cfg+sequence uses it)"
+        return (f"sequence_attention={requested} was not used: it applies to a DiT's sequence ranks, and this run "
+                f"is {split}")
+    total = sum(attention_calls.values())
+    other = {mode: n for mode, n in attention_calls.items() if mode != requested}
+    if not other:
+        return None
+    how = ", ".join(f"{mode} in {n}" for mode, n in sorted(other.items()))
+    return (f"sequence_attention={requested} ran {how} of {total} attention calls (overlapped and ring run a call "
+            f"with an attention mask, or a stale preset's keys and values, gathered)")
 
 
 _GIB = 1024**3

@@ -294,6 +294,9 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
     try:
         latent = _run(model, session, inputs)
         if seq is not None:
+            # the attention modes the calls ran (auto's choice, and gathered where a mask or stale K/V needed it):
+            # the node names them
+            session.info["attention_calls"] = dict(seq.state.mode_calls)
             latent = seq.finalize(latent)
         if group_session is not None:
             latent = group_session.finalize(latent)

@@ -165,7 +165,9 @@ NOTES.update({
     "wan22_video_decode": (
         "## PatchRay: Wan 2.2 video VAE, distributed decode\n\n"
         "Wan 2.2's VAE (48 latent channels, 16x spatial, used by the TI2V 5B model) at 1280x704, 121 frames, on the ranks "
-        "of **PatchRay Cluster**." + _VIDEO_NOTE_TAIL + "\n\n"
+        "of **PatchRay Cluster**. **Meant for GPU ranks**: on CPU ranks (device *cpu*, or *auto* on a machine without "
+        "GPUs) it fits in memory but encodes and decodes for hours at this size; to try it on CPU, lower *amount* on "
+        "**Repeat Image Batch** (e.g. 5 frames) and the size on **Image Scale** (e.g. 320x176)." + _VIDEO_NOTE_TAIL + "\n\n"
         "**Download** [wan2.2_vae.safetensors](https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/"
         "split_files/vae/wan2.2_vae.safetensors) and put it in `ComfyUI/models/vae/wan2.2_vae.safetensors`."
     ),
@@ -290,8 +292,11 @@ _DIT_SAMPLER_NOTE = (
     "**PatchRay Distributed KSampler** runs ComfyUI's own sampler on every rank of **PatchRay Cluster**. *parallelism* "
     "*auto* picks, per run: *batch* when the batch divides over the ranks; *cfg* (cond on one rank, uncond on the other, "
     "one exchange per step) when cfg > 1 on 2 ranks, *cfg+sequence* on 4, 6, 8; else *sequence* (each rank a band of latent "
-    "rows, all frames, as tokens; attention over every token, gathered K/V or Ulysses by *sequence_attention*). Every mode "
-    "gives the stock KSampler's result (fp32: within 1e-5)."
+    "rows, all frames, as tokens; attention over every token by *sequence_attention*: *gathered* K/V, *overlapped* (the "
+    "same gather while the rank attends to its own keys), *ring* (the K/V one peer at a time, each attended while the "
+    "next travels), *ulysses* (all-to-all over heads), or *auto*, which picks per layer and on NCCL hides the gather: "
+    "overlapped at 2 ranks, ring from 3; the node's text names the mode that ran). Every mode gives the stock "
+    "KSampler's result (fp32: within 1e-5)."
 )
 DIT_NOTES = {
     "flux_txt2img_distributed": (

@@ -55,6 +55,13 @@ CASES = {
     "ltxvkf-seq": ("ltxvkf", "sequence", "gathered", "euler", 1),
     "ltxvkf-seq-ulysses": ("ltxvkf", "sequence", "ulysses", "euler", 1),
     "ltxvi2v-seq-ulysses": ("ltxvi2v", "sequence", "ulysses", "euler", 1),
+    # the K/V exchange hidden behind the attention (a call with a mask runs gathered)
+    "qwen-seq-ring": ("qwen", "sequence", "ring", "euler", 1),
+    "qwen-seq-overlapped": ("qwen", "sequence", "overlapped", "euler", 1),
+    "hunyuan-seq-ring": ("hunyuan", "sequence", "ring", "euler", 1),
+    "hyimage-seq-overlapped": ("hyimage", "sequence", "overlapped", "euler", 1),
+    "ltxv-seq-ring": ("ltxv", "sequence", "ring", "euler", 1),
+    "ltxvkf-seq-overlapped": ("ltxvkf", "sequence", "overlapped", "euler", 1),
 }
 
 # HunyuanVideo is guidance-distilled (run at cfg 1); its image-to-video "v2" first-frame modulation broadcasts only

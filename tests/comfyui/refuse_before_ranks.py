@@ -98,9 +98,9 @@ def main(argv=None):
             report["cases"][name] = {"error": type(exc).__name__, "message": str(exc), "seconds": round(time.monotonic() - t, 2)}
     ray = sys.modules.get("ray")
     report["ray_initialized"] = bool(ray is not None and ray.is_initialized())
-    from patchray.distributed.cluster import ranks
+    from patchray.distributed.cluster import registry
 
-    report["cluster_started"] = ranks._current is not None
+    report["cluster_started"] = registry._current is not None
     report["seconds"] = round(time.monotonic() - t0, 2)
     text = json.dumps(report, indent=1)
     print(text)

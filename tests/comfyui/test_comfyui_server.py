@@ -615,6 +615,44 @@ def test_distributed_ksampler_on_dits_matches_the_stock_ksampler(server, model_f
     assert rel <= 1e-5, (model_file, parallelism, ranks, sharding, rel)
 
 
+# (model, ranks, latent batch, cfg, sequence_attention, latent size): odd token grids (Wan 40x56 is 5x7 latent rows and
+# columns, 3 latent frames of 9; FLUX 72x88 is 9x11, padded to 5x6 tokens), cfg > 1 and cfg = 1, batch 2
+@pytest.mark.parametrize("model_file, ranks, batch, cfg, attention, size", [
+    ("wan2.1_t2v_1.3B_fp16.safetensors", 2, 1, 3.5, "overlapped", {"width": 40, "height": 56, "length": 9}),
+    ("wan2.1_t2v_1.3B_fp16.safetensors", 3, 2, 1.0, "ring", {"width": 40, "height": 56, "length": 9}),
+    ("wan2.1_t2v_1.3B_fp16.safetensors", 3, 1, 3.5, "auto", {"width": 40, "height": 56, "length": 9}),
+    ("flux1-dev.safetensors", 3, 2, 1.0, "ring", {"width": 72, "height": 88}),
+    ("flux1-dev.safetensors", 2, 1, 3.5, "overlapped", {"width": 72, "height": 88}),
+])
+def test_sequence_attention_modes_through_the_node_equal_the_stock_ksampler_and_are_named(server, model_file, ranks, batch, cfg,
+                                                                                        attention, size):
+    """sequence_attention overlapped, ring and auto through the node on ComfyUI's WanModel and Flux: the stock
+    KSampler's result, and the node's text names the attention mode its ranks ran."""
+    url, base = server
+    if model_file.startswith("flux") and _available_gib() < 8:
+        pytest.skip("the full-width FLUX case needs about 8 GiB of free memory")
+    api = _dit_prompt(model_file, "sequence", ranks, batch, 2, attention=attention)
+    api["5"]["inputs"].update(size)
+    for nid in ("6", "8"):
+        api[nid]["inputs"]["cfg"] = cfg
+    tag = f"attn_{attention}_{ranks}_{batch}_{cfg}_{model_file[:4]}"
+    api["9"]["inputs"]["filename_prefix"], api["10"]["inputs"]["filename_prefix"] = "stock_" + tag, "patchray_" + tag
+    entry = _run(url, api)
+    stock, ours = _latent(base, entry, "9"), _latent(base, entry, "10")
+    assert stock.shape == ours.shape and stock.shape[0] == batch
+    rel = ((ours - stock).norm() / stock.norm()).item()
+    shown = "\n".join(entry["outputs"]["8"]["text"])
+    print(f"{model_file} sequence x{ranks} batch {batch} cfg {cfg} attention {attention}: relative L2 {rel:.2e}; {shown!r}")
+    assert rel <= 1e-5, (model_file, ranks, attention, rel)
+    assert f"parallelism sequence on {ranks} rank(s)" in shown, shown
+    # every attention call of the run took the picked mode (no masks here); auto on gloo CPU ranks gathers the K/V
+    # (overlapped and ring are its choice on NCCL only) or exchanges heads
+    ran = shown.split("sequence attention ", 1)[1].split("\n")[0] if "sequence attention " in shown else ""
+    modes = {part.split(" (")[0] for part in ran.split(", ")} if ran else set()
+    assert modes == {attention} if attention != "auto" else modes in ({"gathered"}, {"ulysses"}), shown
+    assert "note:" not in shown, shown
+
+
 @pytest.mark.parametrize("preset", ["displaced", "compressed", "otil"])
 def test_distributed_ksampler_low_traffic_presets_on_a_dit(server, preset):
     """A DiT with sequence ranks under the stale presets: the stale memory per stream, the step bracket, OTIL's output

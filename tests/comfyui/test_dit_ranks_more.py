@@ -59,3 +59,23 @@ def test_qwen_hunyuan_ltxv_equal_the_stock_sampler(tmp_path, ranks):
             assert calls["all_gather"] >= STEPS * (LAYERS + 1), (name, calls)  # the layers' K/V + the output gather
     per_rank = report["calls_per_rank"]
     assert all(r == per_rank[0] for r in per_rank)
+
+
+HIDDEN = ["qwen-seq-ring", "qwen-seq-overlapped", "hunyuan-seq-ring", "hyimage-seq-overlapped", "ltxv-seq-ring",
+          "ltxvkf-seq-overlapped"]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_overlapped_and_ring_on_qwen_hunyuan_ltxv_equal_the_stock_sampler(tmp_path, ranks):
+    """sequence_attention overlapped and ring on Qwen-Image, HunyuanVideo, HunyuanImage 2.1 and LTX-Video (keyframe
+    guides included): exact like gathered; a call with an attention mask (HunyuanImage 2.1's padded prompt) runs
+    gathered, the others the mode picked."""
+    report = run_rank_script("dit_ranks_more.py", tmp_path, ranks, HIDDEN, timeout=1500)
+    for name in HIDDEN:
+        rec = report["cases"][name]
+        print(f"{ranks} ranks {name}: relative L2 {rec['rel_l2']:.2e}, attention {rec['attention_modes']}, collectives {rec['comm_calls']}")
+        assert rec["layout"] == "sequence" and rec["seq"] == ranks, rec
+        assert rec["rel_l2"] <= 1e-5, (ranks, name, rec)
+        mode = name.rsplit("-", 1)[1]
+        want = {mode, "gathered"} if name.startswith("hyimage") else {mode}
+        assert set(rec["attention_modes"]) == want, (name, rec["attention_modes"])

@@ -73,6 +73,13 @@ def sample(ctx, unet, session, inp):
         return sdxl.sample_euler_cfg(model, inp["latent"], inp["cond"], steps, on_step=lambda i: session.progress(i + 1, steps))
 
 
+def sample_with_info(ctx, unet, session, inp):
+    """:func:`sample`, leaving the run's own figures for the caller in ``session.info`` (a different value per rank:
+    the caller gets rank 0's)."""
+    session.info["seen"] = {"rank": ctx.rank, "steps": inp["steps"]}
+    return sample(ctx, unet, session, inp)
+
+
 def refuse(ctx, unet, session, inp):
     raise ValueError("bad sampler input (raised identically on every rank)")
 

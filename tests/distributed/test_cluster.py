@@ -260,6 +260,38 @@ def test_a_library_imported_under_another_root_name_is_refused_with_the_fix(tmp_
     assert "imported as 'OtherRoot.distributed'" in out.stdout and "import it as 'patchray'" in out.stdout, out.stdout
 
 
+def test_the_embedded_cluster_starts_its_own_ray_beside_a_head_started_with_ray_start(tmp_path):
+    # A user who ran `ray start --head` on this machine (docs/multinode.md), or whose environment sets RAY_ADDRESS,
+    # and then asks for the embedded cluster (no address): Ray's ray.init() would join that head (its address is in
+    # <tmp>/ray/ray_current_cluster) and refuse the embedded settings ("num_cpus and num_gpus must not be
+    # provided"). The embedded cluster starts its own Ray. A dead address stands in for the head here: joining it
+    # could only fail.
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    temp = Path(tempfile.mkdtemp(prefix="prh-"))  # Ray's socket paths below it must stay under 107 bytes
+    (temp / "ray").mkdir()
+    (temp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9\n")
+    env = dict(os.environ, TMPDIR=str(temp), RAY_ADDRESS="127.0.0.1:9")
+    code = (
+        "from patchray.distributed.cluster import ClusterConfig, get_cluster, shutdown_cluster\n"
+        "from patchray.tests.distributed import cluster_tasks\n"
+        "cluster = get_cluster(ClusterConfig(num_ranks=2, device='cpu', extra_pythonpath=(sys.argv[1],)))\n"
+        "print('ranks:', [r['rank'] for r in cluster.run(cluster_tasks.whoami)])\n"
+        "shutdown_cluster(stop_ray=True)\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", "import sys\n" + code, TEST_PYTHONPATH], capture_output=True, text=True,
+                             timeout=240, cwd=str(tmp_path), env=env)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert out.returncode == 0 and "ranks: [0, 1]" in out.stdout, (out.stdout + out.stderr)[-3000:]
+
+
 def test_a_failure_names_the_task_in_words_and_an_expected_one_is_not_a_warning(caplog):
     cluster = get_cluster(ClusterConfig(num_ranks=2, device="cpu"))
     for expected in (False, True):

@@ -94,6 +94,21 @@ def test_otil_then_full_sync_and_a_new_key():
         distributed_sample(cluster, key, tasks.sample, inp, preset("full_sync", split_batch=False))
 
 
+def test_a_runs_info_reaches_the_caller_and_does_not_outlive_the_run():
+    """What a rank's sampler leaves in ``session.info`` (e.g. the attention modes that ran) comes back beside the
+    latent, rank 0's; the next run starts with none."""
+    cluster = _cluster(2)
+    payload = tasks.make_payload(0)
+    key = ("tiny-sdxl", 0)
+    ship_model(cluster, key, lambda: payload, tasks.build)
+    inp = tasks.inputs(steps=2)
+    out = distributed_sample(cluster, key, tasks.sample_with_info, inp, preset("full_sync", split_batch=False))
+    assert out["info"] == {"seen": {"rank": 0, "steps": 2}}, out.get("info")
+    assert _rel(out["latent"], tasks.reference(payload, inp)) < 2e-5
+    again = distributed_sample(cluster, key, tasks.sample, inp, preset("full_sync", split_batch=False))
+    assert again.get("info", {}) == {}, again["info"]
+
+
 def test_sampler_error_is_raised_and_next_run_works():
     cluster = _cluster(2)
     payload = tasks.make_payload(0)

@@ -68,6 +68,33 @@ def test_the_node_summary_says_how_the_ranks_shared_the_work():
     assert "cfg = 1" in lay.note
 
 
+def test_the_node_summary_names_the_sequence_attention_that_ran():
+    """The user picks sequence_attention (auto, or a mode); the node says which mode the attention calls ran, and
+    why where a call ran another mode than the one picked (a mask or a stale preset's K/V: gathered) or none ran."""
+    from patchray.nodes.bridge.ksampler import attention_note, layout_summary
+
+    seq = plan_layout("sequence", 3, 5.0, 1)
+    assert layout_summary(seq, 4, {"ring": 8}) == (
+        "parallelism sequence on 3 rank(s): each of the 3 ranks a band of the latent's rows; 4 model calls; "
+        "sequence attention ring (8 attention calls)")
+    assert layout_summary(seq, 4, {"ring": 2, "gathered": 6}).endswith("; sequence attention gathered (6 attention calls), ring (2 attention calls)")
+    assert layout_summary(seq, 4, {}) == layout_summary(seq, 4) == layout_summary(seq, 4, None)
+    assert attention_note("ring", "dit", seq, {"ring": 8}) is None
+    assert attention_note("auto", "dit", seq, {"gathered": 8}) is None  # auto: the summary names what it chose
+    note = attention_note("overlapped", "dit", seq, {"gathered": 2, "overlapped": 6})
+    assert "sequence_attention=overlapped ran gathered in 2 of 8 attention calls" in note and "mask" in note, note
+    # nothing to split by tokens: the widget had no effect, and the node says so
+    for layout, kind in ((plan_layout("batch", 2, 5.0, 2), "dit"), (plan_layout("cfg", 2, 5.0, 1), "dit"),
+                         (seq, "unet")):
+        note = attention_note("ring", kind, layout, {})
+        assert note is not None and "sequence_attention=ring was not used" in note, (layout, kind, note)
+    assert attention_note("auto", "dit", plan_layout("batch", 2, 5.0, 2), {}) is None
+    # where the split could use it, the note says how; a model without a sequence split is not sent there
+    assert "parallelism sequence or cfg+sequence uses it" in attention_note("ring", "dit", plan_layout("cfg", 2, 5.0, 1), {})
+    note = attention_note("ring", "dit", plan_layout("cfg", 2, 5.0, 1, sequence_refusal=NO_ROW), {}, sequence_ok=False)
+    assert "without a sequence split" in note and "uses it" not in note, note
+
+
 def test_area_conditioning_under_sequence_points_at_the_splits_that_run_it():
     import torch
 

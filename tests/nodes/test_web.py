@@ -59,3 +59,32 @@ def test_formatting_helpers(tmp_path):
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got == {"image": "1920x1080", "video": "832x480x81", "cpu": "0.394", "gpu": "3.000", "none": "-"}
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js")
+def test_a_failed_or_cancelled_run_resets_only_that_patchray_nodes_panel(tmp_path):
+    """A run that fails (or is cancelled) in a PatchRay node leaves no earlier run's result in its panel: the widgets
+    as they are now did not produce it (e.g. the KSampler's 'sequence attention ring' after a refused ulysses)."""
+    module = tmp_path / "patchray.mjs"
+    module.write_text(JS.replace('import { app } from "../../scripts/app.js";', "const app = { registerExtension() {} };"))
+    script = tmp_path / "run.mjs"
+    script.write_text(
+        "globalThis.document = { createElement: (tag) => ({ tag, style: {}, textContent: '', children: [],\n"
+        "  appendChild(c) { this.children.push(c); }, replaceChildren(...c) { this.children = c; } }) };\n"
+        "import { endedWithout } from './patchray.mjs';\n"
+        "const panel = () => ({ name: 'patchray_view', element: { children: [{ textContent: 'sequence attention ring' }],\n"
+        "  replaceChildren(...c) { this.children = c; } } });\n"
+        "const ks = { id: 8, type: 'PatchRayKSampler', widgets: [panel()] };\n"
+        "const other = { id: 9, type: 'KSampler', widgets: [panel()] };\n"
+        "const text = (n) => n.widgets[0].element.children.map((c) => c.textContent).join(' ');\n"
+        "const out = { unknown: endedWithout([ks, other], '12', 'execution_error'), stock: endedWithout([ks, other], '9', 'execution_error'),\n"
+        "  stockText: text(other), failed: endedWithout([ks, other], '8', 'execution_error'), failedText: text(ks) };\n"
+        "out.cancelled = endedWithout([ks], 8, 'execution_interrupted'); out.cancelledText = text(ks);\n"
+        "console.log(JSON.stringify(out));\n"
+    )
+    out = subprocess.run(["node", str(script)], capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["unknown"] is False and got["stock"] is False and got["stockText"] == "sequence attention ring", got
+    assert got["failed"] is True and "ring" not in got["failedText"] and "last run failed" in got["failedText"], got
+    assert got["cancelled"] is True and "last run was cancelled" in got["cancelledText"], got

@@ -128,3 +128,25 @@ def test_video_decode_workflows_load_the_vae_with_a_stock_loader_and_say_where_t
     assert vae_src is loaders[0]
     note = next(n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "MarkdownNote")
     assert filename in note and folder in note and "https://huggingface.co/" in note
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_builder_writes_the_shipped_workflow(name, info):
+    """tests/comfyui/build_workflows.py is where a workflow is changed: what it writes is what ships (a note edited in
+    the shipped file only would be lost at the next regeneration)."""
+    import build_workflows
+
+    ui, api = build_workflows.build(name, build_workflows.WORKFLOWS[name](), info)
+    shipped_ui, shipped_api = _load(name)
+    assert json.loads(json.dumps(api)) == shipped_api
+    assert json.loads(json.dumps(ui)) == shipped_ui
+
+
+def test_the_dit_sampler_notes_name_every_sequence_attention_mode():
+    from patchray.nodes.bridge.ksampler import ATTENTION_NAMES
+
+    for name in ("flux_txt2img_distributed", "wan21_txt2video_distributed", "wan22_txt2video_distributed"):
+        ui, _ = _load(name)
+        note = next(n for n in ui["nodes"] if n["type"] == "MarkdownNote")["widgets_values"][0]
+        for mode in ATTENTION_NAMES:
+            assert f"*{mode}*" in note, (name, mode)
