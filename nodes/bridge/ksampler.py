@@ -230,7 +230,8 @@ def sample(
             if attention == "ulysses" and heads % layout.seq_ranks:
                 raise ValueError(
                     f"sequence_attention=ulysses splits the {heads} attention heads over the {layout.seq_ranks} sequence "
-                    f"ranks, which does not divide; pick gathered or auto"
+                    f"ranks, which does not divide; pick auto, gathered, overlapped or ring (all exact), or a rank "
+                    f"count on the PatchRay Cluster node that divides {heads}"
                 )
     bridge_model.check_conditioning("positive", positive, layout.mode)
     bridge_model.check_conditioning("negative", negative, layout.mode)
