@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_comfyui_server import COMFYUI_DIR, PYTHON, ROOT, _free_port, _get, _post, _run
+from .test_comfyui_server import COMFYUI_DIR, PYTHON, ROOT, _get, _post, _run, serve
 
 pytestmark = [
     pytest.mark.comfyui,
@@ -36,39 +36,8 @@ def lifecycle_server(tmp_path_factory):
     os.symlink(ROOT, base / "custom_nodes" / "PatchRay")
     subprocess.run([PYTHON, str(Path(__file__).with_name("make_models.py")), COMFYUI_DIR, str(base / "models")],
                    check=True, timeout=900, cwd=str(base))
-    port = _free_port()
-    log = open(base / "server.log", "w")
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.Popen(
-        [PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
-         "--disable-auto-launch", "--dont-print-server", "--disable-api-nodes"],
-        cwd=COMFYUI_DIR, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if _get(url + "/system_stats", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ComfyUI did not start; log:\n{(base / 'server.log').read_text()[-4000:]}")
-            time.sleep(1)
+    with serve(base) as (url, proc):
         yield url, base, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the server's own session: Ray's processes it spawned
-        except ProcessLookupError:
-            pass
-        log.close()
 
 
 def _decode_prompt(num_ranks=2):

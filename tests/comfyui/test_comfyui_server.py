@@ -8,6 +8,7 @@ model files of the right architectures under the names the workflows use), check
     COMFYUI_DIR=/path/to/ComfyUI [COMFYUI_PYTHON=/path/to/its/python] pytest tests/comfyui -q
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -56,18 +57,11 @@ def _post(url, payload):
         return exc.code, json.loads(exc.read() or b"{}")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("comfy_base")
-    (base / "custom_nodes").mkdir()
-    os.symlink(ROOT, base / "custom_nodes" / "PatchRay")
-    _install_test_conditioning_node(base / "custom_nodes")
-    (base / "input").mkdir()
-    shutil.copy(Path(COMFYUI_DIR) / "input" / "example.png", base / "input" / "example.png")
-    subprocess.run([PYTHON, str(Path(__file__).with_name("make_models.py")), COMFYUI_DIR, str(base / "models")],
-                   check=True, timeout=900, cwd=str(base))
-    subprocess.run([PYTHON, str(Path(__file__).with_name("make_sd3_model.py")), COMFYUI_DIR, str(base / "models")],
-                   check=True, timeout=300, cwd=str(base))
+@contextlib.contextmanager
+def serve(base: Path):
+    """ComfyUI's ``main.py --cpu`` on 127.0.0.1 with ``base`` as its ``--base-directory`` (its custom_nodes and models
+    written there by the caller); yields ``(url, process)`` once ``/system_stats`` answers, and stops the server and
+    everything it spawned (Ray's processes) afterwards."""
     port = _free_port()
     log = open(base / "server.log", "w")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -88,18 +82,35 @@ def server(tmp_path_factory):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"ComfyUI did not start; log:\n{(base / 'server.log').read_text()[-4000:]}")
             time.sleep(1)
-        yield url, base
+        yield url, proc
     finally:
-        proc.send_signal(signal.SIGINT)  # lets ComfyUI (and the embedded Ray it started) shut down
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # lets ComfyUI (and the embedded Ray it started) shut down
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the server's own session: Ray's workers it spawned
         except ProcessLookupError:
             pass
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = tmp_path_factory.mktemp("comfy_base")
+    (base / "custom_nodes").mkdir()
+    os.symlink(ROOT, base / "custom_nodes" / "PatchRay")
+    _install_test_conditioning_node(base / "custom_nodes")
+    (base / "input").mkdir()
+    shutil.copy(Path(COMFYUI_DIR) / "input" / "example.png", base / "input" / "example.png")
+    subprocess.run([PYTHON, str(Path(__file__).with_name("make_models.py")), COMFYUI_DIR, str(base / "models")],
+                   check=True, timeout=900, cwd=str(base))
+    subprocess.run([PYTHON, str(Path(__file__).with_name("make_sd3_model.py")), COMFYUI_DIR, str(base / "models")],
+                   check=True, timeout=300, cwd=str(base))
+    with serve(base) as (url, _proc):
+        yield url, base
 
 
 def test_every_node_is_listed_and_the_js_is_served(server):
