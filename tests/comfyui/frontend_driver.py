@@ -112,6 +112,30 @@ LOAD_UI = """
 """
 
 
+def run_and_read_panel(node_type: str, filename: str, setup: str) -> str:
+    """A page script template (``% json.dumps([api, arg])``): load the API prompt ``api`` (when given) as
+    ``filename``, find the first ``node_type`` node, run ``setup`` (JavaScript with ``node`` and ``arg`` in scope:
+    change a widget, unplug an input), queue the prompt, wait for the run to end, and return
+    ``{outcome: "execution_success" | "execution_error" | "execution_interrupted" | "timeout", text: the node's panel}``."""
+    return """
+(async ([api, arg]) => {
+  const app = window.app;
+  if (api) await app.loadApiJson(api, %(filename)s);
+  const node = app.graph._nodes.find(n => n.type === %(node_type)s);
+  %(setup)s
+  const done = new Promise((resolve) => {
+    const end = (e) => { for (const t of ["execution_success", "execution_error", "execution_interrupted"]) app.api.removeEventListener(t, end); resolve(e.type); };
+    for (const t of ["execution_success", "execution_error", "execution_interrupted"]) app.api.addEventListener(t, end);
+  });
+  await app.queuePrompt(0, 1);
+  const outcome = await Promise.race([done, new Promise(r => setTimeout(() => r("timeout"), 600000))]);
+  await new Promise(r => setTimeout(r, 500));
+  const view = node.widgets.find(w => w.name === "patchray_view");
+  return {outcome, text: view?.element?.textContent || ""};
+})(%%s)
+""" % {"filename": json.dumps(filename), "node_type": json.dumps(node_type), "setup": setup}
+
+
 def differences(frontend: dict, shipped: dict) -> list:
     """Where a prompt the frontend made differs from an API file (``_meta`` titles aside)."""
     found = []

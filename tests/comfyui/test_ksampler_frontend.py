@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from .frontend_driver import browser_page, chromium
+from .frontend_driver import browser_page, chromium, run_and_read_panel
 from .test_comfyui_server import COMFYUI_DIR, _dit_prompt, server  # noqa: F401  (server: the fixture)
 
 pytestmark = [
@@ -33,23 +33,8 @@ _NEW_NODE = """
 })()
 """
 
-_RUN = """
-(async ([api, attention]) => {
-  const app = window.app;
-  if (api) await app.loadApiJson(api, "ksampler.json");
-  const node = app.graph._nodes.find(n => n.type === "PatchRayKSampler");
-  if (attention) node.widgets.find(w => w.name === "sequence_attention").value = attention;
-  const done = new Promise((resolve) => {
-    const end = (e) => { for (const t of ["execution_success", "execution_error", "execution_interrupted"]) app.api.removeEventListener(t, end); resolve(e.type); };
-    for (const t of ["execution_success", "execution_error", "execution_interrupted"]) app.api.addEventListener(t, end);
-  });
-  await app.queuePrompt(0, 1);
-  const outcome = await Promise.race([done, new Promise(r => setTimeout(() => r("timeout"), 600000))]);
-  await new Promise(r => setTimeout(r, 500));
-  const view = node.widgets.find(w => w.name === "patchray_view");
-  return {outcome, text: view?.element?.textContent || ""};
-})(%s)
-"""
+_RUN = run_and_read_panel('PatchRayKSampler', 'ksampler.json',
+                          'if (arg) node.widgets.find(w => w.name === "sequence_attention").value = arg;')
 
 
 def test_the_ksampler_panel_names_the_attention_that_ran_and_a_refused_run_clears_it(server):  # noqa: F811

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from .frontend_driver import browser_page, check_workflows, chromium
+from .frontend_driver import browser_page, check_workflows, chromium, run_and_read_panel
 from .test_comfyui_server import COMFYUI_DIR, server  # noqa: F401  (server: the fixture)
 
 pytestmark = [
@@ -40,23 +40,8 @@ _NOTE_PROMPT = {
     "6": {"class_type": "PreviewImage", "inputs": {"images": ["5", 0]}},
 }
 
-_RUN = """
-(async ([api, unplug]) => {
-  const app = window.app;
-  if (api) await app.loadApiJson(api, "note.json");
-  const node = app.graph._nodes.find(n => n.type === "PatchRayVAEDecode");
-  if (unplug) node.disconnectInput(node.findInputSlot("plan"));
-  const done = new Promise((resolve) => {
-    const end = (e) => { for (const t of ["execution_success", "execution_error", "execution_interrupted"]) app.api.removeEventListener(t, end); resolve(e.type); };
-    for (const t of ["execution_success", "execution_error", "execution_interrupted"]) app.api.addEventListener(t, end);
-  });
-  await app.queuePrompt(0, 1);
-  const outcome = await Promise.race([done, new Promise(r => setTimeout(() => r("timeout"), 600000))]);
-  await new Promise(r => setTimeout(r, 500));
-  const view = node.widgets.find(w => w.name === "patchray_view");
-  return {outcome, text: view?.element?.textContent || ""};
-})(%s)
-"""
+_RUN = run_and_read_panel('PatchRayVAEDecode', 'note.json',
+                          'if (arg) node.disconnectInput(node.findInputSlot("plan"));')
 
 
 def test_the_decode_panel_shows_a_runs_note_and_the_next_run_clears_it(server):  # noqa: F811
