@@ -104,20 +104,10 @@ def sigmas(steps: int, shift: float = 3.0) -> List[float]:
     return (shift * s / (1 + (shift - 1) * s)).tolist()
 
 
-def _settle(ctx) -> None:
-    """Start a timed run with the device idle and every rank past a barrier."""
-    from ..comm import barrier
-
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-    barrier(ctx)
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-
-
 def _rank(ctx, plan: dict) -> dict:
     from ..sampling.config import preset
     from ..sampling.dit import parallelize_dit
+    from .turns import settle
 
     dev = ctx.device
     dtype = getattr(torch, plan["dtype"])
@@ -144,7 +134,7 @@ def _rank(ctx, plan: dict) -> dict:
         x = x0.clone()
         per_step = []
         step_ms = []
-        _settle(ctx)
+        settle(ctx)
         t0 = time.perf_counter()
         for i in range(plan["steps"]):
             ts = time.perf_counter()

@@ -188,13 +188,11 @@ def _time_at_once(ctx, call, iters: int) -> List[float]:
     """Wall milliseconds of ``iters`` calls with every rank running at once (one untimed call first: the
     collectives' first concurrent use); each call starts after a barrier with the device idle and ends when this
     rank's device has finished it."""
-    from ..comm import barrier
+    from .turns import settle
 
     walls = []
     for i in range(1 + iters):
-        _sync(ctx.device)
-        barrier(ctx)
-        _sync(ctx.device)
+        settle(ctx)
         t0 = time.perf_counter()
         y = call()
         _sync(ctx.device)
@@ -358,15 +356,15 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
         iters = plan["iters"] if plan["iters"] is not None else preset.iters
         weights = _weights_bytes(preset, plan["size"], itemsize)
         # ranks sharing one device hold as many full copies as fit it; with one GPU per rank each holds its own
-        per_device = 1 if plan.get("gpu_per_rank") else world
-        fit = max([n for n in ns if n <= ranks_that_fit(weights, total, per_device) * (world // per_device)] or [1])
+        own_gpu = bool(plan.get("gpu_per_rank"))
+        fit = max(ns) if own_gpu else max([n for n in ns if n <= ranks_that_fit(weights, total, world)] or [1])
         cases = plan_cases(preset, plan["size"], ns, plan["modes"])
         model = inputs = None
         _log(ctx, start, f"{name}: building on {fit} ranks")
         try:
             if ctx.rank < fit:
                 if device.type == "cuda":
-                    torch.cuda.set_per_process_memory_fraction(min(1.0, 0.97 / min(fit, per_device)), device)
+                    torch.cuda.set_per_process_memory_fraction(0.97 if own_gpu else min(1.0, 0.97 / fit), device)
                 model = build_random(preset, plan["size"], device, dtype, seed=0)
                 inputs = make_inputs(preset, plan["size"], device, dtype, seed=1)
             built_err = None

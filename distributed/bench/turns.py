@@ -47,7 +47,7 @@ import torch
 from ..comm import CommCall, barrier, intercept, uncounted_barrier
 from .linkmodel import call_wire_bytes
 
-__all__ = ["ALONE_CLOCKS", "resolve_clock", "sync_fn", "GpuSpin", "Prefill", "TurnTaking", "take_turns", "measure_alone"]
+__all__ = ["ALONE_CLOCKS", "resolve_clock", "sync_fn", "settle", "GpuSpin", "Prefill", "TurnTaking", "take_turns", "measure_alone"]
 
 #: ``--alone-clock`` choices: ``prefilled`` (CUDA: GPU time behind a prefilled queue, the default), ``idle`` (CUDA:
 #: the stage's time from an idle GPU, launch gaps included: the earlier clock). CPU ranks always use wall time.
@@ -68,6 +68,17 @@ def sync_fn(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
+
+
+def settle(ctx) -> None:
+    """Start a timed run with every rank at once: this rank's device idle, then every rank past a barrier, then the
+    device idle again (a barrier on NCCL is device work)."""
+    from ..comm import barrier
+
+    sync = sync_fn(ctx.device)
+    sync()
+    barrier(ctx)
+    sync()
 
 
 class GpuSpin:
