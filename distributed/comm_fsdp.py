@@ -143,3 +143,11 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a sharded parameter (the ``DTensor``'s local tensor); the tensor itself otherwise."""
     to_local = getattr(param, "to_local", None)
     return to_local() if callable(to_local) else param
+
+
+def is_sharded_tensor(t) -> bool:
+    """Whether ``t`` is a shard of a tensor laid over the ranks (a ``DTensor``: a weight-sharded block's parameter
+    between its forwards)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)

@@ -81,6 +81,14 @@ class SequenceState(StepState):
         self.output_exchange: Optional[Callable] = None
         #: attention calls per mode that ran (after ``auto`` and fallbacks resolved), for reports and tests
         self.mode_calls: Dict[str, int] = {}
+        #: the model's modulation layers computed in shares (a ``seq_modulation.ModulationGroup``; ``None``: none)
+        self.modulation = None
+
+    def begin_call(self) -> None:
+        """A new model call starts (the host's entry calls this before the model runs): per-call results of the
+        previous call (the shared modulation's outputs) no longer apply."""
+        if self.modulation is not None:
+            self.modulation.begin_call()
 
     def set_shards(self, shards: TokenShards) -> bool:
         """Use ``shards`` from now on; True (and a fresh, empty stale memory for the current stream) when the table

@@ -68,6 +68,10 @@ attention function is called as ``attn_fn(q, k, v, mask, heads)`` with tensors i
 being the number of heads in those tensors (``H`` gathered, ``H/N`` Ulysses), and returns the output in the
 same layout as ``q``.
 
+* **The per-call modulation is computed once across the ranks.** The blocks' adaLN layers read one embedding every
+  rank holds whole; :mod:`.seq_modulation` gives each rank ``1/N`` of every such layer's output features and one
+  all-gather per call, instead of every rank computing all of them.
+
 Modules: :mod:`.tokens` (the shard table, shard/gather), :mod:`.seq_attention` (the state and the attention),
 :mod:`.seq_masks` (key masks re-expressed for a rank's keys), :mod:`.seq_styles` (the styles a host model's plan
 uses), :mod:`.seq_route` (the route from a host processor's attention call to the attention). This module gathers
@@ -87,6 +91,7 @@ from .seq_attention import (
     attention_cost,
     choose_mode,
 )
+from .seq_modulation import ModulationGroup, ShareModulation
 from .seq_styles import GatherTokens, SequenceAttentionStyle, ShardGridRows, ShardTokens
 from .tokens import PARTS, TokenShards, gather_tokens, shard_positions, shard_tokens, split_replicated, text_split
 
@@ -99,6 +104,8 @@ __all__ = [
     "ShardTokens",
     "ShardGridRows",
     "GatherTokens",
+    "ShareModulation",
+    "ModulationGroup",
     "shard_tokens",
     "text_split",
     "PARTS",

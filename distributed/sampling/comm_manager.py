@@ -203,7 +203,7 @@ def agree_codec(kinds_by_rank: Sequence[Sequence[str]]) -> str:
 
 
 #: byte-accounting kinds, in report order
-KINDS = ("halo", "kv", "groupnorm", "latent_blocks", "output", "cfg")
+KINDS = ("halo", "kv", "groupnorm", "latent_blocks", "output", "cfg", "modulation")
 
 
 @dataclass

@@ -211,6 +211,7 @@ def _root_hook(model: nn.Module, family: DiTFamily, state: SequenceState, shard_
         why = family.refuse(model, call)
         if why:
             raise NotImplementedError(f"{type(model).__name__}: sequence parallelism does not support {why}")
+        state.begin_call()
         text, valid = text_tokens(family, model, call, state.ctx.world_size, shard_text)
         state.set_grid(*family.grid(model, call), text=text, text_side=family.text_side)
         state.set_text_valid(valid if text else None)
@@ -255,6 +256,7 @@ def parallelize_dit(
     traffic: Optional[Traffic] = None,
     config: Optional[PatchConfig] = None,
     shard_text: Optional[bool] = None,
+    share_modulation: bool = True,
 ) -> DiTHandle:
     """Install sequence parallelism on one of diffusers' DiT classes (see :data:`DIT_FAMILIES`).
 
@@ -279,6 +281,10 @@ def parallelize_dit(
             ``True`` with a stale preset: the text K/V are part of the sharded set, exchanged with the image K/V;
             each stream (``begin_step(stream=)``) keeps its own shard table and stale memory, so a cond and an
             uncond prompt of different lengths may be evaluated in turn.
+
+        share_modulation: the blocks' adaLN modulation layers (FLUX.1, Qwen-Image, HunyuanVideo), which all read
+            the one per-call embedding, are computed once across the ranks (each rank ``1/N`` of every layer's
+            outputs, one all-gather per call; exact); False: every rank computes them whole (for comparisons).
 
     Returns:
         :class:`DiTHandle`. The model is then called as usual, on every rank with the same full inputs; its output
@@ -306,7 +312,7 @@ def parallelize_dit(
     state = SequenceState(ctx, traffic, memory=lambda c, rows, t: CommManager(c, rows, t, checkpoint))
     applied: List[Applied] = []
     if ctx.world_size > 1:
-        plan = dit_plan(family, mode=mode, kv=kv, link=link)
+        plan = dit_plan(family, mode=mode, kv=kv, link=link, modulation=share_modulation)
         check_plan_matches(model, family, plan)
         applied = apply_plan([("", model)], plan, state, strict=False)
         try:

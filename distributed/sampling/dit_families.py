@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ..parallel.exchange import EXACT, PeerExchange
 from ..parallel.plan import Style
+from ..parallel.seq_modulation import ShareModulation
 from ..parallel.sequence import GatherTokens, SequenceAttentionStyle, ShardGridRows, ShardTokens, shard_tokens
 
 __all__ = ["DiTFamily", "DIT_FAMILIES", "family_of", "dit_plan", "cp_plan_points", "check_plan_matches"]
@@ -36,7 +37,9 @@ class DiTFamily(NamedTuple):
         cls: the diffusers class name.
         layers: ``glob -> (kind, options)``: ``"shard"`` (:class:`ShardTokens`), ``"shard_rows"``
             (:class:`ShardGridRows`), ``"attention"`` (:class:`SequenceAttentionStyle`; ``text`` side), ``"gather"``
-            (:class:`GatherTokens`).
+            (:class:`GatherTokens`), ``"modulation"`` (:class:`~..parallel.seq_modulation.ShareModulation`: the
+            blocks' adaLN ``Linear`` layers, which all read the one per-call embedding: computed once across the
+            ranks).
         grid: ``grid(model, call)`` -> ``(frames, rows, cols)`` token grid, from the bound forward arguments.
         per_token: root arguments that carry one value per image token when they have ``ndim`` dims:
             ``name -> (ndim, dim)``; they are sharded like the tokens.
@@ -181,6 +184,9 @@ DIT_FAMILIES: Dict[str, DiTFamily] = {
                 "pos_embed": ("shard", {"dim": 0, "text": "before"}),  # (cos, sin) over [text; image] ids
                 "transformer_blocks.*.attn": ("attention", {"text": "before"}),
                 "single_transformer_blocks.*.attn": ("attention", {"text": "before"}),
+                "transformer_blocks.*.norm1.linear": ("modulation", {}),
+                "transformer_blocks.*.norm1_context.linear": ("modulation", {}),
+                "single_transformer_blocks.*.norm.linear": ("modulation", {}),
                 "proj_out": ("gather", {"dim": 1}),
             },
             _flux_grid,
@@ -197,6 +203,8 @@ DIT_FAMILIES: Dict[str, DiTFamily] = {
                 # (image freqs, text freqs); the text freqs are made for the whole text, then cut to the slice
                 "pos_embed": ("shard", {"dim": 0, "items": (0,), "text_items": (1,), "text_length_arg": "max_txt_seq_len"}),
                 "transformer_blocks.*.attn": ("attention", {"text": "before"}),
+                "transformer_blocks.*.img_mod.1": ("modulation", {}),
+                "transformer_blocks.*.txt_mod.1": ("modulation", {}),
                 "proj_out": ("gather", {"dim": 1}),
             },
             _qwen_grid,
@@ -230,6 +238,9 @@ DIT_FAMILIES: Dict[str, DiTFamily] = {
                 "rope": ("shard", {"dim": 0}),  # (cos, sin) [L, D] over the image tokens only
                 "transformer_blocks.*.attn": ("attention", {"text": "after"}),
                 "single_transformer_blocks.*.attn": ("attention", {"text": "after"}),
+                "transformer_blocks.*.norm1.linear": ("modulation", {}),
+                "transformer_blocks.*.norm1_context.linear": ("modulation", {}),
+                "single_transformer_blocks.*.norm.linear": ("modulation", {}),
                 "proj_out": ("gather", {"dim": 1}),
             },
             lambda m, c: _patched_grid(m, c, "patch_size_t", "patch_size"),
@@ -277,10 +288,14 @@ def family_of(model: nn.Module) -> DiTFamily:
     )
 
 
-def dit_plan(family: DiTFamily, *, mode: str = "auto", kv: PeerExchange = EXACT, link: Optional[str] = None) -> Dict[str, Style]:
-    """The family's plan (``glob -> Style``) with the attention mode and K/V strategy filled in."""
+def dit_plan(family: DiTFamily, *, mode: str = "auto", kv: PeerExchange = EXACT, link: Optional[str] = None,
+             modulation: bool = True) -> Dict[str, Style]:
+    """The family's plan (``glob -> Style``) with the attention mode and K/V strategy filled in (``modulation``
+    False: the modulation layers are left out, every rank computes them whole)."""
     plan: Dict[str, Style] = {}
     for glob, (kind, opts) in family.layers.items():
+        if kind == "modulation" and not modulation:
+            continue
         if kind == "shard":
             plan[glob] = ShardTokens(**opts)
         elif kind == "shard_rows":
@@ -289,6 +304,8 @@ def dit_plan(family: DiTFamily, *, mode: str = "auto", kv: PeerExchange = EXACT,
             plan[glob] = GatherTokens(**opts)
         elif kind == "attention":
             plan[glob] = SequenceAttentionStyle(mode=mode, kv=kv, link=link, **opts)
+        elif kind == "modulation":
+            plan[glob] = ShareModulation(**opts)
         else:  # backstop, not the guard: the table is ours
             raise ValueError(f"unknown layer kind {kind!r} in family {family.name}")
     return plan

@@ -7,13 +7,13 @@ families: a rank's K/V share is then its image band plus its slice of the text).
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from ..parallel.exchange import EXACT, CompressedExchange, PeerExchange
 from ..parallel.sequence import AttentionCost, SeqMode, TokenShards, attention_cost, choose_mode
 from .comm_manager import packed_bytes
 
-__all__ = ["DiTShape", "FULL_SIZE_SHAPES", "step_cost", "token_shards", "token_share"]
+__all__ = ["DiTShape", "FULL_SIZE_SHAPES", "step_cost", "token_shards", "token_share", "modulation_features"]
 
 
 class DiTShape(NamedTuple):
@@ -26,6 +26,9 @@ class DiTShape(NamedTuple):
         text: text tokens in the joint sequences (0 when text enters by cross-attention only); sharded over the
             ranks by default (``shard_text``), replicated otherwise.
         out_features: features per token at the output projection (gathered once per forward).
+        modulation: output features of each adaLN modulation layer the ranks compute in shares
+            (``parallel.seq_modulation``; one all-gather per forward of every rank's ``ceil(features / N)`` of each);
+            ``()``: none (Wan and LTX-Video modulate with tables added to one shared projection).
     """
 
     attention_layers: int
@@ -36,19 +39,26 @@ class DiTShape(NamedTuple):
     cols: int
     text: int
     out_features: int
+    modulation: Tuple[int, ...] = ()
+
+
+def modulation_features(double: int, single: int, dim: int) -> Tuple[int, ...]:
+    """The modulation layers of FLUX.1-style blocks (HunyuanVideo too): two ``6 dim`` per double-stream block (image
+    and text), one ``3 dim`` per single-stream block; Qwen-Image's blocks are double-stream only."""
+    return (6 * dim,) * (2 * double) + (3 * dim,) * single
 
 
 #: the full-size architectures of the README's figures (the configs of the public checkpoints)
 FULL_SIZE_SHAPES: Dict[str, DiTShape] = {
     # FLUX.1 dev/schnell: 19 double + 38 single blocks, 24 heads x 128; 1024x1024 -> latent 128x128 -> 64x64 tokens
     # (2x2 patches); 512 T5 tokens; proj_out 64 features per token
-    "flux1_1024": DiTShape(57, 24, 128, 1, 64, 64, 512, 64),
+    "flux1_1024": DiTShape(57, 24, 128, 1, 64, 64, 512, 64, modulation_features(19, 38, 3072)),
     # Wan 2.1 14B: 40 blocks, 40 heads x 128; 480x832x81 -> latent 21x60x104 -> 21x30x52 tokens (1x2x2 patches);
     # text by cross-attention; proj_out 1*2*2*16 = 64 features
     "wan21_14b_480x832x81": DiTShape(40, 40, 128, 21, 30, 52, 0, 64),
     # Qwen-Image: 60 blocks, 24 heads x 128; 1328x1328 -> latent 166x166 -> 83x83 tokens; ~256 text tokens;
     # proj_out 2*2*16 = 64 features
-    "qwen_image_1328": DiTShape(60, 24, 128, 1, 83, 83, 256, 64),
+    "qwen_image_1328": DiTShape(60, 24, 128, 1, 83, 83, 256, 64, modulation_features(60, 0, 3072)),
 }
 
 
@@ -105,10 +115,12 @@ def step_cost(shape: DiTShape, world_size: int, mode: str = "auto", *, itemsize:
     counted = {op: shape.attention_layers * b for op, b in one.counted.items()}
     out_piece = batch * max(shards.counts) * shape.out_features * itemsize  # image tokens only: the text is dropped
     counted["all_gather"] = counted.get("all_gather", 0) + out_piece * (world_size + 1)
-    return {
-        "mode": resolved.value,
-        "wire_bytes": shape.attention_layers * one.wire_bytes + out_piece * (world_size - 1),
-        "messages": shape.attention_layers * one.messages + 1,
-        "counted": counted,
-    }
+    wire = shape.attention_layers * one.wire_bytes + out_piece * (world_size - 1)
+    messages = shape.attention_layers * one.messages + 1
+    if shape.modulation:  # the modulation layers' shares: one all-gather of every layer's ceil(features / N)
+        mod_piece = batch * sum(-(-f // world_size) for f in shape.modulation) * itemsize
+        counted["all_gather"] += mod_piece * (world_size + 1)
+        wire += mod_piece * (world_size - 1)
+        messages += 1
+    return {"mode": resolved.value, "wire_bytes": wire, "messages": messages, "counted": counted}
 

@@ -63,6 +63,9 @@ class DitRow(NamedTuple):
         text_whole: keyword of the model call -> why a call carrying it keeps its text whole on every rank (exact,
             the text is just not split): a text mask the model lays over the whole text, extra text tokens joined
             after the text site.
+        modulation: globs of the blocks' adaLN modulation ``Linear`` layers, which all read the one per-call
+            embedding: each rank computes ``1/N`` of their outputs, one all-gather per call
+            (``distributed/parallel/seq_modulation.py``); ``()``: none.
     """
 
     family: str
@@ -79,6 +82,7 @@ class DitRow(NamedTuple):
     hooks: Optional[Callable[[Any], list]] = None
     text_tokens: Optional[Site] = None
     text_whole: Mapping[str, str] = {}
+    modulation: Tuple[str, ...] = ()
 
 
 def _flux_patch(dm) -> Tuple[int, int, int]:
@@ -100,6 +104,10 @@ _FLUX_COND = {
     "attention_mask": _FLUX_REFUSALS["attention_mask"],
 }
 
+#: FLUX.1's (and HunyuanVideo's) per-block modulation layers: image and text of each double-stream block, one per
+#: single-stream block
+_FLUX_MODULATION = ("double_blocks.*.img_mod.lin", "double_blocks.*.txt_mod.lin", "single_blocks.*.modulation.lin")
+
 # FLUX.1 and Chroma share ComfyUI's double/single-stream blocks, embedders and final layer: one row, two names
 _FLUX_ROW = DitRow(
     family="FLUX.1 (dev, schnell)",
@@ -113,11 +121,13 @@ _FLUX_ROW = DitRow(
     call_refusals=_FLUX_REFUSALS,
     cond_refusals=_FLUX_COND,
     text_tokens=Site("txt_in"),
+    modulation=_FLUX_MODULATION,
 )
 
 ROWS: Tuple[DitRow, ...] = (
     _FLUX_ROW,
-    _FLUX_ROW._replace(family="Chroma", classes=("Chroma",)),
+    # Chroma's blocks take precomputed modulations (its approximator), no per-block layer
+    _FLUX_ROW._replace(family="Chroma", classes=("Chroma",), modulation=()),
     DitRow(
         family="Wan 2.1 / 2.2 (14B, 1.3B, 5B; text-to-video, image-to-video)",
         classes=("WanModel",),

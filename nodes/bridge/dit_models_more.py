@@ -212,6 +212,7 @@ def more_rows() -> tuple:
             cond_refusals={"reference_latents": _QWEN_REF},
             # the text stream after txt_norm and txt_in (ComfyUI's blocks do not lay the text mask over attention)
             text_tokens=Site("txt_in"),
+            modulation=("transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1"),
         ),
         DitRow(
             family="HunyuanVideo (1.0 t2v, i2v; HunyuanImage 2.1)",
@@ -232,6 +233,7 @@ def more_rows() -> tuple:
                 "attention_mask": "the text mask is laid over the whole text's key columns in the model's forward",
                 "txt_byt5": "ByT5 glyph tokens (HunyuanImage 2.1) join the text after the token refiner",
             },
+            modulation=("double_blocks.*.img_mod.lin", "double_blocks.*.txt_mod.lin", "single_blocks.*.modulation.lin"),
         ),
         DitRow(
             family="LTX-Video",

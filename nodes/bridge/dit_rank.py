@@ -151,13 +151,16 @@ class DitSequence:
     """
 
     def __init__(self, ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None, config=None,
-                 shard_text: Optional[bool] = None):
+                 shard_text: Optional[bool] = None, linear_rows: Optional[Callable] = None):
         from ...distributed.sampling.comm_manager import CommManager, Traffic
         from ...distributed.sampling.config import LayerMode, OutputMode
         from ...distributed.sampling.dit import TokenOtil, dit_exchange
 
         seq = _seq()
         self.ctx, self.row, self.dm, self.counter = ctx, row, dm, counter
+        # how the host's linear layers give rows of their weight (ComfyUI's per-call casts: ``ksampler_rank``); None:
+        # torch's own Linear only (``distributed/parallel/seq_modulation.py``)
+        self.linear_rows = linear_rows
         # a low-traffic preset (displaced, otil, balanced, compressed): stale/compressed K/V through the stale memory,
         # one logical step per model call of a stream (cond/uncond may come in separate calls), as for the UNet
         self.config = config
@@ -197,6 +200,8 @@ class DitSequence:
             plan[row.tokens.module] = seq.ShardTokens(dim=1)
         if row.text_tokens is not None:
             plan[row.text_tokens.module] = seq.ShardTokens(dim=1, part="text")  # left whole unless the table shards text
+        for glob in row.modulation:
+            plan[glob] = seq.ShareModulation(rows=self.linear_rows)
         for site in (row.tokens, row.rope, row.gather, row.text_tokens):
             if site is None:
                 continue
@@ -308,6 +313,11 @@ class DitSequence:
         stream = tuple(to.get("cond_or_uncond", ()))
         if self.stepwise:  # the stream's own stale memory and shard table (its text length may differ)
             self.state.select_stream(stream)
+        self.state.begin_call()
+        if self.state.modulation is not None:
+            # a node that replaces blocks (ComfyUI's "dit" patches) may hand a block another embedding: every
+            # modulation layer then runs whole on every rank (the same decision on every rank: the same options)
+            self.state.modulation.enabled = not (to.get("patches_replace") or {}).get("dit")
         self.state.set_grid(*token_grid(self.row, self.dm, x.shape), text=text, text_side=side)
         to["optimized_attention_override"] = self.override(to.get("optimized_attention_override"))
         bound.arguments["transformer_options"] = to
@@ -335,11 +345,13 @@ class DitSequence:
 
 
 def sequence_parallel(ctx, row, dm, *, attention: str = "auto", counter: Optional[Counter] = None, config=None,
-                      shard_text: Optional[bool] = None) -> DitSequence:
+                      shard_text: Optional[bool] = None, linear_rows: Optional[Callable] = None) -> DitSequence:
     """:class:`DitSequence` applied to ``dm`` (call ``remove()`` when the run ends); ``config``: the node's preset
     (a ``PatchConfig``; full_sync or ``None``: exact); ``shard_text``: joint-attention rows split their text tokens
-    over the ranks too (False: whole on every rank; None: in the exact modes only)."""
-    seq = DitSequence(ctx, row, dm, attention=attention, counter=counter, config=config, shard_text=shard_text)
+    over the ranks too (False: whole on every rank; None: in the exact modes only); ``linear_rows``: the weight rows
+    of the host's linear layers for the shared modulation (``seq_modulation.RowsFn``)."""
+    seq = DitSequence(ctx, row, dm, attention=attention, counter=counter, config=config, shard_text=shard_text,
+                      linear_rows=linear_rows)
     seq.apply()
     return seq
 

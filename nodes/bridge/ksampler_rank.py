@@ -223,6 +223,32 @@ def _layout(inputs: dict):
     return Layout(**raw) if raw else None
 
 
+
+def comfy_linear_rows(module, x, lo: int, hi: int):
+    """Rows ``lo:hi`` of one of ComfyUI's linear layers, as its forward would use them: the weight and bias sliced,
+    then cast to ``x``'s dtype and device as ComfyUI's per-call cast does (fp8 weights, weights offloaded to the
+    host), or ``None`` where the layer computes something else (a LoRA or other patch applied on the fly, a scaled
+    fp8 or quantised weight, another class's forward): its own forward then fills its share
+    (``distributed/parallel/seq_modulation.py``)."""
+    from comfy import ops
+
+    from ...distributed.parallel.seq_modulation import linear_rows
+
+    base = ops.disable_weight_init.Linear
+    if type(module).forward is not base.forward:
+        return linear_rows(module, x, lo, hi)
+    w = module.weight
+    # fp8 matmul ops and scaled fp8 weights compute the layer another way (their own cast path): left to them
+    if (getattr(type(module), "forward_comfy_cast_weights", None) is not base.forward_comfy_cast_weights
+            or getattr(module, "weight_function", None) or getattr(module, "bias_function", None)
+            or getattr(module, "scale_weight", None) is not None or getattr(module, "scale_input", None) is not None
+            or type(w) is not torch.nn.Parameter or not w.dtype.is_floating_point):
+        return None
+    b = module.bias
+    return (w[lo:hi].to(device=x.device, dtype=x.dtype),
+            None if b is None else b[lo:hi].to(device=x.device, dtype=x.dtype))
+
+
 def sample(ctx, mp, session, inputs: dict) -> torch.Tensor:
     """``comfy.sample.sample`` with the model calls routed through PatchRay; returns the final latent.
 
@@ -279,7 +305,7 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
             if row is None:  # backstop, not the guard: the driver refuses models without a row
                 raise NotImplementedError(f"no DiT table row for {type(dm).__name__}")
             seq = dit_rank.sequence_parallel(seq_ctx, row, dm, attention=inputs.get("attention", "auto"), counter=counter,
-                                             config=session.config)
+                                             config=session.config, linear_rows=comfy_linear_rows)
             undo.append(seq.remove)
             model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, seq.wrapper)
         elif layout.seq_ranks > 1:

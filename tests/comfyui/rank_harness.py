@@ -94,6 +94,8 @@ def watch_text():
 
     class Seen(list):
         modes: dict = {}
+        #: (model calls whose modulation was computed in shares, shared modulation layers)
+        modulation: tuple = (0, 0)
 
     seen = Seen()
     original = dit_rank.DitSequence.wrapper
@@ -102,6 +104,9 @@ def watch_text():
         out = original(self, *args, **kwargs)
         seen.append(self.state.require_shards().text_sizes)
         seen.modes = dict(self.state.mode_calls)
+        group = self.state.modulation
+        if group is not None:
+            seen.modulation = (group.shared_calls, len(group.members))
         return out
 
     dit_rank.DitSequence.wrapper = wrapper
@@ -146,7 +151,8 @@ def sample_case(ctx, key, mp, inputs, layout, kind, attention):
         final = session.finalize(latent).float().cpu()
     rec = {"layout": layout.mode, "groups": layout.cfg_groups, "seq": layout.seq_ranks, "calls": session.calls,
            "note": layout.note, "comm_calls": dict(log.calls), "comm_bytes": log.total_bytes,
-           "text_sizes": sorted({tuple(t) for t in texts}), "attention_modes": texts.modes}
+           "text_sizes": sorted({tuple(t) for t in texts}), "attention_modes": texts.modes,
+           "modulation_shared": list(texts.modulation)}
     if ref is not None:
         rec["rel_l2"] = ((final - ref).norm() / ref.norm()).item()
         rec["shape"] = list(final.shape)

@@ -16,6 +16,8 @@ pytestmark = comfyui_marks()
 STEPS = 3  # dit_ranks.py samples 3 steps; euler, euler_ancestral and dpmpp_2m call the model once per step
 #: 7 text tokens (every conditioning of dit_ranks.py) over 2, 3 and 4 sequence ranks, by hand
 TEXT_SPLIT = {2: [4, 3], 3: [3, 2, 2], 4: [2, 2, 2, 1]}
+# dit_ranks.py's Flux: one double-stream block (image and text modulation) and one single-stream block
+FLUX_MODULATION_LAYERS = 3
 
 RUNS = {
     2: ["flux-seq", "flux-seq-ulysses", "flux-cfg", "flux-batch", "wan21-seq", "wan21-seq-ulysses", "wan21-cfg",
@@ -57,6 +59,13 @@ def test_every_parallelism_equals_the_stock_sampler(tmp_path, ranks):
         # joint-attention families split their 7 text tokens over the sequence ranks (first 7 % n ranks one more)
         if mode in ("sequence", "cfg+sequence") and name.split("-")[0] in ("flux", "chroma"):
             assert rec["text_sizes"] == [TEXT_SPLIT[rec["seq"]]], (name, rec["text_sizes"])
+        # FLUX.1's blocks' modulation layers (image and text of each double-stream block, one per single-stream block)
+        # computed once across the sequence ranks on every model call; Chroma's blocks have none
+        if mode in ("sequence", "cfg+sequence") and name.split("-")[0] == "flux":
+            shared, layers = rec["modulation_shared"]
+            assert layers == FLUX_MODULATION_LAYERS and shared >= rec["calls"], (name, rec["modulation_shared"])
+        elif name.split("-")[0] == "chroma":
+            assert rec["modulation_shared"] == [0, 0], (name, rec["modulation_shared"])
         if mode == "replicated":  # nothing split, nothing exchanged: the stock result on every rank
             assert rec["rel_l2"] <= 1e-5 and "cfg = 1" in rec["note"], rec
             continue

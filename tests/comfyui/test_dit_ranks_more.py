@@ -21,6 +21,9 @@ TEXT_SPLIT = {2: [4, 3], 3: [3, 2, 2], 4: [2, 2, 2, 1]}
 # a masked prompt and an unmasked one cannot be batched (HunyuanImage 2.1 case): ComfyUI calls the model twice a step
 CALLS_PER_STEP = {"hyimage": 2}
 LAYERS = 2  # attention layers whose K/V are exchanged (Qwen-Image 2 blocks; HunyuanVideo 1 double + 1 single; LTX 2)
+# modulation layers computed once across the sequence ranks: Qwen-Image 2 blocks x (image, text); HunyuanVideo and
+# HunyuanImage one double-stream block (image, text) and one single-stream block; LTX-Video none (one shared table)
+MODULATION_LAYERS = {"qwen": 4, "hunyuan": 3, "hunyuani2v": 3, "hunyuani2vc": 3, "hyimage": 3}
 
 RUNS = {
     2: ["qwen-seq", "qwen-seq-ulysses", "qwen-cfg", "qwen-batch", "hunyuan-seq", "hunyuan-seq-ulysses", "hunyuan-cfg",
@@ -47,6 +50,9 @@ def test_qwen_hunyuan_ltxv_equal_the_stock_sampler(tmp_path, ranks):
             fam = name.split("-")[0]
             want = {"ltxv": [[]], "ltxvi2v": [[]], "ltxvkf": [[]], "hyimage": [[], TEXT_SPLIT[rec["seq"]]]}
             assert rec["text_sizes"] == want.get(fam, [TEXT_SPLIT[rec["seq"]]]), (name, rec["text_sizes"])
+            shared, layers = rec["modulation_shared"]
+            assert layers == MODULATION_LAYERS.get(fam, 0), (name, rec["modulation_shared"])
+            assert (shared >= rec["calls"]) if layers else shared == 0, (name, rec["modulation_shared"])
         # fp32: sharding only reorders sums (attention over gathered keys in rank-major order, per-row GEMMs on fewer
         # rows). A wrong band, a RoPE or timestep left uncut, or a first-frame boundary left global gives > 1e-2.
         assert rec["rel_l2"] <= 1e-5, (ranks, name, rec)

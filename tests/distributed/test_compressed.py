@@ -198,6 +198,9 @@ W_CASES = (("flux", True), ("flux", False), ("qwen-image", True), ("hunyuan-vide
 W_TEXT = 5
 # attention layers, output features per token, token grid (frames, rows, cols) of the tiny models (dit_models.build)
 W_SHAPES = {"flux": (2, 8, (1, 7, 3)), "qwen-image": (2, 16, (1, 7, 3)), "hunyuan-video": (2, 4, (3, 5, 4))}
+# output features of the modulation layers the ranks compute in shares (width 48): FLUX.1 and HunyuanVideo one
+# double-stream block (6 x 48, image and text) and one single-stream block (3 x 48); Qwen-Image two double-stream
+W_MODULATION = {"flux": (288, 288, 144), "qwen-image": (288,) * 4, "hunyuan-video": (288, 288, 144)}
 
 
 def _bytes_only_link():
@@ -294,7 +297,7 @@ def _step_costs(fam, n, shard_text):
     from patchray.distributed.sampling.dit import DiTShape, step_cost
 
     layers, out_features, (frames, rows, cols) = W_SHAPES[fam]
-    shape = DiTShape(layers, HEADS, HEAD_DIM, frames, rows, cols, W_TEXT, out_features)
+    shape = DiTShape(layers, HEADS, HEAD_DIM, frames, rows, cols, W_TEXT, out_features, W_MODULATION[fam])
     kw = dict(itemsize=4, batch=2, shard_text=shard_text)
     first = step_cost(shape, n, "ulysses" if n == 3 else "gathered", kv=EXACT, **kw)["wire_bytes"]
     fill = step_cost(shape, n, "gathered", kv=EXACT, **kw)["wire_bytes"]

@@ -190,6 +190,12 @@ _ATTENTION = {"flux": (2, 5), "qwen-image": (2, 5), "wan": (2, 0), "hunyuan-vide
               "qwen-image/full-text": (2, 5), "hunyuan-video/full-text": (2, 5), "flux/2-text": (2, 2),
               "qwen-image/2-text": (2, 2), "hunyuan-video/2-text": (2, 2), "flux/replicated": (2, 5)}
 
+#: output features of the adaLN modulation layers the ranks compute in shares, by hand from the tiny configs
+#: (width 48: 6 heads x 8): FLUX.1 and HunyuanVideo one double-stream block (image and text, 6 x 48 each) and one
+#: single-stream block (3 x 48); Qwen-Image two double-stream blocks; Wan and LTX-Video none
+_MODULATION = {"flux": (288, 288, 144), "hunyuan-video": (288, 288, 144), "qwen-image": (288,) * 4, "wan": (),
+               "ltx-video": ()}
+
 #: each rank's text tokens, by hand: contiguous slices, the first T % N ranks one more; () = the text stays whole
 #: (no text in the self-attention; Qwen-Image and HunyuanVideo with fewer text tokens than ranks; shard_text off).
 #: Qwen-Image's and HunyuanVideo's default inputs carry padded text masks: split too, their masks over every rank's keys
@@ -256,6 +262,11 @@ def test_counted_bytes_equal_the_modelled_cost(n, case):
             # the output projection's image tokens (the text is dropped before it), gathered once (padded to the
             # largest band): N outputs + the input
             want["all_gather"] = want.get("all_gather", 0) + (n + 1) * 2 * max(image) * r["out_channels"] * 4
+            # the modulation layers' shares: each rank ceil(features / N) of every layer, one all-gather per call
+            fam = TEXT_CASES[case][0] if case in TEXT_CASES else case
+            mod = sum(-(-f // n) for f in _MODULATION[fam])
+            if mod:
+                want["all_gather"] += (n + 1) * 2 * mod * 4
             assert r["bytes"] == want, (n, rank, case, mode, r["bytes"], want)
 
 
@@ -321,10 +332,13 @@ def test_step_cost_is_what_the_link_model_reads_from_counted_bytes():
                     assert abs(wire_bytes(c["counted"], n) - c["wire_bytes"]) <= 8, (name, n, mode)  # integer rounding
     flux = FULL_SIZE_SHAPES["flux1_1024"]
     # gathered, text sharded: each of 57 layers sends this rank's K and V (2048 image + 256 text tokens x 3072 x
-    # bf16) to the other rank; the output projection gathers the 2048 image tokens only
-    assert step_cost(flux, 2, "gathered")["wire_bytes"] == 57 * 2 * (2048 + 256) * 3072 * 2 + 2048 * 64 * 2
+    # bf16) to the other rank; the output projection gathers the 2048 image tokens only; the modulation layers (19
+    # double-stream blocks x 2 x 6 x 3072 features, 38 single-stream x 3 x 3072) send half their features once
+    mod = (19 * 2 * 6 + 38 * 3) * 3072 // 2 * 2
+    assert step_cost(flux, 2, "gathered")["wire_bytes"] == 57 * 2 * (2048 + 256) * 3072 * 2 + 2048 * 64 * 2 + mod
+    assert step_cost(flux, 2, "gathered")["messages"] == 57 + 1 + 1
     # text replicated: only the image band's K and V travel
-    assert step_cost(flux, 2, "gathered", shard_text=False)["wire_bytes"] == 57 * 2 * 2048 * 3072 * 2 + 2048 * 64 * 2
+    assert step_cost(flux, 2, "gathered", shard_text=False)["wire_bytes"] == 57 * 2 * 2048 * 3072 * 2 + 2048 * 64 * 2 + mod
     # the busiest rank's token share: 2048 + 256 of 4608 sharded (ideal 2x), 2048 + 512 replicated (1.8x); at 3 ranks
     # 22 of 64 token rows (1408 image tokens) + 171 of the 512 text tokens
     from patchray.distributed.sampling.dit import token_share
