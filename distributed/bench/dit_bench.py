@@ -57,12 +57,15 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
                   timeout_s: float = 900.0, watchdog_s: float = 0.0, cfg_inner: str = "gathered",
                   alone_clock: str = "prefilled", profile_dir: Optional[str] = None,
                   compile_mode: Optional[str] = None, compile_attention: str = "compiled",
-                  gpu_per_rank: bool = False, backend: Optional[str] = None, concurrent: bool = False) -> dict:
+                  gpu_per_rank: bool = False, backend: Optional[str] = None, concurrent: bool = False,
+                  modulation: str = "shared") -> dict:
     """Run the benchmark on ``ranks`` spawned rank processes and return the report (see the module docstring).
 
     ``gpu_per_rank``: rank r on ``cuda:r`` (a multi-GPU machine; ``backend`` defaults to NCCL there, gloo otherwise).
     ``concurrent``: every case also runs with the ranks at once and records the measured latency beside the
     modelled one (CPU ranks, or one GPU per rank: ranks sharing one GPU would measure nothing a multi-GPU rig sees).
+    ``modulation``: ``shared`` (the sampler's default: the blocks' adaLN layers computed once across the sequence
+    ranks) or ``whole`` (every rank computes them in full, as before that existed: for comparisons).
 
     Raises:
         ValueError: an unknown preset or mode, a rank count below 1, ``ns`` above ``ranks``, or a placement that
@@ -92,6 +95,8 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
         raise ValueError(f"compile must be one of {list(COMPILE_MODES)} (got {compile_mode!r})")
     if compile_attention not in ATTENTION_SCOPES:
         raise ValueError(f"compile_attention must be one of {list(ATTENTION_SCOPES)} (got {compile_attention!r})")
+    if modulation not in ("shared", "whole"):
+        raise ValueError(f"modulation must be 'shared' or 'whole' (got {modulation!r})")
     kind = "cuda" if device == "cuda" else "cpu"
     backend = backend or ("nccl" if gpu_per_rank else "gloo")
     if gpu_per_rank and kind != "cuda":
@@ -120,6 +125,7 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
         "cfg_inner": cfg_inner,
         "compile": compile_mode,
         "compile_attention": compile_attention if compile_mode else None,
+        "modulation": modulation,
         "alone_clock": resolve_clock(torch.device(kind), alone_clock),
         "modelled": ["records[].modelled_step_ms", "records[].speedup_modelled"],
         "measured": (["records[].measured_step_ms", "records[].speedup_measured", "records[].model_error_vs_measured"]
@@ -149,7 +155,8 @@ def run_dit_bench(presets: Sequence[str], *, ranks: int = 4, ns: Sequence[int] =
     plan = dict(presets=list(presets), ns=sorted(set(ns)), modes=list(modes), size=size, dtype=dtype, warmup=warmup,
                 iters=iters, deadline_s=deadline_s, out=out, doc=doc, watchdog_s=watchdog_s, cfg_inner=cfg_inner,
                 alone_clock=alone_clock, profile_dir=profile_dir, compile=compile_mode,
-                compile_attention=compile_attention, gpu_per_rank=gpu_per_rank, concurrent=concurrent)
+                compile_attention=compile_attention, gpu_per_rank=gpu_per_rank, concurrent=concurrent,
+                modulation=modulation)
     if profile_dir:
         os.makedirs(profile_dir, exist_ok=True)
     started = time.time()
@@ -209,6 +216,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--concurrent", action="store_true",
                     help="also run every case with the ranks at once and record the measured step and speed-up beside "
                          "the modelled ones (CPU ranks or --gpu-per-rank)")
+    ap.add_argument("--modulation", choices=["shared", "whole"], default="shared",
+                    help="the blocks' adaLN modulation layers: computed once across the sequence ranks (shared, the "
+                         "sampler's default) or in full on every rank (whole, for comparison)")
     ap.add_argument("--out", help="JSON report path (written after every case); the chart goes next to it (.png)")
     ap.add_argument("--chart-from", help="only redraw the chart (and print the table) of an existing JSON report")
     args = ap.parse_args(argv)
@@ -237,7 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            out=args.out, timeout_s=args.timeout_s, watchdog_s=args.watchdog_s, cfg_inner=args.cfg_inner,
                            alone_clock=args.alone_clock, profile_dir=args.profile_dir, compile_mode=args.compile,
                            compile_attention=args.compile_attention, gpu_per_rank=args.gpu_per_rank,
-                           backend=args.backend, concurrent=args.concurrent)
+                           backend=args.backend, concurrent=args.concurrent, modulation=args.modulation)
     print(format_table(report))
     if args.out:
         try:

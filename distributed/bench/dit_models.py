@@ -330,26 +330,34 @@ def plan_cases(preset: DiTPreset, size: str, ns: Sequence[int], modes: Sequence[
 def dit_shape(preset: DiTPreset, size: str):
     """The preset's :class:`~patchray.distributed.sampling.dit.DiTShape` (what the traffic cost model needs)."""
     from ..sampling.dit import DiTShape
+    from ..sampling.dit_traffic import modulation_features
 
     c = preset.full if size == "full" else preset.tiny
     frames, rows, cols = preset.grid_full if size == "full" else preset.grid_tiny
     text = preset.text_full if size == "full" else preset.text_tiny
+    dim = c["num_attention_heads"] * c["attention_head_dim"]
     if preset.cls == "FluxTransformer2DModel":
         return DiTShape(c["num_layers"] + c["num_single_layers"], c["num_attention_heads"], c["attention_head_dim"],
-                        frames, rows, cols, text, c["patch_size"] ** 2 * (c.get("out_channels") or c["in_channels"]))
+                        frames, rows, cols, text, c["patch_size"] ** 2 * (c.get("out_channels") or c["in_channels"]),
+                        modulation_features(c["num_layers"], c["num_single_layers"], dim))
     if preset.cls == "WanTransformer3DModel":
         return DiTShape(c["num_layers"], c["num_attention_heads"], c["attention_head_dim"], frames, rows, cols, 0,
                         math.prod(c["patch_size"]) * c["out_channels"])
+    # Qwen-Image: double-stream blocks only
     return DiTShape(c["num_layers"], c["num_attention_heads"], c["attention_head_dim"], frames, rows, cols, text,
-                    c["patch_size"] ** 2 * c["out_channels"])
+                    c["patch_size"] ** 2 * c["out_channels"], modulation_features(c["num_layers"], 0, dim))
 
 
-def _cost_model_wire(preset: DiTPreset, size: str, case: Case, itemsize: int, cfg_inner: str = "gathered") -> int:
-    """Bytes a rank sends per call by the runtime's cost model (``sampling.dit.step_cost``, ``split.split_cost``)."""
+def _cost_model_wire(preset: DiTPreset, size: str, case: Case, itemsize: int, cfg_inner: str = "gathered",
+                     modulation: bool = True) -> int:
+    """Bytes a rank sends per call by the runtime's cost model (``sampling.dit.step_cost``, ``split.split_cost``);
+    ``modulation`` False: the modulation layers ran whole on every rank (nothing of theirs exchanged)."""
     from ..sampling.dit import step_cost
     from ..sampling.split import split_cost
 
     shape = dit_shape(preset, size)
+    if not modulation:
+        shape = shape._replace(modulation=())
     if case.mode == "cfg":
         inner = step_cost(shape, case.n // 2, cfg_inner, itemsize=itemsize)["wire_bytes"] if case.n > 2 else 0
         latent = (shape.frames * shape.rows * shape.cols * shape.out_features,)

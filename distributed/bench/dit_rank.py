@@ -88,7 +88,8 @@ def _gloo_cuda_all_to_all(ctx):
 def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: int, keep_output: bool,
                   cfg_inner: str = "gathered", clock: str = "prefilled",
                   profile: Optional[str] = None, compile_mode: Optional[str] = None,
-                  compile_attention: str = "compiled", concurrent: bool = False) -> Tuple[dict, Optional[torch.Tensor]]:
+                  compile_attention: str = "compiled", concurrent: bool = False,
+                  share_modulation: bool = True) -> Tuple[dict, Optional[torch.Tensor]]:
     """Run ``warmup + iters`` calls with the ranks taking turns; the first call is also the logged one.
 
     With ``concurrent`` (CPU ranks, or one GPU per rank), ``1 + iters`` more calls run with every rank at once, after
@@ -111,7 +112,7 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
     device = ctx.device
     handle = None
     if case.mode in ("gathered", "ulysses", "overlapped", "ring"):
-        handle = parallelize_dit(model, ctx, mode=case.mode)
+        handle = parallelize_dit(model, ctx, mode=case.mode, share_modulation=share_modulation)
         attention = case.mode
 
         def call():
@@ -120,7 +121,7 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
         inner = layout.inner
         attention = cfg_inner if inner.world_size > 1 else "none"
         if inner.world_size > 1:
-            handle = parallelize_dit(model, inner, mode=cfg_inner)
+            handle = parallelize_dit(model, inner, mode=cfg_inner, share_modulation=share_modulation)
 
         def call():
             return torch.stack(cfg_parallel(lambda c: model(**c)[0], inputs, layout))
@@ -136,7 +137,8 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
 
         compiled = compile_blocks(model, mode=compile_mode, attention=compile_attention)
     out: Dict[str, Any] = {"rank": ctx.rank, "attention": attention, "runs": [], "counted": None, "calls": None,
-                           "compile": compile_mode, "compile_attention": compile_attention if compile_mode else None}
+                           "compile": compile_mode, "compile_attention": compile_attention if compile_mode else None,
+                           "modulation": "shared" if share_modulation else "whole"}
     output = None
     transport = (_gloo_cuda_all_to_all(ctx) if attention == "ulysses" else contextlib.nullcontext("default"))
     prefill = Prefill()  # the warm-up calls size the timed calls' spins, stage by stage
@@ -179,6 +181,10 @@ def _measure_case(ctx, layout, model, inputs, case: Case, warmup: int, iters: in
         transport.__exit__(None, None, None)
         if compiled is not None:
             compiled.remove()
+            # each case starts with no compiled graphs, as a sampling run does: rank 0 runs one case more (N = 1)
+            # than the others, and the graphs of five cases of different shapes reached torch.compile's recompile
+            # limit there (its blocks then ran eagerly)
+            torch._dynamo.reset()
         if handle is not None:
             handle.remove()
     return out, output
@@ -288,12 +294,13 @@ def _summarise(preset: DiTPreset, case: Case, per_rank: List[dict], warmup: int,
         "peak_metric": per_rank[0].get("peak_metric"),
         "finite": all(r.get("finite", False) for r in per_rank),
         "all_to_all_transport": per_rank[0].get("all_to_all_transport"), "compile": per_rank[0].get("compile"),
-        "compile_attention": per_rank[0].get("compile_attention"),
+        "compile_attention": per_rank[0].get("compile_attention"), "modulation": per_rank[0].get("modulation"),
         "iterations": {"warmup": warmup, "timed": len(timed[0])},
     }
     if case.n > 1:
         rec["cost_model_wire_bytes_per_step"] = calls * _cost_model_wire(preset, size, case, itemsize,
-                                                                         per_rank[0]["attention"] if case.mode == "cfg" and case.n > 2 else "gathered")
+                                                                         per_rank[0]["attention"] if case.mode == "cfg" and case.n > 2 else "gathered",
+                                                                         modulation=per_rank[0].get("modulation") != "whole")
     rec["link_profiles"] = {name: LINK_PROFILES[name]._asdict() for name in SHOWN_PROFILES}
     ref_measured_step = ref_measured_ms * _reference_calls(preset, case) if ref_measured_ms else None
     _measured_at_once(rec, per_rank, calls, link, alone["comm_ms_measured"], ref_measured_step)
@@ -400,7 +407,8 @@ def _bench_rank(ctx, plan: dict) -> Optional[dict]:
                                                   profile=(os.path.join(plan["profile_dir"], name) if plan.get("profile_dir") else None),
                                                   compile_mode=plan.get("compile"),
                                                   compile_attention=plan.get("compile_attention", "compiled"),
-                                                  concurrent=bool(plan.get("concurrent")))
+                                                  concurrent=bool(plan.get("concurrent")),
+                                                  share_modulation=plan.get("modulation", "shared") == "shared")
                     if case.mode == "none" and ctx.rank == 0 and (preset.cfg or "cfg" in plan["modes"]):
                         with torch.no_grad():  # the uncond branch of the reference, for the CFG rows' check
                             ref_out[1] = model(**inputs[1])[0].float().cpu()

@@ -204,3 +204,24 @@ def test_the_preset_sampling_run_times_every_step_and_says_where_that_is_a_multi
     assert json.loads(out.read_text())["results"]["displaced"]["step_ms"] == steps
     with pytest.raises(ValueError, match="NCCL refuses two ranks on one GPU"):
         dit_error.run_dit_error("flux", 2, size="tiny", device="cuda", backend="nccl")
+
+
+def test_shared_modulation_sends_each_ranks_share_of_the_adaln_layers_once_per_call():
+    """``modulation="whole"`` (every rank computes the blocks' adaLN layers in full) against the default ``shared``:
+    both equal N = 1, and the shared run sends exactly the modulation's share more per step. Tiny FLUX.1 (width 32:
+    4 heads x 8): one double-stream block (image and text, 6 x 32 features each) and one single-stream block
+    (3 x 32); at N = 2 a rank sends its half, 96 + 96 + 48 features, fp32, batch 1, one call per step, to one peer."""
+    recs = {}
+    for modulation in ("whole", "shared"):
+        report = db.run_dit_bench(["flux1_1024"], ranks=2, ns=(1, 2), modes=("gathered",), size="tiny", device="cpu",
+                                  warmup=1, iters=1, timeout_s=120, modulation=modulation)
+        assert report["modulation"] == modulation
+        recs[modulation] = {r["case"]: r for r in report["records"]}["seq-gathered N=2"]
+    for modulation, r in recs.items():
+        assert r["status"] == "ok" and r["exactness"]["rel_l2_vs_n1"] <= 1e-5, modulation
+        assert r["modulation"] == modulation
+        assert r["wire_bytes_per_step"] == r["cost_model_wire_bytes_per_step"], modulation
+    assert recs["shared"]["wire_bytes_per_step"] - recs["whole"]["wire_bytes_per_step"] == (96 + 96 + 48) * 4
+    assert recs["shared"]["collectives_per_step"] == recs["whole"]["collectives_per_step"] + 1
+    with pytest.raises(ValueError, match="modulation must be"):
+        db.run_dit_bench(["flux1_1024"], size="tiny", device="cpu", ranks=2, ns=(1, 2), modulation="half")
