@@ -92,8 +92,9 @@ def test_a_kernel_the_card_lacks_is_tried_once_and_out_of_memory_is_raised(monke
 
 def test_merging_parts_equals_attention_over_all_keys_and_the_compiled_merge_takes_new_sizes():
     """Attention over disjoint key sets, merged by their log-sum-exp, equals attention over their union; the merge
-    compiled with dynamic shapes (as on CUDA) serves a dozen sequence lengths without failing (a static graph per
-    shape hits the recompile limit after eight and, with fullgraph, raises)."""
+    compiled as on CUDA (static for the first shape, the changed dimensions symbolic from a second size on) serves
+    a dozen sequence lengths without failing (a static graph per shape hits the recompile limit after eight and,
+    with fullgraph, raises)."""
     q, k, v = _inputs(lk=60)
     parts = [so.attention_lse(q, k[:, :, a:b], v[:, :, a:b]) for a, b in ((0, 17), (17, 40), (40, 60))]
     merged = so.merge_parts([o for o, _ in parts], [l for _, l in parts])
