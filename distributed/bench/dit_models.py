@@ -343,9 +343,10 @@ def dit_shape(preset: DiTPreset, size: str):
     if preset.cls == "WanTransformer3DModel":
         return DiTShape(c["num_layers"], c["num_attention_heads"], c["attention_head_dim"], frames, rows, cols, 0,
                         math.prod(c["patch_size"]) * c["out_channels"])
-    # Qwen-Image: double-stream blocks only
-    return DiTShape(c["num_layers"], c["num_attention_heads"], c["attention_head_dim"], frames, rows, cols, text,
-                    c["patch_size"] ** 2 * c["out_channels"], modulation_features(c["num_layers"], 0, dim))
+    if preset.cls == "QwenImageTransformer2DModel":  # double-stream blocks only
+        return DiTShape(c["num_layers"], c["num_attention_heads"], c["attention_head_dim"], frames, rows, cols, text,
+                        c["patch_size"] ** 2 * c["out_channels"], modulation_features(c["num_layers"], 0, dim))
+    raise ValueError(f"no traffic shape for {preset.cls}: add its attention layers and modulation layers here")
 
 
 def _cost_model_wire(preset: DiTPreset, size: str, case: Case, itemsize: int, cfg_inner: str = "gathered",

@@ -29,8 +29,8 @@ Design decisions:
   (a LoRA applied on the fly, a quantised weight: the full cost on that rank, the right values). So ranks that
   disagree on how a layer holds its weight still exchange the same bytes.
 * **Under ``torch.compile``** the layer's call is one opaque operation (the collective runs eagerly, in graph
-  order), identified by the group's number and the layer's weight, so the blocks of one class keep sharing one
-  compiled graph.
+  order) that finds its layer by the weight alone, so the blocks of one class keep sharing one compiled graph, and
+  a later run's new group reuses it.
 * **Weight sharding** (a block's weights gathered just before it runs) leaves the other blocks' modulation weights
   as shards when the first layer is called: such a call runs every layer in its own block, as before.
 * The host starts each model call with :meth:`ModulationGroup.begin_call` (``SequenceState.begin_call``): the
@@ -72,7 +72,7 @@ def linear_rows(module: nn.Module, x: torch.Tensor, lo: int, hi: int):
     any other layer (a subclass with its own forward, a weight that is not a plain tensor)."""
     w = getattr(module, "weight", None)
     if type(module).forward is not nn.Linear.forward or type(w) not in (nn.Parameter, torch.Tensor) \
-            or not w.dtype.is_floating_point:
+            or not w.dtype.is_floating_point or w.is_meta:  # meta: offloaded by a hook that loads it in the forward
         return None
     b = module.bias
     return (w[lo:hi].to(device=x.device, dtype=x.dtype),
@@ -98,8 +98,6 @@ class ModulationGroup:
         #: ``(module, its forward before the adapter)`` in the order they were adapted (the gathered layout's order)
         self.members: List[Tuple[nn.Module, Callable]] = []
         self._index: Dict[int, int] = {}
-        #: ``weight.data_ptr() -> module`` for the compiled graphs' operation (rebuilt when a weight moved)
-        self._by_ptr: Dict[int, nn.Module] = {}
         #: False while the host's blocks may be patched (ComfyUI's block replacements): every layer runs locally
         self.enabled = True
         self._outputs: Optional[List[torch.Tensor]] = None
@@ -128,7 +126,7 @@ class ModulationGroup:
         self._index = {id(m): j for j, (m, _) in enumerate(self.members)}
         self._layout = None
         self._outputs = None
-        self._by_ptr = {}
+        _OWNERS.clear()
         if not self.members:
             _GROUPS.pop(self.ident, None)
 
@@ -144,7 +142,8 @@ class ModulationGroup:
         """What ``module(x)`` returns: its part of the shared computation, or its own forward where that cannot
         stand for it."""
         i = self._index.get(id(module))
-        prior = self.members[i][1] if i is not None else module.forward
+        # a layer the group does not know (a copy of a shared one carries this adapter too): its class's forward
+        prior = self.members[i][1] if i is not None else types.MethodType(type(module).forward, module)
         if i is None or not self.enabled or self.ctx.world_size == 1 or module._forward_pre_hooks or self._local:
             return prior(x)
         if self._outputs is None:
@@ -163,15 +162,6 @@ class ModulationGroup:
         # weight sharding (FSDP2) keeps a block's weights as DTensors between its forwards
         return any(is_sharded_tensor(m.weight) for m, _ in self.members)
 
-    def output_for_weight(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """:meth:`output` for the compiled graphs' operation, which knows the layer by its weight."""
-        module = self._by_ptr.get(weight.data_ptr())
-        if module is None or module.weight.data_ptr() != weight.data_ptr():
-            self._by_ptr = {m.weight.data_ptr(): m for m, _ in self.members}
-            module = self._by_ptr.get(weight.data_ptr())
-        if module is None or module.weight.shape != weight.shape:
-            return F.linear(x, weight, bias)  # backstop: a layer outside the group computes itself
-        return self.output(module, x)
 
     # ------------------------------------------------------------------ the shared computation
 
@@ -242,27 +232,46 @@ def _key_of(x: torch.Tensor) -> tuple:
 _OP_NAME = "shared_modulation_" + re.sub(r"\W", "_", __name__.split(".")[0])
 
 
+#: ``weight.data_ptr() -> (group, layer)`` of every live group's layers, for the compiled graphs' operation, which
+#: knows a layer by its weight only (no group number in the graph: a new run's group reuses the compiled graphs);
+#: rebuilt when a pointer is missing (a weight moved, a group came or went)
+_OWNERS: Dict[int, Tuple["ModulationGroup", nn.Module]] = {}
+
+
+def _owner(weight: torch.Tensor) -> Optional[Tuple["ModulationGroup", nn.Module]]:
+    ptr = weight.data_ptr()
+    found = _OWNERS.get(ptr)
+    if found is None or found[1].weight.data_ptr() != ptr:
+        _OWNERS.clear()
+        for g in list(_GROUPS.values()):
+            for m, _ in g.members:
+                _OWNERS[m.weight.data_ptr()] = (g, m)
+        found = _OWNERS.get(ptr)
+    if found is None or found[1].weight.shape != weight.shape:
+        return None
+    return found
+
+
 @torch.library.custom_op(f"patchray::{_OP_NAME}", mutates_args=())
-def _shared_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: int) -> torch.Tensor:
+def _shared_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """A shared modulation layer's call as one operation a compiled graph keeps opaque."""
-    g = _GROUPS.get(group)
-    if g is None:
-        return F.linear(x, weight, bias)
-    g.graph_calls += 1
-    out = g.output_for_weight(weight, x, bias)
-    return out.clone()  # an operation's output is a tensor of its own (the group keeps its copy for this call)
+    found = _owner(weight)
+    if found is None:
+        return F.linear(x, weight, bias)  # backstop: a layer outside every group computes itself
+    group, module = found
+    group.graph_calls += 1
+    return group.output(module, x).clone()  # an operation's output is a tensor of its own (the group keeps its copy)
 
 
 @_shared_op.register_fake
-def _(x, weight, bias, group):
+def _(x, weight, bias):
     return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
 
 
 def _shared_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    group = getattr(self, _GROUP_ATTR)
     if torch.compiler.is_compiling():
-        return getattr(torch.ops.patchray, _OP_NAME)(x, self.weight, self.bias, group)
-    return _GROUPS[group].output(self, x)
+        return getattr(torch.ops.patchray, _OP_NAME)(x, self.weight, self.bias)
+    return _GROUPS[getattr(self, _GROUP_ATTR)].output(self, x)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -242,7 +242,7 @@ def comfy_linear_rows(module, x, lo: int, hi: int):
     if (getattr(type(module), "forward_comfy_cast_weights", None) is not base.forward_comfy_cast_weights
             or getattr(module, "weight_function", None) or getattr(module, "bias_function", None)
             or getattr(module, "scale_weight", None) is not None or getattr(module, "scale_input", None) is not None
-            or type(w) is not torch.nn.Parameter or not w.dtype.is_floating_point):
+            or type(w) is not torch.nn.Parameter or not w.dtype.is_floating_point or w.is_meta):
         return None
     b = module.bias
     return (w[lo:hi].to(device=x.device, dtype=x.dtype),

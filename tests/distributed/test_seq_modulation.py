@@ -14,7 +14,9 @@ attention's key order is the only other difference, see test_dit.py):
   forward fills its share) still exchange the same layout and agree with the unsharded forward;
 * weights stored in another dtype than the compute dtype (diffusers' layerwise casting, bf16 storage, fp32
   compute): the rows are sliced, then cast as the layer's own forward casts them;
-* blocks compiled with ``torch.compile`` (the layer's call is one opaque operation in the graph).
+* a copy of a shared layer (a deepcopy keeps its adapter) computes its own map;
+* blocks compiled with ``torch.compile`` (the layer's call is one opaque operation in the graph), over two runs: the
+  second run's new group reuses the compiled graphs.
 """
 
 from __future__ import annotations
@@ -123,19 +125,40 @@ def _task(ctx):
                         "stored": str(model.transformer_blocks[0].norm1.linear.weight.dtype)}
     handle.remove()
 
-    # compiled blocks: the layer's call is an opaque operation inside each block's graph
-    torch._dynamo.reset()
+    # a copy of a shared layer (deepcopy keeps its adapter) computes its own map
+    import copy
+
+    model, inputs = build("flux")
+    handle = parallelize_dit(model, ctx, mode="gathered")
+    layer = copy.deepcopy(model.transformer_blocks[0].norm1.linear)
+    x = torch.randn(2, layer.in_features)
+    with torch.no_grad():
+        res["copy"] = _rel(layer(x), F.linear(x, layer.weight, layer.bias))
+    handle.remove()
+
+    # compiled blocks: the layer's call is an opaque operation inside each block's graph; two runs (a new group each)
+    # with the modulation shared, then two with it whole: the second run compiles as many new graphs either way
+    from torch._dynamo.utils import counters
+
     model, inputs = build("flux")
     ts = _timesteps("flux")
     ref = _calls(model, inputs, ts)
-    handle = parallelize_dit(model, ctx, mode="gathered")
-    compiled = compile_blocks(model, backend="aot_eager")
-    out = _calls(model, inputs, ts)
-    group = handle.state.modulation
-    res["compiled"] = {"errs": [_rel(o, r) for o, r in zip(out, ref)], "shared_calls": group.shared_calls,
-                       "graph_calls": group.graph_calls}
-    compiled.remove()
-    handle.remove()
+    res["compiled"] = {}
+    for share in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        graphs, runs = [], []
+        for _run in range(2):
+            handle = parallelize_dit(model, ctx, mode="gathered", share_modulation=share)
+            compiled = compile_blocks(model, backend="aot_eager")
+            out = _calls(model, inputs, ts)
+            group = handle.state.modulation
+            runs.append({"errs": [_rel(o, r) for o, r in zip(out, ref)],
+                         "shared_calls": group.shared_calls if group else 0, "graph_calls": group.graph_calls if group else 0})
+            compiled.remove()
+            handle.remove()
+            graphs.append(counters["stats"]["unique_graphs"])
+        res["compiled"][share] = {"runs": runs, "graphs": graphs}
     return res
 
 
@@ -182,9 +205,18 @@ def test_weights_stored_in_another_dtype_than_the_compute_agree_with_one_rank(re
         assert r["err"] <= TOL and r["shared_calls"] == 1, (rank, r)
 
 
-def test_compiled_blocks_share_the_modulation_exactly(results):
+def test_a_copied_shared_layer_computes_its_own_map(results):
     for rank, res in enumerate(results):
-        r = res["compiled"]
-        # compiled (aot_eager) against eager: the same operations, regrouped (fp32 rounding)
-        assert max(r["errs"]) <= TOL and r["shared_calls"] == 2, (rank, r)
-        assert r["graph_calls"] == 2 * LAYERS["flux"], r  # every layer's call came through the graphs' operation
+        assert res["copy"] <= 1e-6, (rank, res["copy"])
+
+
+def test_compiled_blocks_share_the_modulation_exactly_and_a_new_run_reuses_their_graphs(results):
+    for rank, res in enumerate(results):
+        for run in res["compiled"][True]["runs"]:
+            # compiled (aot_eager) against eager: the same operations, regrouped (fp32 rounding)
+            assert max(run["errs"]) <= TOL and run["shared_calls"] == 2, (rank, run)
+            assert run["graph_calls"] == 2 * LAYERS["flux"], run  # every layer's call came through the graphs' operation
+        assert all(max(run["errs"]) <= TOL and run["shared_calls"] == 0 for run in res["compiled"][False]["runs"])
+        shared, whole = res["compiled"][True]["graphs"], res["compiled"][False]["graphs"]
+        # the second run's group is a new one: it adds no graphs the whole-modulation runs do not add
+        assert shared[1] - shared[0] == whole[1] - whole[0], (shared, whole)
