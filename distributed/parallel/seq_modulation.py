@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from ..comm import all_gather_start, is_sharded_tensor
 from .plan import Applied, Style, replace_forward
 
-__all__ = ["ShareModulation", "ModulationGroup", "linear_rows"]
+__all__ = ["ShareModulation", "ModulationGroup", "linear_rows", "weight_rows"]
 
 #: instance attribute of a shared layer: the number of its group (the same for every layer of one model)
 _GROUP_ATTR = "_patchray_modulation_group"
@@ -74,9 +74,13 @@ def linear_rows(module: nn.Module, x: torch.Tensor, lo: int, hi: int):
     if type(module).forward is not nn.Linear.forward or type(w) not in (nn.Parameter, torch.Tensor) \
             or not w.dtype.is_floating_point or w.is_meta:  # meta: offloaded by a hook that loads it in the forward
         return None
-    b = module.bias
-    return (w[lo:hi].to(device=x.device, dtype=x.dtype),
-            None if b is None else b[lo:hi].to(device=x.device, dtype=x.dtype))
+    return weight_rows(w, module.bias, x, lo, hi)
+
+
+def weight_rows(weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor, lo: int, hi: int):
+    """Rows ``lo:hi`` of ``weight`` and ``bias``, sliced first (a view), then cast to ``x``'s dtype and device."""
+    return (weight[lo:hi].to(device=x.device, dtype=x.dtype),
+            None if bias is None else bias[lo:hi].to(device=x.device, dtype=x.dtype))
 
 
 class ModulationGroup:

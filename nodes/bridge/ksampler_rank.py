@@ -232,7 +232,7 @@ def comfy_linear_rows(module, x, lo: int, hi: int):
     (``distributed/parallel/seq_modulation.py``)."""
     from comfy import ops
 
-    from ...distributed.parallel.seq_modulation import linear_rows
+    from ...distributed.parallel.seq_modulation import linear_rows, weight_rows
 
     base = ops.disable_weight_init.Linear
     if type(module).forward is not base.forward:
@@ -244,9 +244,7 @@ def comfy_linear_rows(module, x, lo: int, hi: int):
             or getattr(module, "scale_weight", None) is not None or getattr(module, "scale_input", None) is not None
             or type(w) is not torch.nn.Parameter or not w.dtype.is_floating_point or w.is_meta):
         return None
-    b = module.bias
-    return (w[lo:hi].to(device=x.device, dtype=x.dtype),
-            None if b is None else b[lo:hi].to(device=x.device, dtype=x.dtype))
+    return weight_rows(w, module.bias, x, lo, hi)
 
 
 def sample(ctx, mp, session, inputs: dict) -> torch.Tensor:
