@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
