@@ -188,14 +188,19 @@ class _SyncCounter:
         return False
 
 
+#: operations whose batched calls are the parts of a top-level ``batch_isend_irecv`` (or of an object send)
+_POINT_TO_POINT = frozenset({"isend", "irecv", "send", "recv"})
+
+
 class TurnTaking:
     """The per-rank record of one turn-taking run (see the module docstring), and the hook that takes the turns.
 
     Attributes:
         clock: ``gpu-prefilled``, ``idle-start`` (CUDA) or ``cpu-wall`` (:func:`resolve_clock`).
-        compute_ms: this rank's compute per stage, in order (a stage ends at a top-level collective, at a
-            :meth:`mark` or at the end of the run): GPU time behind a prefilled queue (``gpu-prefilled``), GPU
-            time from an idle start, launch gaps included (``idle-start``), or wall time (``cpu-wall``).
+        compute_ms: this rank's compute per stage, in order (a stage ends at a top-level collective, at each
+            collective inside an object collective, at a :meth:`mark` or at the end of the run): GPU time behind
+            a prefilled queue (``gpu-prefilled``), GPU time from an idle start, launch gaps included
+            (``idle-start``), or wall time (``cpu-wall``).
         cpu_ms: the process CPU time of the same stages (a diagnostic: on a loaded CPU machine wall time includes
             the time other processes held the core).
         launch_ms: CUDA: the host wall time the stage took to issue (from its start to its last launch; includes
@@ -312,8 +317,19 @@ class TurnTaking:
         self._clock()
 
     def hook(self, call: CommCall, proceed):
+        if call.batched and call.op in _POINT_TO_POINT:
+            return proceed()  # a send or receive of a top-level batch_isend_irecv: timed with it
         if call.batched:
-            return proceed()  # part of a top-level call: timed with it
+            # a collective inside an object collective (all_gather_object, broadcast_object_list), which is not a
+            # counted operation itself: the baton passes around it as around a top-level collective, or this rank
+            # would enter it while its peers still wait for their turn at a barrier (a deadlock); it closes a stage
+            # but is not recorded as one of the run's collectives
+            self.end_turn()
+            self.sync()
+            result = _completed(proceed())
+            self.sync()
+            self.begin_turn()
+            return result
         self.end_turn()
         self.sync()
         start = time.perf_counter()

@@ -128,3 +128,35 @@ def test_sampling_steps_split_at_the_marks():
     assert _alone_steps([a, b], 2) == [4.0, 9.0]
     assert _alone_steps([a, None], 2) is None
     assert _alone_steps([a, dict(b, compute_ms=[1.0])], 2) is None
+
+
+def _object_body(ctx):
+    from patchray.distributed.bench.measure import take_turns
+    from patchray.distributed.comm import all_gather_object, all_reduce
+
+    t = torch.ones(FLOATS)
+    spans = []
+    with take_turns(ctx) as turns:
+        time.sleep(0.05 * (2 - ctx.rank))  # rank 0 is the slow one before the object gather
+        gathered = all_gather_object({"rank": ctx.rank}, ctx)
+        start = time.monotonic()
+        time.sleep(0.05)
+        spans.append((start, time.monotonic()))
+        all_reduce(t, ctx)
+    return {"gathered": gathered, "turns": turns.to_dict(), "spans": spans, "value": float(t[0])}
+
+
+def test_an_object_collective_inside_turns_passes_the_baton():
+    # The compressed exchange agrees on its codec with all_gather_object in the middle of a sampling step. That call
+    # is not a counted operation; its inner all_gathers are. Before the baton passed around them, rank 0 entered
+    # the gather while rank 1 waited for its turn at a barrier, and the run hung until the spawn's timeout.
+    out = run_ranks(_object_body, 2, timeout_s=60)
+    for r in (0, 1):
+        assert out[r]["gathered"] == [{"rank": 0}, {"rank": 1}]
+        assert out[r]["value"] == 2.0
+        # one recorded collective (the all_reduce); the object gather's two inner all_gathers close stages only
+        assert out[r]["turns"]["ops"] == ["all_reduce"]
+        assert len(out[r]["turns"]["compute_ms"]) == 4
+    # after the object gather the ranks still compute one at a time
+    (_, b0), (a1, _) = out[0]["spans"][0], out[1]["spans"][0]
+    assert b0 <= a1, f"rank 1 started at {a1:.4f} before rank 0 ended at {b0:.4f}"
