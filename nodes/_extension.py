@@ -6,7 +6,7 @@ from ._comfy import ComfyExtension
 from .bridge import lifecycle
 from .bench import PatchRayBenchmark
 from .cluster import PatchRayCluster
-from .ksampler import PatchRayKSampler
+from .ksampler import PatchRayKSampler, PatchRayKSamplerAdvanced
 from .planner import PatchRayTilePlanner
 from .topology import PatchRayTopologyProbe
 from .vae import PatchRayVAEDecode, PatchRayVAEEncode
@@ -18,6 +18,7 @@ NODES = (
     PatchRayVAEDecode,
     PatchRayVAEEncode,
     PatchRayKSampler,
+    PatchRayKSamplerAdvanced,
     PatchRayTilePlanner,
     PatchRayTopologyProbe,
     PatchRayBenchmark,

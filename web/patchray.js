@@ -14,6 +14,7 @@ export const PANEL = {
   PatchRayVAEDecode: 60,
   PatchRayVAEEncode: 60,
   PatchRayKSampler: 60,
+  PatchRayKSamplerAdvanced: 60,
 };
 // The width a node opens with when added from the menu, so its panel's lines are readable (the shipped workflows
 // use tests/comfyui/workflow_tools.py MIN_WIDTH, at least these; a test compares them).

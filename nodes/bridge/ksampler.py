@@ -22,7 +22,7 @@ from .shim import CANONICAL
 __all__ = [
     "PRESET_NAMES", "PRESET_HELP", "PARALLELISM_NAMES", "sequence_families", "ATTENTION_NAMES", "BALANCE_NAMES", "SHARDING_NAMES", "patch_config",
     "auto_inputs",
-    "link_profile", "sample", "rank_call_shape", "check_call_memory", "layout_summary", "attention_note",
+    "link_profile", "sample", "steps_run", "rank_call_shape", "check_call_memory", "layout_summary", "attention_note",
 ]
 
 log = logging.getLogger(__name__)
@@ -133,15 +133,29 @@ def patch_config(preset: str, warmup_steps: int = -1, refresh_every: int = -1, k
     return config
 
 
+def steps_run(steps: int, start_step: Optional[int] = None, last_step: Optional[int] = None) -> int:
+    """How many steps of a ``steps``-step schedule ComfyUI's sampler runs from ``start_step`` to ``last_step``
+    (``comfy.samplers.KSampler.sample``: the sigmas are cut at ``last_step``, then from ``start_step``; a start at
+    or past the cut runs none and returns the latent as it came)."""
+    end = int(steps) if last_step is None else min(int(steps), int(last_step))
+    return max(0, end - int(start_step or 0))
+
+
 def sample(
     model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise, cluster_config, config,
     *, parallelism: str = "auto", attention: str = "auto", balance: str = "equal", sharding: str = "none",
+    add_noise: bool = True, start_step: Optional[int] = None, last_step: Optional[int] = None,
+    force_full_denoise: bool = False,
     cancel_check: Optional[Callable[[], None]] = None, progress: Optional[Callable[[int, int], None]] = None,
     report: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """Run the KSampler on the ranks of ``cluster_config``; return the LATENT dict.
 
     Args:
+        add_noise, start_step, last_step, force_full_denoise: KSamplerAdvanced's part of the schedule, passed to
+            ComfyUI's sampler on every rank as the stock node passes them (``nodes.common_ksampler``): no noise
+            added (a latent with the previous sampler's leftover noise), the steps ``[start_step, last_step)`` of
+            ``steps``, and whether the last of them denoises fully. The defaults are the stock KSampler's.
         config: the :class:`PatchConfig` (:func:`patch_config`) of the UNet's row-band patch parallelism.
         parallelism: the node's widget (:data:`PARALLELISM_NAMES`; see :mod:`.dit_layout`).
         attention: sequence-parallel attention of DiTs: ``gathered`` K/V, ``overlapped`` (gathered, the gather in
@@ -181,6 +195,9 @@ def sample(
         raise ValueError(f"balance must be one of {BALANCE_NAMES} (got {balance!r})")
     if sharding not in SHARDING_NAMES:
         raise ValueError(f"sharding must be one of {SHARDING_NAMES} (got {sharding!r})")
+    for name, value in (("start_at_step", start_step), ("end_at_step", last_step)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{name} must be a step number >= 0 (got {value!r})")
     if sampler_name in _ADAPTIVE and config.output is OutputMode.OTIL:
         raise ValueError(f"sampler {sampler_name!r} adapts its step count to the whole latent, which OTIL leaves approximate on each rank; pick another sampler or preset")
     if not isinstance(cluster_config, ClusterConfig):
@@ -190,7 +207,7 @@ def sample(
     bridge_model.check_model_type(model)
     kind = bridge_model.diffusion_kind(model)
     stale = config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER
-    latent, noise = bridge_model.latent_and_noise(model, latent_image, seed)
+    latent, noise = bridge_model.latent_and_noise(model, latent_image, seed, add_noise=add_noise)
     n = cluster_config.num_ranks
     no_sequence = bridge_model.sequence_refusal(model)
     layout = plan_layout(
@@ -245,6 +262,8 @@ def sample(
         "steps": int(steps), "cfg": float(cfg), "sampler_name": sampler_name, "scheduler": scheduler,
         "denoise": float(denoise), "positive": positive, "negative": negative, "model_options": model.model_options,
         "object_patches": dict(model.object_patches), "layout": layout._asdict(), "kind": kind, "attention": attention,
+        "disable_noise": not add_noise, "start_step": start_step, "last_step": last_step,
+        "force_full_denoise": bool(force_full_denoise),
     }
     root = bridge_model.comfy_root()
     with rank_errors_for_user():
@@ -292,7 +311,7 @@ def sample(
             prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel_check, progress=progress,
             timeout_s=cluster_config.call_timeout_s, band_weights=weights,
         )
-    if result["calls"] == 0 and float(denoise) > 0:
+    if result["calls"] == 0 and float(denoise) > 0 and steps_run(steps, start_step, last_step) > 0:
         raise RuntimeError(
             "PatchRay Distributed KSampler: the ranks sampled without calling the model through PatchRay's wrapper "
             "(another extension replaced ComfyUI's diffusion-model call?); refusing to return an unsharded result"

@@ -393,6 +393,11 @@ def _run(model, session, inputs: dict) -> torch.Tensor:
             inputs["negative"],
             inputs["latent_image"],
             denoise=inputs["denoise"],
+            # KSamplerAdvanced's part of the schedule (absent: the whole schedule, as the stock KSampler runs it)
+            disable_noise=inputs.get("disable_noise", False),
+            start_step=inputs.get("start_step"),
+            last_step=inputs.get("last_step"),
+            force_full_denoise=inputs.get("force_full_denoise", False),
             noise_mask=inputs.get("noise_mask"),
             callback=callback,
             disable_pbar=True,

@@ -46,13 +46,16 @@ def comfy_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(comfy.model_patcher.__file__)))
 
 
-def latent_and_noise(mp, latent_dict: dict, seed: int):
-    """The latent and the seeded noise exactly as the stock KSampler prepares them (``nodes.common_ksampler``)."""
+def latent_and_noise(mp, latent_dict: dict, seed: int, add_noise: bool = True):
+    """The latent and the seeded noise exactly as the stock KSampler prepares them (``nodes.common_ksampler``);
+    ``add_noise=False`` (KSamplerAdvanced's add_noise disable): zeros, as ComfyUI's sampler then adds none."""
     import comfy.sample
 
     latent = comfy.sample.fix_empty_latent_channels(mp, latent_dict["samples"])
     if latent.dim() not in (4, 5):
         raise ValueError(f"Distributed KSampler takes image latents [B, C, H, W] or video latents [B, C, T, H, W]; got shape {tuple(latent.shape)}")
+    if not add_noise:
+        return latent, torch.zeros(latent.size(), dtype=latent.dtype, layout=latent.layout, device="cpu")
     return latent, comfy.sample.prepare_noise(latent, seed, latent_dict.get("batch_index"))
 
 

@@ -46,6 +46,15 @@ CASES = {
     # cfg = 1 on a model without a sequence split (forced here: FLUX has a row): every rank samples the whole graph
     "flux-replicated": ("flux", "replicated", "auto", "euler", 1),
     "unet-cfgseq": ("unet", "cfg+sequence", "auto", "euler", 1),
+    # the Distributed KSampler (Advanced)'s two halves of a two-expert schedule (Wan 2.2 14B): noise in, steps 0-1,
+    # leftover noise out; then no noise added to a noisy latent, step 2 to the end, denoised fully
+    "wan21-seq-first": ("wan21", "sequence", "gathered", "euler", 1),
+    "wan21-seq-second": ("wan21", "sequence", "gathered", "euler", 1),
+}
+#: the KSampler (Advanced) inputs of those cases, as the node ships them (``nodes/bridge/ksampler.py``)
+SCHEDULES = {
+    "wan21-seq-first": {"disable_noise": False, "start_step": 0, "last_step": 2, "force_full_denoise": False},
+    "wan21-seq-second": {"disable_noise": True, "start_step": 2, "last_step": 10000, "force_full_denoise": True},
 }
 
 
@@ -116,6 +125,11 @@ def _rank(ctx, opts):
     results = {}
     for name, (kind, parallelism, attention, sampler, batch), (mp, cond, shape) in each_case(ctx, opts, CASES, _model):
         inputs = _inputs(kind, cond, shape, sampler, batch, parallelism, attention, opts["cfg"])
+        if name in SCHEDULES:
+            inputs.update(SCHEDULES[name])
+            if inputs["disable_noise"]:  # the node's zeros, on a latent that holds the first half's leftover noise
+                inputs["latent_image"] = torch.randn(inputs["latent_image"].shape, generator=torch.Generator().manual_seed(5))
+                inputs["noise"] = torch.zeros_like(inputs["latent_image"])
         dm = mp.model.diffusion_model
         is_unet = type(dm).__name__ == "UNetModel"
         if parallelism == "replicated":

@@ -75,14 +75,17 @@ def sampling_inputs(latent, noise_mask, positive, negative, sampler, cfg, *, ste
 
 
 def stock_sample(mp, inputs):
-    """The stock KSampler's call: ``comfy.sample.sample`` on a clone of ``mp``, no PatchRay wrapper, one process."""
+    """The stock KSampler's call (KSampler (Advanced)'s where ``inputs`` has its schedule keys): ``comfy.sample.sample``
+    on a clone of ``mp``, no PatchRay wrapper, one process."""
     import comfy.sample
 
     with torch.inference_mode():
         return comfy.sample.sample(mp.clone(), inputs["noise"], inputs["steps"], inputs["cfg"], inputs["sampler_name"],
                                    inputs["scheduler"], inputs["positive"], inputs["negative"], inputs["latent_image"],
                                    denoise=inputs["denoise"], noise_mask=inputs["noise_mask"], disable_pbar=True,
-                                   seed=inputs["seed"])
+                                   seed=inputs["seed"], disable_noise=inputs.get("disable_noise", False),
+                                   start_step=inputs.get("start_step"), last_step=inputs.get("last_step"),
+                                   force_full_denoise=inputs.get("force_full_denoise", False))
 
 
 @contextlib.contextmanager

@@ -84,3 +84,19 @@ def test_every_parallelism_equals_the_stock_sampler(tmp_path, ranks):
     # every rank made the same number of model calls
     per_rank = report["calls_per_rank"]
     assert all(r == per_rank[0] for r in per_rank)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_advanced_samplers_two_halves_equal_the_stock_advanced_sampler(tmp_path, ranks):
+    """The Distributed KSampler (Advanced)'s schedule on the ranks (Wan 2.2 14B's two experts run as two such
+    halves): the first half adds the noise and stops after 2 of 3 steps with the leftover noise, the second adds none
+    and runs the last step. Each equals ComfyUI's sampler with the same start, end, noise and full-denoise inputs."""
+    names = ["wan21-seq-first", "wan21-seq-second"]
+    report = run_rank_script("dit_ranks.py", tmp_path, ranks, names, timeout=900)
+    for name, calls in zip(names, (2, 1)):
+        rec = report["cases"][name]
+        print(f"{ranks} ranks {name}: relative L2 {rec['rel_l2']:.2e}, {rec['calls']} model calls")
+        assert rec["layout"] == "sequence" and rec["seq"] == ranks, rec
+        assert rec["calls"] == calls, (name, rec)  # only this half's steps ran
+        assert rec["rel_l2"] <= 1e-5, (ranks, name, rec)  # fp32, the bound and argument of the test above
+

@@ -100,11 +100,11 @@ EXTRA_HEIGHT = {
     "SaveImage": 300, "PreviewImage": 300, "LoadImage": 260, "SaveAnimatedWEBP": 260, "CLIPTextEncode": 90,
     "MarkdownNote": 200, "Note": 200,
     "PatchRayCluster": 110, "PatchRayTilePlanner": 230, "PatchRayTopologyProbe": 220, "PatchRayBenchmark": 240,
-    "PatchRayVAEDecode": 70, "PatchRayVAEEncode": 70, "PatchRayKSampler": 70,
+    "PatchRayVAEDecode": 70, "PatchRayVAEEncode": 70, "PatchRayKSampler": 70, "PatchRayKSamplerAdvanced": 70,
 }
 #: widths that keep the widget labels and values, and the panels' lines, readable
 MIN_WIDTH = {"PatchRayTopologyProbe": 520, "PatchRayBenchmark": 560, "PatchRayTilePlanner": 520, "PatchRayCluster": 400,
-             "PatchRayKSampler": 360, "CLIPTextEncode": 400, "MarkdownNote": 560, "Note": 400}
+             "PatchRayKSampler": 360, "PatchRayKSamplerAdvanced": 360, "CLIPTextEncode": 400, "MarkdownNote": 560, "Note": 400}
 DEFAULT_WIDTH = 320
 
 

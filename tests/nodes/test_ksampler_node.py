@@ -125,3 +125,83 @@ def test_conditioning_the_bands_cannot_honour_is_refused_with_the_reason(key):
     _model.check_conditioning("positive", [[torch.zeros(1, 77, 8), {"pooled_output": torch.zeros(1, 8), "strength": 0.5}]])
     with pytest.raises(TypeError, match="CONDITIONING"):
         _model.check_conditioning("negative", {"not": "a list"})
+
+
+# ComfyUI's KSampler (Advanced) inputs, in its order (nodes.KSamplerAdvanced, ComfyUI 0.3.64), written out by hand:
+# a workflow moving from the stock node to PatchRay's keeps its widget values in this order
+_STOCK_ADVANCED = ["model", "add_noise", "noise_seed", "steps", "cfg", "sampler_name", "scheduler", "positive",
+                   "negative", "latent_image", "start_at_step", "end_at_step", "return_with_leftover_noise"]
+
+
+def test_the_advanced_node_takes_the_stock_advanced_inputs_then_the_clusters():
+    from patchray.nodes.ksampler import PatchRayKSampler, PatchRayKSamplerAdvanced
+
+    adv = [i.id for i in PatchRayKSamplerAdvanced.define_schema().inputs]
+    plain = [i.id for i in PatchRayKSampler.define_schema().inputs]
+    assert adv[: len(_STOCK_ADVANCED)] == _STOCK_ADVANCED
+    # after them, the same cluster inputs as the plain node, from "cluster" on
+    assert adv[len(_STOCK_ADVANCED):] == plain[plain.index("cluster"):]
+    inputs = {i.id: i for i in PatchRayKSamplerAdvanced.define_schema().inputs}
+    assert (inputs["add_noise"].default, inputs["return_with_leftover_noise"].default) == ("enable", "disable")
+    assert (inputs["start_at_step"].default, inputs["end_at_step"].default) == (0, 10000)
+
+
+@pytest.mark.parametrize("add_noise, leftover, want_noise, want_full", [
+    ("enable", "enable", True, False),   # the first sampler of a chain: noise in, leftover noise out
+    ("disable", "disable", False, True),  # the second: no noise added, denoised fully at its last step
+])
+def test_the_advanced_node_hands_its_part_of_the_schedule_to_the_bridge(monkeypatch, add_noise, leftover, want_noise, want_full):
+    from patchray.nodes import ksampler
+    from patchray.nodes.bridge import ksampler as bridge_ksampler
+
+    seen = {}
+
+    def bridge_sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
+                      cluster, config, **kw):
+        seen.update(seed=seed, steps=steps, denoise=denoise, **kw)
+        return {"samples": "latent"}
+
+    monkeypatch.setattr(bridge_ksampler, "sample", bridge_sample)
+    out = ksampler.PatchRayKSamplerAdvanced.execute(
+        "model", add_noise, 7, 20, 3.5, "euler", "simple", "pos", "neg", {"samples": None}, 10, 10000, leftover,
+        "cluster")
+    assert out.result == ({"samples": "latent"},)
+    assert (seen["seed"], seen["steps"], seen["denoise"]) == (7, 20, 1.0)
+    assert (seen["add_noise"], seen["start_step"], seen["last_step"], seen["force_full_denoise"]) == (
+        want_noise, 10, 10000, want_full)
+
+
+def test_the_plain_node_runs_the_whole_schedule():
+    import inspect
+
+    from patchray.nodes.bridge import ksampler as bridge_ksampler
+
+    # the stock KSampler's call (nodes.common_ksampler): noise added, no start or end step, no forced full denoise
+    params = inspect.signature(bridge_ksampler.sample).parameters
+    assert (params["add_noise"].default, params["start_step"].default, params["last_step"].default,
+            params["force_full_denoise"].default) == (True, None, None, False)
+
+
+@pytest.mark.parametrize("steps, start, last, want", [
+    (20, None, None, 20),
+    (20, 0, 10, 10),       # Wan 2.2 14B's high-noise expert: steps 0-9
+    (20, 10, 10000, 10),   # its low-noise expert: steps 10-19
+    (20, 10, 10, 0),       # an empty range returns the latent untouched
+    (20, 25, None, 0),
+    (20, None, 0, 0),
+    (20, 3, 7, 4),
+])
+def test_steps_run_follows_comfyuis_cut_of_the_sigmas(steps, start, last, want):
+    from patchray.nodes.bridge.ksampler import steps_run
+
+    assert steps_run(steps, start, last) == want
+
+
+@pytest.mark.parametrize("start, last", [(-1, None), (None, -3), (2.5, None)])
+def test_a_negative_or_fractional_step_is_refused_naming_the_widget(start, last):
+    from patchray.nodes.bridge import ksampler as bridge_ksampler
+
+    widget = "start_at_step" if start is not None else "end_at_step"
+    with pytest.raises(ValueError, match=widget):
+        bridge_ksampler.sample(None, 0, 20, 1.0, "euler", "simple", [], [], {"samples": None}, 1.0, None,
+                               bridge_ksampler.patch_config("full_sync"), start_step=start, last_step=last)

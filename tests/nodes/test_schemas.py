@@ -17,6 +17,7 @@ NODE_IDS = {
     "PatchRayVAEDecode",
     "PatchRayVAEEncode",
     "PatchRayKSampler",
+    "PatchRayKSamplerAdvanced",
     "PatchRayTilePlanner",
     "PatchRayTopologyProbe",
     "PatchRayBenchmark",
