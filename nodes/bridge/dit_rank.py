@@ -340,6 +340,8 @@ class DitSequence:
 
         if not self.stepwise or self.config.output is not OutputMode.OTIL or self.ctx.world_size == 1:
             return latent
+        if self.state.shards is None:  # no model call ran (an empty part of a schedule): every rank holds the latent
+            return latent
         self.state.finish()
         return finalize_rows(self.state, latent, row_dim=-2)
 

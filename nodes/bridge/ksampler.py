@@ -133,11 +133,11 @@ def patch_config(preset: str, warmup_steps: int = -1, refresh_every: int = -1, k
     return config
 
 
-def steps_run(steps: int, start_step: Optional[int] = None, last_step: Optional[int] = None) -> int:
-    """How many steps of a ``steps``-step schedule ComfyUI's sampler runs from ``start_step`` to ``last_step``
-    (``comfy.samplers.KSampler.sample``: the sigmas are cut at ``last_step``, then from ``start_step``; a start at
-    or past the cut runs none and returns the latent as it came)."""
-    end = int(steps) if last_step is None else min(int(steps), int(last_step))
+def steps_run(total: int, start_step: Optional[int] = None, last_step: Optional[int] = None) -> int:
+    """How many steps of a ``total``-step schedule (``len(sigmas) - 1``) ComfyUI's sampler runs from ``start_step`` to
+    ``last_step`` (``comfy.samplers.KSampler.sample``: the sigmas are cut at ``last_step``, then from ``start_step``; a
+    start at or past the cut runs none and returns the latent as it came)."""
+    end = int(total) if last_step is None else min(int(total), int(last_step))
     return max(0, end - int(start_step or 0))
 
 
@@ -208,6 +208,18 @@ def sample(
     kind = bridge_model.diffusion_kind(model)
     stale = config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER
     latent, noise = bridge_model.latent_and_noise(model, latent_image, seed, add_noise=add_noise)
+    total = steps
+    if start_step is not None or last_step is not None:
+        total = bridge_model.schedule_steps(model, steps, sampler_name, scheduler, denoise)
+    if start_step is not None and steps_run(total, start_step, last_step) == 0:
+        # ComfyUI's sampler returns the latent as it came, calling no model: so does this, before any rank starts
+        end = total if last_step is None else min(total, last_step)
+        if report is not None:
+            report(f"start_at_step {start_step} is at or past the end of this part of the schedule (step {end} of "
+                   f"{total}): nothing to sample, the latent is returned as it came, as the stock KSampler (Advanced) does")
+        out = latent_image.copy()
+        out["samples"] = latent
+        return out
     n = cluster_config.num_ranks
     no_sequence = bridge_model.sequence_refusal(model)
     layout = plan_layout(
@@ -311,14 +323,15 @@ def sample(
             prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=cancel_check, progress=progress,
             timeout_s=cluster_config.call_timeout_s, band_weights=weights,
         )
-    if result["calls"] == 0 and float(denoise) > 0 and steps_run(steps, start_step, last_step) > 0:
+    if result["calls"] == 0 and float(denoise) > 0 and steps_run(total, start_step, last_step) > 0:
         raise RuntimeError(
             "PatchRay Distributed KSampler: the ranks sampled without calling the model through PatchRay's wrapper "
             "(another extension replaced ComfyUI's diffusion-model call?); refusing to return an unsharded result"
         )
     attention_calls = (result.get("info") or {}).get("attention_calls")
     summary = layout_summary(layout, result["calls"], attention_calls)
-    unused = attention_note(attention, kind, layout, attention_calls, sequence_ok=no_sequence is None)
+    # no model call ran (denoise 0, or an end step of 0): no attention mode to speak of
+    unused = attention_note(attention, kind, layout, attention_calls, sequence_ok=no_sequence is None) if result["calls"] else None
     log.info("PatchRay KSampler: %s", summary)
     if unused:
         log.info("PatchRay KSampler: %s", unused)

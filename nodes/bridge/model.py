@@ -59,6 +59,17 @@ def latent_and_noise(mp, latent_dict: dict, seed: int, add_noise: bool = True):
     return latent, comfy.sample.prepare_noise(latent, seed, latent_dict.get("batch_index"))
 
 
+def schedule_steps(mp, steps: int, sampler_name: str, scheduler: str, denoise: float) -> int:
+    """The steps of the schedule ComfyUI's sampler builds for these widgets (``len(sigmas) - 1`` of
+    ``comfy.samplers.KSampler``): ``steps`` for most schedulers, not for all (``ddim_uniform`` and ``beta`` round
+    their timesteps), and the count a start or end step is cut against."""
+    import comfy.samplers
+
+    ks = comfy.samplers.KSampler(mp, steps=int(steps), device=mp.load_device, sampler=sampler_name, scheduler=scheduler,
+                                 denoise=denoise, model_options=mp.model_options)
+    return int(ks.sigmas.shape[0]) - 1
+
+
 def check_rows(mp, latent: torch.Tensor, num_ranks: int) -> None:
     """Refuse, before anything is shipped, a latent whose rows cannot give every rank a band of the UNet.
 

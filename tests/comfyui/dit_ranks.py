@@ -50,11 +50,14 @@ CASES = {
     # leftover noise out; then no noise added to a noisy latent, step 2 to the end, denoised fully
     "wan21-seq-first": ("wan21", "sequence", "gathered", "euler", 1),
     "wan21-seq-second": ("wan21", "sequence", "gathered", "euler", 1),
+    # steps 0-1 of 3, denoised fully at the last of them (return_with_leftover_noise disable): the cut sigma set to 0
+    "wan21-seq-first-full": ("wan21", "sequence", "gathered", "euler", 1),
 }
 #: the KSampler (Advanced) inputs of those cases, as the node ships them (``nodes/bridge/ksampler.py``)
 SCHEDULES = {
     "wan21-seq-first": {"disable_noise": False, "start_step": 0, "last_step": 2, "force_full_denoise": False},
     "wan21-seq-second": {"disable_noise": True, "start_step": 2, "last_step": 10000, "force_full_denoise": True},
+    "wan21-seq-first-full": {"disable_noise": False, "start_step": 0, "last_step": 2, "force_full_denoise": True},
 }
 
 

@@ -90,10 +90,11 @@ def test_every_parallelism_equals_the_stock_sampler(tmp_path, ranks):
 def test_the_advanced_samplers_two_halves_equal_the_stock_advanced_sampler(tmp_path, ranks):
     """The Distributed KSampler (Advanced)'s schedule on the ranks (Wan 2.2 14B's two experts run as two such
     halves): the first half adds the noise and stops after 2 of 3 steps with the leftover noise, the second adds none
-    and runs the last step. Each equals ComfyUI's sampler with the same start, end, noise and full-denoise inputs."""
-    names = ["wan21-seq-first", "wan21-seq-second"]
+    and runs the last step; a third run stops after 2 steps denoised fully. Each equals ComfyUI's sampler with the
+    same start, end, noise and full-denoise inputs."""
+    names = ["wan21-seq-first", "wan21-seq-second", "wan21-seq-first-full"]
     report = run_rank_script("dit_ranks.py", tmp_path, ranks, names, timeout=900)
-    for name, calls in zip(names, (2, 1)):
+    for name, calls in zip(names, (2, 1, 2)):
         rec = report["cases"][name]
         print(f"{ranks} ranks {name}: relative L2 {rec['rel_l2']:.2e}, {rec['calls']} model calls")
         assert rec["layout"] == "sequence" and rec["seq"] == ranks, rec

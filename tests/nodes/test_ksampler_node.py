@@ -6,7 +6,10 @@ per key, the caller's sampler on every rank, the exact final latent) in tests/di
 on real Ray ranks.
 """
 
+import inspect
+
 import pytest
+import torch
 
 from patchray.distributed.sampling.config import PRESETS, OutputMode
 
@@ -171,18 +174,122 @@ def test_the_advanced_node_hands_its_part_of_the_schedule_to_the_bridge(monkeypa
         want_noise, 10, 10000, want_full)
 
 
-def test_the_plain_node_runs_the_whole_schedule():
-    import inspect
-
+def test_the_plain_node_runs_the_whole_schedule(monkeypatch):
+    from patchray.nodes import ksampler
     from patchray.nodes.bridge import ksampler as bridge_ksampler
 
-    # the stock KSampler's call (nodes.common_ksampler): noise added, no start or end step, no forced full denoise
+    # the stock KSampler's call (nodes.common_ksampler): noise added, no start or end step, no forced full denoise;
+    # the plain node passes none of the schedule, so the bridge's defaults are that call
     params = inspect.signature(bridge_ksampler.sample).parameters
     assert (params["add_noise"].default, params["start_step"].default, params["last_step"].default,
             params["force_full_denoise"].default) == (True, None, None, False)
+    seen = {}
+
+    def bridge_sample(*args, **kw):
+        seen.update(kw)
+        return {"samples": "latent"}
+
+    monkeypatch.setattr(bridge_ksampler, "sample", bridge_sample)
+    ksampler.PatchRayKSampler.execute("model", 7, 20, 3.5, "euler", "simple", "pos", "neg", {"samples": None}, 1.0, "cluster")
+    assert seen and not {"add_noise", "start_step", "last_step", "force_full_denoise"} & set(seen), seen
 
 
-@pytest.mark.parametrize("steps, start, last, want", [
+class _StandInSample:
+    """``comfy.sample`` as far as the bridge uses it, recording the sampler's call (ComfyUI is not installed in CI)."""
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def fix_empty_latent_channels(model, latent):
+        return latent
+
+    @staticmethod
+    def prepare_noise(latent, seed, batch_index=None):
+        return torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+
+    def sample(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return args[8]  # the latent
+
+
+@pytest.fixture()
+def standin_sample(monkeypatch):
+    import sys
+    import types
+
+    fake = _StandInSample()
+    comfy = types.ModuleType("comfy")
+    comfy.sample = fake
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.sample", fake)
+    return fake
+
+
+def test_the_ranks_hand_the_schedule_to_comfyuis_sampler(standin_sample):
+    from types import SimpleNamespace
+
+    from patchray.nodes.bridge import ksampler_rank
+
+    session = SimpleNamespace(progress=lambda *a: None)
+    model = SimpleNamespace(model=SimpleNamespace(__dict__={}))
+    latent = torch.zeros(1, 4, 8, 8)
+    inputs = {"noise": latent, "steps": 20, "cfg": 3.5, "sampler_name": "euler", "scheduler": "simple",
+              "positive": [], "negative": [], "latent_image": latent, "denoise": 1.0, "seed": 7,
+              "disable_noise": True, "start_step": 10, "last_step": 10000, "force_full_denoise": True}
+    ksampler_rank._run(model, session, inputs)
+    (args, kwargs), = standin_sample.calls
+    assert args[2] == 20 and args[8] is latent
+    assert (kwargs["disable_noise"], kwargs["start_step"], kwargs["last_step"], kwargs["force_full_denoise"]) == (
+        True, 10, 10000, True)
+    # inputs without the schedule (the plain node, and callers from before the advanced node): the whole schedule
+    for key in ("disable_noise", "start_step", "last_step", "force_full_denoise"):
+        inputs.pop(key)
+    ksampler_rank._run(model, session, inputs)
+    kwargs = standin_sample.calls[-1][1]
+    assert (kwargs["disable_noise"], kwargs["start_step"], kwargs["last_step"], kwargs["force_full_denoise"]) == (
+        False, None, None, False)
+
+
+def test_add_noise_disable_gives_zero_noise(standin_sample):
+    from patchray.nodes.bridge import model as bridge_model
+
+    latent = torch.ones(1, 4, 6, 10)
+    _, noise = bridge_model.latent_and_noise(None, {"samples": latent}, 3)
+    assert noise.abs().sum() > 0  # the seeded noise
+    _, none = bridge_model.latent_and_noise(None, {"samples": latent}, 3, add_noise=False)
+    assert none.shape == latent.shape and not none.any()
+
+
+def test_a_start_past_the_end_returns_the_latent_before_any_rank_starts(monkeypatch):
+    """ComfyUI's sampler returns the latent as it came when the start step is at or past the end; the node does the
+    same without starting the ranks or shipping the model (a two-expert chain would otherwise evict the other
+    expert from the ranks' one-model cache)."""
+    import patchray.distributed.cluster as cluster_mod
+    from patchray.distributed.cluster import ClusterConfig
+    from patchray.nodes.bridge import ksampler as bridge_ksampler
+    from patchray.nodes.bridge import model as bridge_model
+
+    latent = torch.randn(1, 16, 4, 6, 6)
+    monkeypatch.setattr(bridge_model, "check_model_type", lambda m: None)
+    monkeypatch.setattr(bridge_model, "diffusion_kind", lambda m: "dit")
+    monkeypatch.setattr(bridge_model, "latent_and_noise", lambda m, lat, seed, add_noise=True: (lat["samples"], None))
+    monkeypatch.setattr(bridge_model, "schedule_steps", lambda m, steps, *a: steps)
+
+    def no_ranks(*a, **k):
+        raise AssertionError("the ranks were started")
+
+    monkeypatch.setattr(cluster_mod, "get_cluster", no_ranks)
+    lines = []
+    out = bridge_ksampler.sample(
+        "model", 0, 20, 5.0, "euler", "simple", [], [], {"samples": latent, "batch_index": [0]}, 1.0,
+        ClusterConfig(num_ranks=2), bridge_ksampler.patch_config("full_sync"), start_step=12, last_step=10,
+        add_noise=False, report=lines.append)
+    assert out["samples"] is latent and out["batch_index"] == [0]
+    assert "nothing to sample" in lines[0] and "step 10 of 20" in lines[0]
+
+
+@pytest.mark.parametrize("total, start, last, want", [
     (20, None, None, 20),
     (20, 0, 10, 10),       # Wan 2.2 14B's high-noise expert: steps 0-9
     (20, 10, 10000, 10),   # its low-noise expert: steps 10-19
@@ -191,10 +298,10 @@ def test_the_plain_node_runs_the_whole_schedule():
     (20, None, 0, 0),
     (20, 3, 7, 4),
 ])
-def test_steps_run_follows_comfyuis_cut_of_the_sigmas(steps, start, last, want):
+def test_steps_run_follows_comfyuis_cut_of_the_sigmas(total, start, last, want):
     from patchray.nodes.bridge.ksampler import steps_run
 
-    assert steps_run(steps, start, last) == want
+    assert steps_run(total, start, last) == want
 
 
 @pytest.mark.parametrize("start, last", [(-1, None), (None, -3), (2.5, None)])
