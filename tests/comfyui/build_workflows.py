@@ -288,6 +288,35 @@ def _nodes_wan22_txt2video():
     return _nodes_wan_txt2video("wan2.2_ti2v_5B_fp16.safetensors", "wan2.2_vae.safetensors", latent, 30, 5.0, 8.0, 24.0)
 
 
+def _nodes_wan22_14b_txt2video():
+    """Wan 2.2 14B text-to-video: the high-noise expert runs the first half of the schedule, the low-noise expert the
+    second, each on a Distributed KSampler (Advanced), as ComfyUI's own template chains two KSampler (Advanced)."""
+    def advanced(model, add_noise, start, end, leftover, latent):
+        return ("PatchRayKSamplerAdvanced", {
+            "model": model, "add_noise": add_noise, "noise_seed": 42, "steps": 20, "cfg": 3.5, "sampler_name": "euler",
+            "scheduler": "simple", "positive": (5, 0), "negative": (6, 0), "latent_image": latent, "start_at_step": start,
+            "end_at_step": end, "return_with_leftover_noise": leftover, "cluster": (9, 0), "preset": "full_sync",
+            "warmup_steps": -1, "refresh_every": -1, "k_ratio": 0.25, "block_size": 8, "parallelism": "auto",
+            "sequence_attention": "auto", "sharding": "auto"})
+
+    return {
+        1: ("UNETLoader", {"unet_name": "wan2.2_t2v_high_noise_14B_fp16.safetensors", "weight_dtype": "fp8_e4m3fn"}),
+        2: ("UNETLoader", {"unet_name": "wan2.2_t2v_low_noise_14B_fp16.safetensors", "weight_dtype": "fp8_e4m3fn"}),
+        3: ("ModelSamplingSD3", {"model": (1, 0), "shift": 8.0}),
+        4: ("ModelSamplingSD3", {"model": (2, 0), "shift": 8.0}),
+        5: ("CLIPTextEncode", {"text": "a red fox running through fresh snow in a pine forest, morning light, cinematic", "clip": (7, 0)}),
+        6: ("CLIPTextEncode", {"text": "blurry, static, low quality, distorted", "clip": (7, 0)}),
+        7: ("CLIPLoader", {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan", "device": "default"}),
+        8: ("EmptyHunyuanLatentVideo", {"width": 832, "height": 480, "length": 81, "batch_size": 1}),
+        9: CLUSTER,
+        10: advanced((3, 0), "enable", 0, 10, "enable", (8, 0)),
+        11: advanced((4, 0), "disable", 10, 10000, "disable", (10, 0)),
+        12: ("VAELoader", {"vae_name": "wan_2.1_vae.safetensors"}),
+        13: ("PatchRayVAEDecode", {"samples": (11, 0), "vae": (12, 0), "cluster": (9, 0), "mode": "row", "precision": "auto", "gn_sync": False}),
+        14: ("SaveAnimatedWEBP", {"images": (13, 0), "filename_prefix": "PatchRay_wan22_14b_txt2video", "fps": 16.0, "lossless": False, "quality": 85, "method": "default"}),
+    }
+
+
 _DIT_SAMPLER_NOTE = (
     "**PatchRay Distributed KSampler** runs ComfyUI's own sampler on every rank of **PatchRay Cluster**. *parallelism* "
     "*auto* picks, per run: *batch* when the batch divides over the ranks; *cfg* (cond on one rank, uncond on the other, "
@@ -321,11 +350,26 @@ DIT_NOTES = {
         "`models/diffusion_models/wan2.2_ti2v_5B_fp16.safetensors`, `models/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors`, "
         "`models/vae/wan2.2_vae.safetensors`."
     ),
+    "wan22_14b_txt2video_distributed": (
+        "## PatchRay: Wan 2.2 14B text-to-video (two experts), Distributed KSampler (Advanced) and Distributed VAE Decode\n\n"
+        "Wan 2.2 14B is two models: a high-noise expert for the first steps and a low-noise expert for the rest. Two "
+        "**PatchRay Distributed KSampler (Advanced)** nodes chain them as two stock KSampler (Advanced) nodes would: the "
+        "first adds the noise, runs steps 0-9 of 20 and returns the leftover noise; the second adds none and runs steps "
+        "10-19. " + _DIT_SAMPLER_NOTE + " With cfg 3.5 on 2 ranks *auto* is *cfg*; on 4 ranks *cfg+sequence*. The ranks keep "
+        "one model, so every prompt ships each expert to them once. The loaders cast the fp16 files to fp8 "
+        "(*weight_dtype* fp8_e4m3fn; PatchRay refuses ComfyUI's *scaled* fp8 files), and *sharding* *auto* splits the "
+        "experts' blocks over the ranks when a whole one does not fit a card. The 14B models use the Wan 2.1 VAE, which "
+        "**Distributed VAE Decode** shards in *row* mode (exact).\n\nFiles: "
+        "`models/diffusion_models/wan2.2_t2v_high_noise_14B_fp16.safetensors`, "
+        "`models/diffusion_models/wan2.2_t2v_low_noise_14B_fp16.safetensors`, "
+        "`models/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors`, `models/vae/wan_2.1_vae.safetensors`."
+    ),
 }
 DIT_WORKFLOWS = {
     "flux_txt2img_distributed": _nodes_flux_txt2img,
     "wan21_txt2video_distributed": _nodes_wan21_txt2video,
     "wan22_txt2video_distributed": _nodes_wan22_txt2video,
+    "wan22_14b_txt2video_distributed": _nodes_wan22_14b_txt2video,
 }
 NOTES.update(DIT_NOTES)
 WORKFLOWS.update(DIT_WORKFLOWS)
@@ -336,6 +380,7 @@ WIDGET_DEFAULTS = {
     "PatchRayVAEDecode": {"balance": "equal"},
     "PatchRayVAEEncode": {"balance": "equal"},
     "PatchRayKSampler": {"balance": "equal", "sharding": "none"},
+    "PatchRayKSamplerAdvanced": {"balance": "equal", "sharding": "none"},
 }
 
 

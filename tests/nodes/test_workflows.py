@@ -24,7 +24,8 @@ NAMES += list(VIDEO_DECODES)
 MODEL_FILES = {"sd_xl_base_1.0.safetensors", "sdxl_vae.safetensors", "ae.safetensors", "wan_2.1_vae.safetensors"}
 MODEL_FILES |= {f for f, _ in VIDEO_DECODES.values()}
 # the Distributed KSampler on DiTs
-NAMES += ["flux_txt2img_distributed", "wan21_txt2video_distributed", "wan22_txt2video_distributed"]
+NAMES += ["flux_txt2img_distributed", "wan21_txt2video_distributed", "wan22_txt2video_distributed",
+          "wan22_14b_txt2video_distributed"]
 MODEL_FILES |= {"wan2.2_vae.safetensors"}
 
 
@@ -145,8 +146,30 @@ def test_the_builder_writes_the_shipped_workflow(name, info):
 def test_the_dit_sampler_notes_name_every_sequence_attention_mode():
     from patchray.nodes.bridge.ksampler import ATTENTION_NAMES
 
-    for name in ("flux_txt2img_distributed", "wan21_txt2video_distributed", "wan22_txt2video_distributed"):
+    for name in ("flux_txt2img_distributed", "wan21_txt2video_distributed", "wan22_txt2video_distributed",
+                 "wan22_14b_txt2video_distributed"):
         ui, _ = _load(name)
         note = next(n for n in ui["nodes"] if n["type"] == "MarkdownNote")["widgets_values"][0]
         for mode in ATTENTION_NAMES:
             assert f"*{mode}*" in note, (name, mode)
+
+
+def test_the_wan22_14b_workflow_chains_its_two_experts_like_the_stock_template():
+    """High-noise expert: noise added, steps 0-9 of 20, leftover noise returned; low-noise expert: no noise added,
+    steps 10 to the end on the first one's latent, denoised fully. Each expert loaded by its own loader."""
+    _, api = _load("wan22_14b_txt2video_distributed")
+    samplers = [n for n in api.values() if n["class_type"] == "PatchRayKSamplerAdvanced"]
+    assert len(samplers) == 2
+    first, second = sorted(samplers, key=lambda n: n["inputs"]["start_at_step"])
+    f, g = first["inputs"], second["inputs"]
+    assert (f["add_noise"], f["start_at_step"], f["end_at_step"], f["return_with_leftover_noise"]) == ("enable", 0, 10, "enable")
+    assert (g["add_noise"], g["start_at_step"], g["return_with_leftover_noise"]) == ("disable", 10, "disable")
+    assert g["end_at_step"] >= g["steps"] == f["steps"] == 20
+    first_id = next(k for k, n in api.items() if n is first)
+    assert g["latent_image"] == [first_id, 0]
+
+    def unet(inputs):  # ModelSamplingSD3 -> UNETLoader
+        return api[api[inputs["model"][0]]["inputs"]["model"][0]]["inputs"]["unet_name"]
+
+    assert "high_noise" in unet(f) and "low_noise" in unet(g)
+
