@@ -296,7 +296,11 @@ def _rank(ctx, args):
                     summ = _summarise_profile(prof)
                     rec["plain"]["kernel_ms"] = summ["compute_kernel_ms"]
                     rec["plain"]["kernels"] = summ["kernels"]
-                    log(f"{label} plain kernels {summ['compute_kernel_ms']} ms ({summ['kernels']} kernels)")
+                    # by kind too, to set a rank's kinds against the whole decode's (copies, conversions, convs)
+                    rec["plain"]["by_kind"] = summ["by_kind"]
+                    rec["plain"]["top_kernels"] = summ["top_kernels"][:25]
+                    log(f"{label} plain kernels {summ['compute_kernel_ms']} ms ({summ['kernels']} kernels); by kind "
+                        f"{json.dumps({k: v['ms'] for k, v in summ['by_kind'].items()})}")
             comm.barrier(ctx)
             for n in args.ranks:
                 if n == 1:
