@@ -19,7 +19,11 @@ from comfy_api.latest import ComfyExtension, io, ui  # noqa: F401  (re-exported 
 
 __all__ = [
     "ComfyExtension", "io", "ui", "progress_callback", "interrupt_check", "output_directory", "sampler_lists", "measure_again",
+    "panel_report", "REPORT_EVENT",
 ]
+
+#: the websocket event that carries a line for a node's panel after that node ran (the web extension shows it)
+REPORT_EVENT = "patchray.report"
 
 # ComfyUI 0.3.64's sampler and scheduler names, for the schema when ComfyUI is absent (CI); inside ComfyUI its live
 # lists are used, so samplers added later appear in the node too
@@ -55,6 +59,32 @@ def progress_callback(total: int, node_id: Optional[str] = None) -> Optional[Cal
         bar.update_absolute(int(done), int(total_now) if total_now else None)
 
     return update
+
+
+def panel_report(node_id: Optional[str]) -> Callable[[str], None]:
+    """A ``fn(line)`` that shows ``line`` on node ``node_id``'s panel in the frontend, and logs it.
+
+    For a node whose effect comes later than its own run: PatchRay Parallel Model returns a MODEL at once, and what
+    ran on the ranks is known only when a sampler node samples it. Outside a server (or without a node id) the line
+    is only logged.
+    """
+    import logging
+
+    log = logging.getLogger("patchray")
+
+    def report(line: str) -> None:
+        log.info("PatchRay: %s", line)
+        if node_id is None:
+            return
+        try:
+            from server import PromptServer
+        except ImportError:
+            return
+        instance = getattr(PromptServer, "instance", None)
+        if instance is not None:
+            instance.send_sync(REPORT_EVENT, {"node": str(node_id), "text": str(line)}, instance.client_id)
+
+    return report
 
 
 def interrupt_check() -> Optional[Callable[[], None]]:

@@ -7,16 +7,19 @@ from .bridge import lifecycle
 from .bench import PatchRayBenchmark
 from .cluster import PatchRayCluster
 from .ksampler import PatchRayKSampler, PatchRayKSamplerAdvanced
+from .parallel_model import PatchRayParallelModel
 from .planner import PatchRayTilePlanner
 from .topology import PatchRayTopologyProbe
-from .vae import PatchRayVAEDecode, PatchRayVAEEncode
+from .vae import PatchRayParallelVAE, PatchRayVAEDecode, PatchRayVAEEncode
 
 __all__ = ["PatchRayExtension", "NODES"]
 
 NODES = (
     PatchRayCluster,
+    PatchRayParallelModel,
     PatchRayVAEDecode,
     PatchRayVAEEncode,
+    PatchRayParallelVAE,
     PatchRayKSampler,
     PatchRayKSamplerAdvanced,
     PatchRayTilePlanner,

@@ -1,15 +1,48 @@
-"""Distributed VAE Decode / Encode: ComfyUI's own VAE and LATENT/IMAGE in, the stock nodes' outputs out.
+"""Distributed VAE Decode / Encode: ComfyUI's own VAE and LATENT/IMAGE in, the stock nodes' outputs out. Parallel
+VAE: ComfyUI's VAE in, the same VAE out, decoding and encoding on the ranks wherever it is connected.
 
-Schemas only; the work is one call into the bridge (:mod:`.bridge.vae`).
+Schemas only; the work is one call into the bridge (:mod:`.bridge.vae`, :mod:`.bridge.parallel_vae`). The decode
+settings are one set of input helpers, so the Parallel VAE's widgets are the Distributed VAE Decode's (names,
+options, defaults, tooltips) and a workflow can move from one node to the other.
 """
 
 from __future__ import annotations
 
 from ._comfy import interrupt_check, io, progress_callback, ui
+from .bridge import parallel_vae as bridge_parallel
 from .bridge import vae as bridge_vae
 from .types import CATEGORY, CLUSTER, TILE_PLAN
 
-__all__ = ["PatchRayVAEDecode", "PatchRayVAEEncode"]
+__all__ = ["PatchRayVAEDecode", "PatchRayVAEEncode", "PatchRayParallelVAE"]
+
+
+def _vae_input():
+    return io.Vae.Input("vae", tooltip="ComfyUI's VAE, from the stock Load VAE or checkpoint loader.")
+
+
+def _cluster_input():
+    return CLUSTER.Input("cluster", tooltip="The rank cluster, from PatchRay Cluster.")
+
+
+def _mode_input():
+    return io.Combo.Input(
+        "mode",
+        options=["auto", "row", "tile-runs"],
+        default="auto",
+        tooltip="auto: row mode when the links allow it, else tiles. row: exact, needs fast links. tile-runs: whole tiles per rank, little traffic.",
+    )
+
+
+def _gn_sync_input():
+    return io.Boolean.Input(
+        "gn_sync",
+        default=False,
+        tooltip="Tile modes only: share GroupNorm statistics between tiles so colours match the full decode (one extra collective per norm).",
+    )
+
+
+def _plan_input():
+    return TILE_PLAN.Input("plan", optional=True, tooltip="Optional tile plan from PatchRay Tile Planner (tile-runs mode); without it the planner's balanced plan is used.")
 
 
 def _precision_input():
@@ -37,6 +70,11 @@ def _balance_input():
             "mixed pair (e.g. 4090 + 3090) finishes together. The image is the same either way; tile modes ignore it."
         ),
     )
+
+
+def _decode_settings() -> list:
+    """The Distributed VAE Decode's inputs after ``samples``, in its order: the Parallel VAE's inputs too."""
+    return [_vae_input(), _cluster_input(), _mode_input(), _precision_input(), _gn_sync_input(), _plan_input(), _balance_input()]
 
 
 def _output(result: "bridge_vae.Result") -> io.NodeOutput:
@@ -70,22 +108,7 @@ class PatchRayVAEDecode(io.ComfyNode):
             ),
             inputs=[
                 io.Latent.Input("samples", tooltip="The latent to decode (from a sampler or an Empty Latent node)."),
-                io.Vae.Input("vae", tooltip="ComfyUI's VAE, from the stock Load VAE or checkpoint loader."),
-                CLUSTER.Input("cluster", tooltip="The rank cluster, from PatchRay Cluster."),
-                io.Combo.Input(
-                    "mode",
-                    options=["auto", "row", "tile-runs"],
-                    default="auto",
-                    tooltip="auto: row mode when the links allow it, else tiles. row: exact, needs fast links. tile-runs: whole tiles per rank, little traffic.",
-                ),
-                _precision_input(),
-                io.Boolean.Input(
-                    "gn_sync",
-                    default=False,
-                    tooltip="Tile modes only: share GroupNorm statistics between tiles so colours match the full decode (one extra collective per norm).",
-                ),
-                TILE_PLAN.Input("plan", optional=True, tooltip="Optional tile plan from PatchRay Tile Planner (tile-runs mode); without it the planner's balanced plan is used."),
-                _balance_input(),
+                *_decode_settings(),
             ],
             outputs=[io.Image.Output(display_name="IMAGE", tooltip="The decoded image(s), like the stock VAE Decode: [B, H, W, 3] in 0..1; video frames in the batch.")],
         )
@@ -112,8 +135,8 @@ class PatchRayVAEEncode(io.ComfyNode):
             ),
             inputs=[
                 io.Image.Input("pixels", tooltip="The image(s) to encode, [B, H, W, C] in 0..1; for video VAEs the batch is the frames."),
-                io.Vae.Input("vae", tooltip="ComfyUI's VAE, from the stock Load VAE or checkpoint loader."),
-                CLUSTER.Input("cluster", tooltip="The rank cluster, from PatchRay Cluster."),
+                _vae_input(),
+                _cluster_input(),
                 _precision_input(),
                 _balance_input(),
             ],
@@ -126,3 +149,37 @@ class PatchRayVAEEncode(io.ComfyNode):
         result = bridge_vae.encode(pixels, vae, cluster, precision, cancel_check=interrupt_check(), progress=progress, balance=balance)
         _finish(progress)
         return _output(result)
+
+
+class PatchRayParallelVAE(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="PatchRayParallelVAE",
+            display_name="PatchRay Parallel VAE",
+            category=f"{CATEGORY}/vae",
+            description=(
+                "The VAE, decoding and encoding on the cluster's ranks wherever it is connected: the stock VAE Decode and "
+                "VAE Encode, their tiled versions, and any node that encodes or decodes with a VAE. Settings as on PatchRay "
+                "Distributed VAE Decode (encodes are row-sharded: mode, gn_sync and plan apply to decodes). The weights are shared with the input VAE (not copied), and the input VAE is "
+                "unchanged, so it can still feed stock nodes. Tiled nodes decode whole on the ranks: their tile sizes are not "
+                "used, because the ranks already split the work (a band of rows each; a rank out of memory retries in row "
+                "tiles) and row mode gives the exact untiled image. A VAE PatchRay cannot shard decodes and encodes as in "
+                "ComfyUI, with the reason shown here and in the log."
+            ),
+            inputs=_decode_settings(),
+            outputs=[
+                io.Vae.Output(
+                    display_name="VAE",
+                    tooltip=(
+                        "The same VAE, decoding and encoding on the ranks: connect it where the VAE went (VAE Decode, VAE "
+                        "Decode (Tiled), VAE Encode...). It returns what the VAE returns; tiled nodes get the untiled result."
+                    ),
+                )
+            ],
+        )
+
+    @classmethod
+    def execute(cls, vae, cluster, mode="auto", precision="auto", gn_sync=False, plan=None, balance="equal") -> io.NodeOutput:
+        hooks = bridge_parallel.Hooks(cancel_check=interrupt_check, progress=_progress)
+        return _output(bridge_parallel.parallel_vae(vae, cluster, mode, precision, gn_sync, plan, balance, hooks=hooks))

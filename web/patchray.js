@@ -8,11 +8,13 @@ const VIEW = "patchray_view";
 // (tests/comfyui/workflow_tools.py EXTRA_HEIGHT is at least this plus the widget margin; a test compares them).
 export const PANEL = {
   PatchRayCluster: 100,
+  PatchRayParallelModel: 80,
   PatchRayTilePlanner: 220,
   PatchRayTopologyProbe: 210,
   PatchRayBenchmark: 230,
   PatchRayVAEDecode: 60,
   PatchRayVAEEncode: 60,
+  PatchRayParallelVAE: 60,
   PatchRayKSampler: 60,
   PatchRayKSamplerAdvanced: 60,
 };
@@ -169,7 +171,7 @@ export function renderBench(box, payload) {
 // Nodes whose panel shows a note only when a run differs from what was asked (a fallback to ComfyUI's own VAE, a
 // row-tiled retry, an unused plan): a run without a note sends the panel nothing, so each new prompt clears the
 // last run's note (a cached node's note is sent again), and a note never outlives the run it was about.
-export const NOTE_ONLY = ["PatchRayVAEDecode", "PatchRayVAEEncode"];
+export const NOTE_ONLY = ["PatchRayVAEDecode", "PatchRayVAEEncode", "PatchRayParallelVAE"];
 
 export function clearNotes(nodes) {
   let cleared = 0;
@@ -204,6 +206,20 @@ app.registerExtension({
         if (clearNotes(app.graph?._nodes)) app.graph?.setDirtyCanvas?.(true, true);
       } catch (err) {
         console.error("PatchRay: could not clear the last run's notes", err);
+      }
+    });
+    // what ran on the ranks, for a node whose effect comes after its own run (PatchRay Parallel Model: the sampler
+    // node that samples its MODEL sends the lines)
+    app.api?.addEventListener?.("patchray.report", (event) => {
+      try {
+        const node = app.graph?.getNodeById?.(Number(event?.detail?.node)) ??
+          app.graph?._nodes?.find((n) => String(n.id) === String(event?.detail?.node));
+        if (!node || !((node.comfyClass || node.type) in PANEL) || !event?.detail?.text) return;
+        view(node, false).appendChild(el("div", "", event.detail.text));
+        fit(node);
+        node.setDirtyCanvas?.(true, true);
+      } catch (err) {
+        console.error("PatchRay: could not show a report on its node", err);
       }
     });
     for (const outcome of ["execution_error", "execution_interrupted"]) {

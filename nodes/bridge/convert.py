@@ -21,8 +21,9 @@ from typing import Optional
 import torch
 
 __all__ = [
-    "DTYPES", "vae_spec", "decoded_to_image", "image_to_sample", "latent_tensor", "stock_decode", "stock_encode",
-    "resolve_dtype", "plan_dict", "spatial_ratio", "latent_to_library", "latent_from_library", "encode_input",
+    "DTYPES", "vae_spec", "decoded_to_image", "decoded_to_pixels", "combine_batches", "image_to_sample", "latent_tensor",
+    "check_latent", "stock_decode", "stock_encode", "resolve_dtype", "plan_dict", "spatial_ratio", "latent_to_library",
+    "latent_from_library", "encode_input", "to_output_device", "first_stage",
 ]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -31,7 +32,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _first_stage(vae):
+def first_stage(vae):
+    """ComfyUI's ``VAE.first_stage_model`` (the torch module holding the weights); ``TypeError`` for anything else."""
     model = getattr(vae, "first_stage_model", None)
     if model is None or not hasattr(model, "state_dict"):
         raise TypeError(f"expected ComfyUI's VAE (from the VAE Loader), got {type(vae).__name__}")
@@ -49,7 +51,7 @@ def vae_spec(vae):
         cached = None
     if cached is not None:
         return cached
-    sd = {k: v.detach().to("cpu") for k, v in _first_stage(vae).state_dict().items()}
+    sd = {k: v.detach().to("cpu") for k, v in first_stage(vae).state_dict().items()}
     conv = convert_comfy_vae(sd)
     spec = spec_from_diffusers(conv.family, conv.config, conv.state_dict)
     try:
@@ -63,10 +65,28 @@ def latent_tensor(samples) -> torch.Tensor:
     """The tensor of a LATENT dict, checked."""
     if not isinstance(samples, dict) or "samples" not in samples:
         raise TypeError(f"expected a LATENT (a dict with 'samples'), got {type(samples).__name__}")
-    z = samples["samples"]
+    return check_latent(samples["samples"])
+
+
+def check_latent(z) -> torch.Tensor:
+    """A latent tensor as ``VAE.decode`` takes it (``LATENT["samples"]``): 4-D (image) or 5-D (video), checked."""
     if not torch.is_tensor(z) or z.ndim not in (4, 5):
         raise ValueError(f"LATENT samples must be a 4-D or 5-D tensor, got {getattr(z, 'shape', type(z))}")
     return z
+
+
+def decoded_to_pixels(x: torch.Tensor) -> torch.Tensor:
+    """Decoded sample ``[B, 3, H, W]`` / ``[B, 3, T, H, W]`` in -1..1 -> what ComfyUI's ``VAE.decode`` returns:
+    ``[B, H, W, 3]`` / ``[B, T, H, W, 3]`` float32 in 0..1 (``process_output`` then channels last)."""
+    return torch.clamp((x.float() + 1.0) / 2.0, min=0.0, max=1.0).movedim(1, -1).contiguous()
+
+
+def combine_batches(images: torch.Tensor) -> torch.Tensor:
+    """What the stock VAE Decode does to ``VAE.decode``'s output: a video's ``[B, T, H, W, C]`` becomes IMAGE
+    ``[B * T, H, W, C]`` (batch-major); an image batch passes unchanged."""
+    if images.ndim == 5:
+        images = images.reshape(-1, images.shape[-3], images.shape[-2], images.shape[-1])
+    return images
 
 
 def decoded_to_image(x: torch.Tensor) -> torch.Tensor:
@@ -74,10 +94,14 @@ def decoded_to_image(x: torch.Tensor) -> torch.Tensor:
 
     Video frames become images in batch-major order, as the stock VAE Decode's "combine batches" reshape.
     """
-    img = torch.clamp((x.float() + 1.0) / 2.0, min=0.0, max=1.0).movedim(1, -1)
-    if img.ndim == 5:
-        img = img.reshape(-1, img.shape[-3], img.shape[-2], img.shape[-1])
-    return img.contiguous()
+    return combine_batches(decoded_to_pixels(x))
+
+
+def to_output_device(vae, x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the device ComfyUI's VAE returns its results on (``VAE.output_device``: the CPU unless ComfyUI runs
+    with ``--gpu-only``); unchanged for a VAE object without one."""
+    device = getattr(vae, "output_device", None)
+    return x.to(device) if isinstance(device, (torch.device, str)) else x
 
 
 def image_to_sample(pixels: torch.Tensor, ratio: int, video: bool) -> torch.Tensor:
@@ -103,10 +127,7 @@ def image_to_sample(pixels: torch.Tensor, ratio: int, video: bool) -> torch.Tens
 
 def stock_decode(vae, samples) -> torch.Tensor:
     """ComfyUI's own decode, as the stock VAE Decode node does it (the fallback for families PatchRay cannot shard)."""
-    images = vae.decode(latent_tensor(samples))
-    if images.ndim == 5:
-        images = images.reshape(-1, images.shape[-3], images.shape[-2], images.shape[-1])
-    return images
+    return combine_batches(vae.decode(latent_tensor(samples)))
 
 
 def stock_encode(vae, pixels) -> torch.Tensor:

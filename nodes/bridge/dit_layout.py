@@ -13,7 +13,8 @@ Modes (every one exact: the stock KSampler's result within floating-point reorde
   ancestral and SDE samplers included, is the stock KSampler's. Works for every model.
 * ``auto`` — ``batch`` when the latent batch divides evenly over the ranks; else ``cfg`` (two ranks) or
   ``cfg+sequence`` (an even count from four) when CFG is on and the model can be sharded by sequence; else
-  ``sequence``. A UNet with a stale preset (displaced, otil, balanced) keeps the preset's patch parallelism.
+  ``sequence``. A stale preset (displaced, compressed, otil, balanced) makes ``auto`` pick ``sequence``: the preset is
+  what the user asked for, and it works between sequence ranks.
 
 CFG = 1 has no unconditional prediction to split: a ``cfg`` layout then becomes ``sequence`` (or, for a model that
 cannot be sharded by sequence, every rank samples the whole graph), with a note in the log: not an error.
@@ -61,7 +62,7 @@ class Layout(NamedTuple):
         return [g * self.seq_ranks + position for g in range(self.cfg_groups)]
 
 
-_PREFIX = "PatchRay Distributed KSampler: "
+_PREFIX = "PatchRay: "
 
 
 def _err(msg: str) -> ValueError:
@@ -80,7 +81,7 @@ def plan_layout(
     batch_size: int,
     *,
     sequence_refusal: Optional[str] = None,
-    unet_stale_preset: bool = False,
+    stale_preset: bool = False,
 ) -> Layout:
     """The layout for the node's ``parallelism`` widget; raises ``ValueError`` naming the widget when it cannot be.
 
@@ -90,7 +91,8 @@ def plan_layout(
         cfg: the node's cfg (1.0: no unconditional prediction).
         batch_size: the latent batch (B of ``[B, C, ...]``).
         sequence_refusal: why this model cannot be sharded by sequence (``None``: it can).
-        unet_stale_preset: a UNet with a stale preset (its patch parallelism is what the user picked).
+        stale_preset: a preset with stale neighbour data (displaced, compressed, otil, balanced): it works between
+            sequence ranks (a UNet's row bands, a DiT's token shards), so ``auto`` picks a sequence layout.
     """
     if parallelism not in MODES:
         raise _err(f"parallelism must be one of {MODES} (got {parallelism!r})")
@@ -102,7 +104,7 @@ def plan_layout(
     if n == 1:
         return Layout("sequence" if seq_ok else "replicated", 1)
     if parallelism == "auto":
-        if unet_stale_preset and seq_ok:
+        if stale_preset and seq_ok:
             return Layout("sequence", n, seq_ranks=n)
         if batch_size % n == 0:
             return Layout("batch", n, batch=True)

@@ -182,7 +182,7 @@ def refusal(class_name: str, module: str = "", family: str = "") -> str:
         "where the tokens leave the last block, and which of its attentions are self/joint or cross"
     )
     return (
-        f"PatchRay Distributed KSampler: sequence parallelism does not cover {owner}{class_name}{where} "
+        f"PatchRay: sequence parallelism does not cover {owner}{class_name}{where} "
         f"yet ({need}). parallelism=cfg or batch work with every model; the stock KSampler always does."
     )
 
@@ -206,7 +206,7 @@ def call_refusal(row: DitRow, arguments: Mapping[str, Any]) -> Optional[str]:
     extra.update(arguments.get("kwargs") or {})
     for key, why in row.call_refusals.items():
         if extra.get(key) is not None:
-            return f"PatchRay Distributed KSampler ({row.family}, sequence): {why} is not supported yet; use parallelism=cfg or batch, or the stock KSampler"
+            return f"PatchRay ({row.family}, sequence): {why} is not supported yet; use parallelism=cfg or batch, or sample without PatchRay"
     return None
 
 
@@ -234,7 +234,7 @@ def cond_refusal(row: DitRow, name: str, conditioning) -> Optional[str]:
         extra = item[1] if isinstance(item, (list, tuple)) and len(item) > 1 and isinstance(item[1], dict) else {}
         for key, why in row.cond_refusals.items():
             if extra.get(key) is not None:
-                return f"PatchRay Distributed KSampler ({row.family}, sequence): {why} in {name} is not supported yet; use parallelism=cfg or batch, or the stock KSampler"
+                return f"PatchRay ({row.family}, sequence): {why} in {name} is not supported yet; use parallelism=cfg or batch, or sample without PatchRay"
     return None
 
 

@@ -209,7 +209,7 @@ class DitSequence:
                 self.dm.get_submodule(site.module)
             except AttributeError:
                 raise NotImplementedError(
-                    f"PatchRay Distributed KSampler ({row.family}): this {type(self.dm).__name__} has no module "
+                    f"PatchRay ({row.family}): this {type(self.dm).__name__} has no module "
                     f"{site.module!r} where the table expects one (a ComfyUI version PatchRay does not know?)"
                 ) from None
         try:
@@ -250,7 +250,7 @@ class DitSequence:
         def call(func, *args, **kwargs):
             if not self.scopes.stack:
                 raise NotImplementedError(
-                    f"PatchRay Distributed KSampler ({self.row.family}): an attention call outside the modules the DiT "
+                    f"PatchRay ({self.row.family}): an attention call outside the modules the DiT "
                     f"table names ({sorted(self.row.attends)}); this model variant is not covered by sequence parallelism"
                 )
             kind, path = self.scopes.stack[-1]

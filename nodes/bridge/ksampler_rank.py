@@ -204,7 +204,7 @@ def patch_parallel(session):
 
     def wrapper(executor, x, timesteps, context=None, y=None, control=None, transformer_options=None, **kwargs):
         if control is not None:
-            raise NotImplementedError("PatchRay Distributed KSampler: ControlNet is not supported yet; use the stock KSampler")
+            raise NotImplementedError("PatchRay: ControlNet is not supported yet; sample this graph without PatchRay")
         # ComfyUI's UNet writes into transformer_options: a call without them gets a dict of its own
         transformer_options = {} if transformer_options is None else transformer_options
         stream = tuple(transformer_options.get("cond_or_uncond", ()))  # cond and uncond may arrive in separate calls
@@ -370,36 +370,37 @@ def _drop_other_group_session(session) -> None:
         rank_cache().pop(_GROUP_SESSION).close()
 
 
-def _run(model, session, inputs: dict) -> torch.Tensor:
-    import comfy.sample
+def rebuild_guider(portable, model):
+    """The driver's guider around this rank's ModelPatcher ``model`` (``portable``: ``(class, state)`` from
+    ``parallel_model.portable_guider``). ``CFGGuider.__init__`` sets exactly the model and its options; the rest of
+    the state (conditionings, scales, a subclass's own attributes) is the driver's."""
+    cls, state = portable
+    guider = cls.__new__(cls)
+    guider.__dict__.update(state)
+    guider.model_patcher = model
+    guider.model_options = model.model_options
+    return guider
 
-    steps = int(inputs["steps"])
+
+def _run(model, session, inputs: dict) -> torch.Tensor:
+    """ComfyUI's own sampling loop on this rank: the driver's guider rebuilt around this rank's model, sampling with the
+    driver's sampler object, sigmas, noise, latent and mask. Rank 0 keeps its last denoised estimate for the driver's
+    callback (SamplerCustom's denoised output)."""
+    guider = rebuild_guider(inputs["guider"], model)
+    last = {}
 
     def callback(step, x0, x, total_steps):
         session.progress(step + 1, total_steps)
+        last["x0"] = x0
 
     # FSDP2's sharded parameters are DTensors, which cannot be detached inside inference mode (ComfyUI's loader sizes
     # modules through state_dict(), which detaches): a sharded model samples under no_grad, which computes the same
     sharded = model.model.__dict__.get("_patchray_shards") is not None
     with torch.no_grad() if sharded else torch.inference_mode():
-        return comfy.sample.sample(
-            model,
-            inputs["noise"],
-            steps,
-            inputs["cfg"],
-            inputs["sampler_name"],
-            inputs["scheduler"],
-            inputs["positive"],
-            inputs["negative"],
-            inputs["latent_image"],
-            denoise=inputs["denoise"],
-            # KSamplerAdvanced's part of the schedule (absent: the whole schedule, as the stock KSampler runs it)
-            disable_noise=inputs.get("disable_noise", False),
-            start_step=inputs.get("start_step"),
-            last_step=inputs.get("last_step"),
-            force_full_denoise=inputs.get("force_full_denoise", False),
-            noise_mask=inputs.get("noise_mask"),
-            callback=callback,
-            disable_pbar=True,
-            seed=inputs["seed"],
+        out = guider.sample(
+            inputs["noise"], inputs["latent_image"], inputs["sampler"], inputs["sigmas"],
+            denoise_mask=inputs.get("denoise_mask"), callback=callback, disable_pbar=True, seed=inputs.get("seed"),
         )
+    if last.get("x0") is not None and session.ctx.rank == 0:
+        session.info["x0"] = last["x0"].detach().to("cpu")
+    return out

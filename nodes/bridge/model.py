@@ -28,7 +28,7 @@ from typing import Hashable
 
 import torch
 
-__all__ = ["comfy_root", "model_key", "portable_parts", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal"]
+__all__ = ["comfy_root", "model_key", "portable_parts", "portable_options", "check_patches", "check_model_type", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal"]
 
 _UNSUPPORTED_COND_KEYS = {
     "control": "ControlNet conditioning (its residuals are full-image tensors added inside the UNet)",
@@ -53,7 +53,7 @@ def latent_and_noise(mp, latent_dict: dict, seed: int, add_noise: bool = True):
 
     latent = comfy.sample.fix_empty_latent_channels(mp, latent_dict["samples"])
     if latent.dim() not in (4, 5):
-        raise ValueError(f"Distributed KSampler takes image latents [B, C, H, W] or video latents [B, C, T, H, W]; got shape {tuple(latent.shape)}")
+        raise ValueError(f"PatchRay samples image latents [B, C, H, W] or video latents [B, C, T, H, W]; got shape {tuple(latent.shape)}")
     if not add_noise:
         return latent, torch.zeros(latent.size(), dtype=latent.dtype, layout=latent.layout, device="cpu")
     return latent, comfy.sample.prepare_noise(latent, seed, latent_dict.get("batch_index"))
@@ -102,7 +102,12 @@ def sequence_refusal(mp):
     dm = getattr(mp.model, "diffusion_model", None)
     if diffusion_kind(mp) == "unet":
         if getattr(dm, "dims", 2) != 2:
-            return f"PatchRay Distributed KSampler: sequence parallelism does not cover a {dm.dims}-D UNet yet; parallelism=cfg or batch work with every model"
+            return f"PatchRay: sequence parallelism does not cover a {dm.dims}-D UNet yet; parallelism=cfg or batch work with every model"
+        if type(dm).__name__ != "UNetModel":
+            # a subclass adds layers the row bands were never checked against (SVD's VideoUNet: temporal blocks that
+            # mix the frames held in the batch); refused rather than run unverified
+            return (f"PatchRay: sequence parallelism covers ComfyUI's UNetModel (SD 1.x/2.x/SDXL), not its subclass "
+                    f"{type(dm).__name__}; parallelism=cfg or batch work with every model")
         return None
     if find_row(type(dm).__name__) is None:
         from .errors import model_name
@@ -131,7 +136,7 @@ def check_sequence(mp, latent: torch.Tensor, num_ranks: int) -> None:
 
 
 def _refuse(what: str) -> NotImplementedError:
-    return NotImplementedError(f"PatchRay Distributed KSampler: {what} is not supported yet; use the stock KSampler for this graph")
+    return NotImplementedError(f"PatchRay: {what} is not supported yet; sample this graph without PatchRay (the stock sampler on the MODEL before PatchRay Parallel Model)")
 
 
 _SEQUENCE_ONLY_COND_KEYS = ("area", "mask")
@@ -150,8 +155,8 @@ def check_conditioning(name: str, conditioning, mode: str = "sequence") -> None:
             if extra.get(key) is not None:
                 if key in _SEQUENCE_ONLY_COND_KEYS:
                     raise NotImplementedError(
-                        f"PatchRay Distributed KSampler: {why} in {name} cannot be split into row bands "
-                        f"(parallelism={mode}); parallelism=cfg or batch run it whole, or use the stock KSampler"
+                        f"PatchRay: {why} in {name} cannot be split into row bands "
+                        f"(parallelism={mode}); parallelism=cfg or batch run it whole, or sample this graph without PatchRay"
                     )
                 raise _refuse(f"{why} in {name}")
 
@@ -165,7 +170,7 @@ def check_model_type(mp) -> None:
         raise _refuse("a MODEL without a diffusion model")
 
 
-def _check_model(mp, mode: str = "sequence") -> None:
+def _check_model(mp, mode: str = "sequence", ignore: tuple = ()) -> None:
     check_model_type(mp)
     if "sequence" in mode:
         why = sequence_refusal(mp)
@@ -177,25 +182,46 @@ def _check_model(mp, mode: str = "sequence") -> None:
             if any(to.get(key, {}).values()):
                 what = "a row band" if "sequence" in mode else "a share of the call's rows"
                 raise _refuse(f"the MODEL's {key} ({sorted(to[key])}) with parallelism={mode} (attention or block patches would see only {what}; parallelism=cfg runs them whole)")
+    check_patches(mp, ignore)
+
+
+def check_patches(mp, ignore: tuple = ()) -> None:
+    """Refuse, by name, what the MODEL carries that cannot travel to the ranks whatever the parallelism: wrappers and
+    callbacks of other extensions (they live on this process's ModelPatcher), a torch.compile wrapper, weight wrapper
+    patches and hook patches. ``ignore``: wrapper keys of PatchRay's own (the Parallel Model's driver-side wrapper)."""
     if any(_TORCH_COMPILE_KEY in keyed for keyed in mp.wrappers.values()):
         # ComfyUI's TorchCompileModel adds a torch.compile wrapper of the whole diffusion model on the driver's MODEL:
         # the ranks run their own copies, whose attention goes through PatchRay's exchange (collectives the compiled
         # graph would have to stop at); the wrapper would not reach them
         raise NotImplementedError(
-            "PatchRay Distributed KSampler: the MODEL comes through TorchCompileModel (a torch.compile wrapper of the "
-            "whole diffusion model); the ranks run their own copies of the model and do not take that wrapper: "
-            "connect the MODEL before the TorchCompileModel node to the Distributed KSampler, or use the stock "
-            "KSampler for a compiled model")
-    for kind, table in (("wrappers", mp.wrappers), ("callbacks", mp.callbacks)):
+            "PatchRay: the MODEL comes through TorchCompileModel (a torch.compile wrapper of the whole diffusion "
+            "model); the ranks run their own copies of the model and do not take that wrapper: connect the MODEL "
+            "before the TorchCompileModel node to PatchRay, or sample a compiled model without PatchRay")
+    to = mp.model_options.get("transformer_options", {}) or {}
+    for kind, table in (("wrappers", mp.wrappers), ("callbacks", mp.callbacks),
+                        ("wrappers", to.get("wrappers") or {}), ("callbacks", to.get("callbacks") or {})):
         # by hook point and by the key the adding node filed it under (the key usually names the extension)
-        used = sorted(f"{k}: {', '.join(sorted(str(key) for key, fns in v.items() if fns))}" for k, v in table.items()
-                      if any(v.values()))
+        used = sorted(f"{k}: {', '.join(sorted(str(key) for key, fns in v.items() if fns and key not in ignore))}"
+                      for k, v in table.items() if any(fns for key, fns in v.items() if key not in ignore))
         if used:
             raise _refuse(f"{kind} added to the MODEL by other nodes ({used})")
     if mp.weight_wrapper_patches:
         raise _refuse("weight wrapper patches")
     if getattr(mp, "hook_patches", None):
         raise _refuse("hook patches (scheduled weight hooks)")
+
+
+def portable_options(mp) -> dict:
+    """The MODEL's ``model_options`` as the ranks take them: a copy without wrappers and callbacks filed in them
+    (PatchRay's own are the driver's; any other was refused by :func:`check_patches`)."""
+    import comfy.model_patcher
+
+    options = comfy.model_patcher.create_model_options_clone(mp.model_options)
+    to = options.get("transformer_options")
+    if isinstance(to, dict):
+        for name in ("wrappers", "callbacks"):
+            to.pop(name, None)
+    return options
 
 
 #: the key ComfyUI's ``comfy_api.torch_helpers.set_torch_compile_wrapper`` (the TorchCompileModel node) files its
@@ -253,14 +279,14 @@ def _skeleton(mp, state: dict):
     return skeleton
 
 
-def model_key(mp, mode: str = "sequence") -> Hashable:
+def model_key(mp, mode: str = "sequence", ignore: tuple = ()) -> Hashable:
     """The key the ranks cache the MODEL ``mp`` under, after the refusals of ``mode`` (the resolved parallelism;
     see the module docstring).
 
     It names the base weights (a token stored on ComfyUI's model object) and the weight-patch set
     (``patches_uuid``, which ComfyUI renews whenever weight patches change): equal keys, equal weights.
     """
-    _check_model(mp, mode)
+    _check_model(mp, mode, ignore)
     base = mp.model
     token = base.__dict__.get("_patchray_token")
     if token is None:
@@ -282,13 +308,13 @@ def _live_state(mp) -> dict:
     return live
 
 
-def portable_parts(mp, mode: str = "sequence"):
+def portable_parts(mp, mode: str = "sequence", ignore: tuple = ()):
     """The MODEL for ``sampling.ship.ship_model_in_parts``: ``(key, make_skeleton, names, tensor, sizes)``.
 
     The key is :func:`model_key`; the weights are produced one at a time (``tensor(name)``: the patched weight on
     the host), so neither a full patched copy nor a full copy in Ray's store ever exists beside ComfyUI's own weights.
     """
-    key = model_key(mp, mode)  # the refusals and the key
+    key = model_key(mp, mode, ignore)  # the refusals and the key
     live = _live_state(mp)
     names = list(live)
     sizes = {k: t.numel() * t.element_size() for k, t in live.items()}

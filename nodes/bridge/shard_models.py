@@ -29,7 +29,7 @@ __all__ = [
 SHARDING_NAMES = ["none", "blocks", "blocks+offload", "auto"]
 #: the values that shard the blocks (resolved, as the ranks receive them)
 SHARDED = ("blocks", "blocks+offload")
-_NODE = "PatchRay Distributed KSampler"
+_NODE = "PatchRay"
 
 #: ComfyUI 0.3.64 diffusion-model class -> the globs of its blocks (one FSDP2 unit each, in forward order)
 COMFY_BLOCKS: Dict[str, Tuple[str, ...]] = {

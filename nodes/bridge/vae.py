@@ -13,6 +13,12 @@ Design decisions:
   The fallback note lists the VAE classes PatchRay shards, read from the layout table.
 * **Progress per stage.** ``progress(done, total)`` receives rank 0's stages (the VAE's top-level blocks, or its
   frame chunks) through the cluster's progress relay.
+* **Two levels, one decode.** :func:`decode_latent` / :func:`encode_pixels` take and return what ComfyUI's
+  ``VAE.decode`` / ``VAE.encode`` do (a latent tensor in, ``[B, (T,) H, W, C]`` out; pixels in, a latent tensor out):
+  the PatchRay Parallel VAE's methods (:mod:`.parallel_vae`) are exactly these. :func:`decode` / :func:`encode` are
+  the Distributed VAE Decode / Encode nodes: the same calls wrapped in the stock nodes' own steps (the LATENT dict,
+  a video's frames folded into the IMAGE batch), so the two ways to decode on the ranks cannot drift apart. Every
+  message names the PatchRay node the user set the decode up with (``node``).
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from . import plan_words
 from . import validate
 from .errors import rank_errors_for_user
 
-__all__ = ["Result", "decode", "encode", "covered_vaes"]
+__all__ = ["Result", "Settings", "decode", "encode", "decode_latent", "encode_pixels", "check_settings", "covered_vaes",
+           "fallback_note"]
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +61,15 @@ def covered_vaes() -> list:
     return names
 
 
-def _fallback_note(exc: Exception, what: str) -> str:
+def fallback_note(exc: Exception, what: str, done: bool = True) -> str:
+    """Why a VAE decodes/encodes as stock, with the VAEs PatchRay shards (logged as a warning).
+
+    ``done``: the note of a call that fell back ("used ... instead"); else of a VAE that will ("uses ... instead").
+    """
     reason = str(exc)
     covered = "" if "PatchRay covers" in reason else f" PatchRay shards: {', '.join(covered_vaes())}."
-    msg = f"PatchRay cannot shard this VAE ({reason}); used ComfyUI's own single-device {what} instead.{covered}"
+    verb = "used" if done else "uses"
+    msg = f"PatchRay cannot shard this VAE ({reason}); {verb} ComfyUI's own single-device {what} instead.{covered}"
     log.warning(msg)
     return msg
 
@@ -77,11 +89,12 @@ def covered_vaes_by_family() -> dict:
     return out
 
 
-def _cluster_config(cluster_config):
+def _cluster_config(cluster_config, node: Optional[str] = None):
     from ...distributed.cluster import ClusterConfig
 
     if not isinstance(cluster_config, ClusterConfig):
-        raise TypeError(f"the cluster input must come from a PatchRay Cluster node (got {type(cluster_config).__name__})")
+        lead = f"{node}: 'cluster'" if node else "the cluster input"
+        raise TypeError(f"{lead} must come from a PatchRay Cluster node (got {type(cluster_config).__name__})")
     return cluster_config
 
 
@@ -101,14 +114,20 @@ def _check_balance(node: str, balance: str) -> None:
         raise ValueError(f"{node}: 'balance' must be one of {', '.join(BALANCE_MODES)} (got {balance!r})")
 
 
-def _check_samples(spec, z: torch.Tensor, num_ranks: int, mode: str) -> None:
+def _check_mode(node: str, mode: str) -> None:
+    from ...distributed.vae.api import MODES
+
+    if mode not in MODES:
+        raise ValueError(f"{node}: 'mode' must be one of {', '.join(MODES)} (got {mode!r})")
+
+
+def _check_samples(spec, z: torch.Tensor, num_ranks: int, mode: str, node: str = _DECODE) -> None:
     """The decode's input checks, in the node's terms (see the module docstring)."""
-    from ...distributed.vae.api import MODES, latent_channels
+    from ...distributed.vae.api import latent_channels
     from ...distributed.vae.families import get_family
     from ...distributed.vae.row import row_bands
 
-    if mode not in MODES:
-        raise ValueError(f"{_DECODE}: 'mode' must be one of {', '.join(MODES)} (got {mode!r})")
+    _check_mode(node, mode)
     label = _vae_label(spec)
     fam = get_family(spec.family)
     want = 5 if fam.is_video else 4
@@ -116,17 +135,17 @@ def _check_samples(spec, z: torch.Tensor, num_ranks: int, mode: str) -> None:
         kind = "video latents [B, C, T, h, w]" if fam.is_video else "image latents [B, C, h, w]"
         got = "a video latent" if z.dim() == 5 else "an image latent"
         raise ValueError(
-            f"{_DECODE}: 'samples' is {got} of shape {tuple(z.shape)}, but 'vae' ({label}) decodes {kind}: "
+            f"{node}: 'samples' is {got} of shape {tuple(z.shape)}, but 'vae' ({label}) decodes {kind}: "
             "connect the latent made for this VAE, or load the VAE that made it"
         )
     channels = latent_channels(spec)
     if channels is not None and z.shape[1] != channels:
         raise ValueError(
-            f"{_DECODE}: 'samples' has {z.shape[1]} latent channels but 'vae' ({label}) takes {channels}: the latent "
+            f"{node}: 'samples' has {z.shape[1]} latent channels but 'vae' ({label}) takes {channels}: the latent "
             "was made by another model's VAE; connect the VAE that matches the model (or the latent)"
         )
     _refuse_non_finite(
-        _DECODE, "samples", z,
+        node, "samples", z,
         "it would decode to a black or broken image. The sampler that made it diverged (often fp16 overflow: "
         "run the model in bf16 or fp32)",
     )
@@ -136,13 +155,13 @@ def _check_samples(spec, z: torch.Tensor, num_ranks: int, mode: str) -> None:
             row_bands(rows, num_ranks)
         except ValueError:
             raise ValueError(
-                f"{_DECODE}: 'samples' has {rows} latent rows, fewer than the {num_ranks} ranks of 'cluster' (row mode "
+                f"{node}: 'samples' has {rows} latent rows, fewer than the {num_ranks} ranks of 'cluster' (row mode "
                 f"gives each rank at least one row): set num_ranks on the PatchRay Cluster node to {rows} or fewer, "
                 "or decode a taller image"
             ) from None
 
 
-def _check_plan_family(plan: Optional[dict], spec) -> None:
+def _check_plan_family(plan: Optional[dict], spec, node: str = _DECODE) -> None:
     """A plan's tiles are latent rectangles at its family's pixels per latent; another VAE's latent has other ones."""
     if plan is None or "ratio" not in plan:
         return
@@ -153,25 +172,29 @@ def _check_plan_family(plan: Optional[dict], spec) -> None:
         fix = (f"set family on the PatchRay Tile Planner node to {spec.family}" if get_family(spec.family).spatial_ratio == ratio
                else f"plan with a family of {ratio} px per latent on the PatchRay Tile Planner node")
         raise ValueError(
-            f"{_DECODE}: 'plan' was made for family {plan.get('family')} ({plan['ratio']} px per latent), but 'vae' "
+            f"{node}: 'plan' was made for family {plan.get('family')} ({plan['ratio']} px per latent), but 'vae' "
             f"({_vae_label(spec)}) has {ratio} px per latent: {fix}"
         )
 
 
-def _tile_plan(spec, z: torch.Tensor, num_ranks: int, plan):
+def _check_plan_ranks(plan: Optional[dict], num_ranks: int, node: str = _DECODE) -> None:
+    if plan is not None and int(plan.get("world_size", num_ranks)) != num_ranks:
+        raise ValueError(
+            f"{node}: 'plan' was made for {plan.get('world_size')} ranks but 'cluster' has {num_ranks}: set ranks on "
+            f"the PatchRay Tile Planner node to {num_ranks} (the PatchRay Cluster node's num_ranks)"
+        )
+
+
+def _tile_plan(spec, z: torch.Tensor, num_ranks: int, plan, node: str = _DECODE):
     """tile-runs' plan, resolved before the cluster starts; refusals name the inputs and widgets."""
     from ...distributed.vae.api import tile_plan_for
 
-    if plan is not None and int(plan.get("world_size", num_ranks)) != num_ranks:
-        raise ValueError(
-            f"{_DECODE}: 'plan' was made for {plan.get('world_size')} ranks but 'cluster' has {num_ranks}: set ranks on "
-            f"the PatchRay Tile Planner node to {num_ranks} (the PatchRay Cluster node's num_ranks)"
-        )
+    _check_plan_ranks(plan, num_ranks, node)
     try:
         return tile_plan_for(spec, z, num_ranks, plan)
     except ValueError as exc:
         ratio = cv.spatial_ratio(spec)
-        raise ValueError(plan_words.for_decode(str(exc), int(z.shape[-1]) * ratio, int(z.shape[-2]) * ratio, num_ranks, _DECODE)) from None
+        raise ValueError(plan_words.for_decode(str(exc), int(z.shape[-1]) * ratio, int(z.shape[-2]) * ratio, num_ranks, node)) from None
 
 
 _GIB = 2**30
@@ -297,18 +320,18 @@ def _estimate(fn, shape, dtype: torch.dtype, per_sample: bool) -> Optional[int]:
 
 
 @contextlib.contextmanager
-def _out_of_memory_hint(config):
+def _out_of_memory_hint(config, node: str = _DECODE):
     """When even the smallest row-tiled decode ran out of memory: the same error, with what the user can change."""
     try:
         yield
     except torch.OutOfMemoryError as exc:
         raise torch.OutOfMemoryError(
-            f"{_DECODE}: {exc}. Decode fewer frames or a smaller image per call, add GPUs (num_ranks on the PatchRay "
+            f"{node}: {exc}. Decode fewer frames or a smaller image per call, add GPUs (num_ranks on the PatchRay "
             f"Cluster node, now {config.num_ranks}), or set 'precision' to bf16"
         ) from exc
 
 
-def _check_decode_memory(vae, samples, z: torch.Tensor, spec, dtype: torch.dtype, config) -> None:
+def _check_decode_memory(vae, samples, z: torch.Tensor, spec, dtype: torch.dtype, config, node: str = _DECODE) -> None:
     raw = cv.latent_tensor(samples)
     ratio = cv.spatial_ratio(spec)
     height, width = int(z.shape[-2]) * ratio, int(z.shape[-1]) * ratio
@@ -333,7 +356,7 @@ def _check_decode_memory(vae, samples, z: torch.Tensor, spec, dtype: torch.dtype
     fits = _fits_words("decode", need_at, count, frames_of, video, width, height, widget)
     out_bytes = batch * frames * height * width * 3 * 4  # ComfyUI's IMAGE: float32 RGB
     estimate = _estimate(fn, raw.shape, dtype, per_sample=True)
-    check_host_memory(_DECODE, "samples", f"{what} to decode", estimate, out_bytes, config, "decode", fits=fits, share=share)
+    check_host_memory(node, "samples", f"{what} to decode", estimate, out_bytes, config, "decode", fits=fits, share=share)
 
 
 def _decoded_frames(vae, raw: torch.Tensor) -> int:
@@ -345,6 +368,66 @@ def _decoded_frames(vae, raw: torch.Tensor) -> int:
         return max(1, int(temporal(int(raw.shape[2])))) if temporal else int(raw.shape[2])
     except Exception:
         return int(raw.shape[2])
+
+
+class Settings(NamedTuple):
+    """:func:`check_settings`' answer.
+
+    Args:
+        config: the cluster's ``ClusterConfig``.
+        plan: the plan dict, ``None`` when absent or unused (row mode).
+        fallback: why the VAE decodes and encodes as stock (a VAE PatchRay cannot shard), else ``None``.
+        unused: the note for a plan row mode does not use, else ``None``.
+    """
+
+    config: object
+    plan: Optional[dict]
+    fallback: Optional[str]
+    unused: Optional[str]
+
+
+def check_settings(node: str, vae, cluster_config, mode: str = "auto", precision: str = "auto", plan=None,
+                   balance: str = "equal") -> Settings:
+    """The decode settings, checked as far as they can be without a latent, before any rank starts.
+
+    Raises ``TypeError`` / ``ValueError`` naming ``node``'s inputs; the notes (:class:`Settings`) are logged.
+    """
+    from ...distributed.vae.convert import UnsupportedVaeError
+
+    try:
+        cv.first_stage(vae)
+    except TypeError:
+        if callable(getattr(vae, "decode", None)) and hasattr(vae, "first_stage_model"):
+            raise TypeError(
+                f"{node}: 'vae' holds no VAE weights (a checkpoint without a VAE, from a checkpoint loader): load the "
+                "VAE with Load VAE and connect that"
+            ) from None
+        raise TypeError(
+            f"{node}: 'vae' must be ComfyUI's VAE (from Load VAE or a checkpoint loader), got {type(vae).__name__}"
+        ) from None
+    config = _cluster_config(cluster_config, node)
+    _check_mode(node, mode)
+    _check_balance(node, balance)
+    try:
+        cv.resolve_dtype(precision, vae)
+        plan = cv.plan_dict(plan)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{node}: {exc}") from None
+    try:
+        spec = cv.vae_spec(vae)
+    except UnsupportedVaeError as exc:
+        spec, fallback = None, fallback_note(exc, "decode and encode", done=False)
+    else:
+        fallback = None
+    unused = validate.plan_use_note(mode, plan)
+    if unused:
+        plan = None
+        log.warning("%s: %s", node, unused)
+    elif spec is not None:
+        _check_plan_family(plan, spec, node)
+        if mode == "tile-runs":
+            _check_plan_ranks(plan, config.num_ranks, node)
+    return Settings(config, plan, fallback, unused)
 
 
 def decode(
@@ -361,6 +444,48 @@ def decode(
 ) -> Result:
     """LATENT -> IMAGE ``[N, H, W, 3]`` in 0..1 on the cluster's ranks, like the stock VAE Decode.
 
+    :func:`decode_latent` with the stock VAE Decode's own steps around it: the tensor of the LATENT dict in, a video's
+    frames folded into the IMAGE batch out.
+
+    Raises:
+        ValueError / TypeError: inputs that cannot work, before the cluster starts (messages name the inputs).
+        RankFailure: a rank failed (clean message; the trace is chained for the log).
+    """
+    _check_balance(_DECODE, balance)
+    z = cv.latent_tensor(samples)
+    vae = _plain(vae)
+    result = decode_latent(z, vae, cluster_config, mode, precision, gn_sync, plan, cancel_check=cancel_check,
+                           progress=progress, balance=balance)
+    return Result(cv.combine_batches(result.value), result.note)
+
+
+def decode_latent(
+    z: torch.Tensor,
+    vae,
+    cluster_config,
+    mode: str = "auto",
+    precision: str = "auto",
+    gn_sync: bool = False,
+    plan=None,
+    cancel_check: Optional[Callable[[], None]] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    balance: str = "equal",
+    *,
+    node: str = _DECODE,
+    stock: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> Result:
+    """A latent tensor -> what ComfyUI's ``VAE.decode`` returns for it, decoded on the cluster's ranks.
+
+    Args:
+        z: the latent as ``VAE.decode`` takes it (``LATENT["samples"]``): ``[B, C, h, w]`` or ``[B, C, T, h, w]``.
+        vae: ComfyUI's VAE (its weights go to the ranks once; its ``output_device`` places the result).
+        node: the PatchRay node named in refusals and notes.
+        stock: ComfyUI's own decode of ``z``, run for a VAE PatchRay cannot shard (default ``vae.decode``).
+
+    Returns:
+        :class:`Result`: ``[B, H, W, 3]`` (image latent) or ``[B, T, H, W, 3]`` (video latent) float32 in 0..1 on
+        ``vae.output_device``, as ``VAE.decode``; the note (fallback, row-tiled retry, unused plan) is logged too.
+
     Raises:
         ValueError / TypeError: inputs that cannot work, before the cluster starts (messages name the inputs).
         RankFailure: a rank failed (clean message; the trace is chained for the log).
@@ -369,27 +494,27 @@ def decode(
     from ...distributed.vae.api import decode_report
     from ...distributed.vae.convert import UnsupportedVaeError
 
-    _check_balance(_DECODE, balance)
-    z = cv.latent_tensor(samples)
+    _check_balance(node, balance)
+    raw = cv.check_latent(z)
     plan = cv.plan_dict(plan)
-    config = _cluster_config(cluster_config)
+    config = _cluster_config(cluster_config, node)
     try:
         spec = cv.vae_spec(vae)
     except UnsupportedVaeError as exc:
-        return Result(cv.stock_decode(vae, samples), _fallback_note(exc, "decode"))
-    z = cv.latent_to_library(spec, z)
-    _check_samples(spec, z, config.num_ranks, mode)
+        return Result((stock or vae.decode)(raw), fallback_note(exc, "decode"))
+    z = cv.latent_to_library(spec, raw.detach().cpu())
+    _check_samples(spec, z, config.num_ranks, mode, node)
     unused = validate.plan_use_note(mode, plan)
     if unused:
         plan = None
     else:
-        _check_plan_family(plan, spec)
+        _check_plan_family(plan, spec, node)
         validate.plan_for_latent(plan, z.shape, cv.spatial_ratio(spec))
     if mode == "tile-runs":
-        plan = _tile_plan(spec, z, config.num_ranks, plan)
+        plan = _tile_plan(spec, z, config.num_ranks, plan, node)
     dtype = cv.resolve_dtype(precision, vae)
-    _check_decode_memory(vae, samples, z, spec, dtype, config)
-    with _out_of_memory_hint(config), rank_errors_for_user():
+    _check_decode_memory(vae, {"samples": raw}, z, spec, dtype, config, node)
+    with _out_of_memory_hint(config, node), rank_errors_for_user():
         report = decode_report(
             get_cluster(config, cancel_check=cancel_check),  # the ranks start here on first use
             spec,
@@ -408,11 +533,19 @@ def decode(
                   "decode with the plan")
     note = "; ".join(n for n in (unused, report.note) if n) or None
     if note:
-        log.warning("%s: %s", _DECODE, note)
-    return Result(cv.decoded_to_image(report.sample), note)
+        log.warning("%s: %s", node, note)
+    return Result(cv.to_output_device(vae, cv.decoded_to_pixels(report.sample)), note)
 
 
-def _check_encode_memory(vae, pixels, x: torch.Tensor, dtype: torch.dtype, config, spec=None) -> None:
+def _plain(vae):
+    """The VAE a PatchRay Parallel VAE was made from (the object itself for any other): its spec is cached, and its
+    own decode is ComfyUI's."""
+    from .parallel_vae import plain_vae
+
+    return plain_vae(vae)
+
+
+def _check_encode_memory(vae, pixels, x: torch.Tensor, dtype: torch.dtype, config, spec=None, node: str = _ENCODE) -> None:
     """Refuse an encode this machine cannot hold (:func:`check_host_memory`). The count the refusal names is one whose
     decode fits as well (given ``spec``): a workflow decodes what it encodes, and for whole-clip video VAEs
     (HunyuanVideo) ComfyUI's decode estimate is many times the encode's, so an encode-only count would be refused by
@@ -450,12 +583,12 @@ def _check_encode_memory(vae, pixels, x: torch.Tensor, dtype: torch.dtype, confi
         widget += "; that count leaves room for decoding them"
     fits = _fits_words("encode", lambda k: max(need_at(frames_of(k)), decode_need(frames_of(k))), steps, frames_of, video,
                        width, height, widget)
-    check_host_memory(_ENCODE, "pixels", f"{frames} frame(s) of {width}x{height} px to encode",
+    check_host_memory(node, "pixels", f"{frames} frame(s) of {width}x{height} px to encode",
                       _estimate(fn, shape_at(frames), dtype, per_sample=not video), int(x.numel()) * 4, config, "encode",
                       fits=fits)
 
 
-def _check_encode_frames(spec, x: torch.Tensor) -> None:
+def _check_encode_frames(spec, x: torch.Tensor, node: str = _ENCODE) -> None:
     """Refuse a clip whose frame count ComfyUI's own encoder of this VAE refuses (LTX-Video: 1 + 8k frames only), as
     the stock VAE Encode does, instead of encoding fewer frames than it was given."""
     from .vae_layouts import encode_frame_step
@@ -465,7 +598,7 @@ def _check_encode_frames(spec, x: torch.Tensor) -> None:
     if step > 1 and (frames - 1) % step:
         lower = (frames - 1) // step * step + 1
         raise ValueError(
-            f"{_ENCODE}: 'pixels' has {frames} frame(s), but the {_vae_label(spec)} encodes 1 + {step}k frames (1, "
+            f"{node}: 'pixels' has {frames} frame(s), but the {_vae_label(spec)} encodes 1 + {step}k frames (1, "
             f"{1 + step}, {1 + 2 * step}, ...), as the stock VAE Encode does: give it {lower} or {lower + step} frames "
             f"(e.g. length on the node that made the images)"
         )
@@ -489,37 +622,71 @@ def encode(
     progress: Optional[Callable[[int, int], None]] = None,
     balance: str = "equal",
 ) -> Result:
-    """IMAGE -> LATENT ``{"samples": mean}`` on the cluster's ranks, like the stock VAE Encode."""
+    """IMAGE -> LATENT ``{"samples": mean}`` on the cluster's ranks, like the stock VAE Encode.
+
+    :func:`encode_pixels` with the stock VAE Encode's own steps around it: its first three channels in (ComfyUI's
+    own encode, for a VAE PatchRay cannot shard, gets them sliced as the stock node does), the LATENT dict out.
+    """
+    vae = _plain(vae)
+    result = encode_pixels(pixels, vae, cluster_config, precision, cancel_check=cancel_check, progress=progress,
+                           balance=balance, stock=lambda p: cv.stock_encode(vae, p))
+    return Result({"samples": result.value}, result.note)
+
+
+def encode_pixels(
+    pixels,
+    vae,
+    cluster_config,
+    precision: str = "auto",
+    cancel_check: Optional[Callable[[], None]] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    balance: str = "equal",
+    *,
+    node: str = _ENCODE,
+    stock: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> Result:
+    """Pixels -> what ComfyUI's ``VAE.encode`` returns for them (the latent mean), encoded on the cluster's ranks.
+
+    Args:
+        pixels: IMAGE ``[B, H, W, C]`` in 0..1 (for video VAEs the batch is the clip's frames), cropped about the centre
+            to the VAE's compression as ``VAE.encode`` crops it.
+        node: the PatchRay node named in refusals and notes.
+        stock: ComfyUI's own encode of ``pixels``, run for a VAE PatchRay cannot shard (default ``vae.encode``).
+
+    Returns:
+        :class:`Result`: ``[B, C, h, w]`` (image VAEs), ``[1, C, t, h, w]`` (a video VAE's clip) or ``[B, C, 1, h, w]``
+        (images through a 5-D VAE ComfyUI marks ``not_video``), float32 on ``vae.output_device``, as ``VAE.encode``.
+    """
     from ...distributed.cluster import get_cluster
     from ...distributed.vae.api import distributed_encode
     from ...distributed.vae.convert import UnsupportedVaeError
     from ...distributed.vae.families import image_channels
     from ...distributed.vae.row import check_encode_input
 
-    _check_balance(_ENCODE, balance)
-    config = _cluster_config(cluster_config)
+    _check_balance(node, balance)
+    config = _cluster_config(cluster_config, node)
     try:
         spec = cv.vae_spec(vae)
     except UnsupportedVaeError as exc:
-        return Result({"samples": cv.stock_encode(vae, pixels)}, _fallback_note(exc, "encode"))
+        return Result((stock or vae.encode)(pixels), fallback_note(exc, "encode"))
     try:
-        x = cv.encode_input(pixels, spec)
+        x = cv.encode_input(pixels.detach().cpu() if torch.is_tensor(pixels) else pixels, spec)
     except ValueError as exc:
-        raise ValueError(f"{_ENCODE}: 'pixels': {exc}") from None
-    _refuse_non_finite(_ENCODE, "pixels", x, "the image is broken upstream (a node that produced it diverged)")
-    _check_encode_frames(spec, x)
+        raise ValueError(f"{node}: 'pixels': {exc}") from None
+    _refuse_non_finite(node, "pixels", x, "the image is broken upstream (a node that produced it diverged)")
+    _check_encode_frames(spec, x, node)
     try:
         check_encode_input(spec.family, x, image_channels(spec.family, spec.config), config.num_ranks)
     except ValueError as exc:
         raise ValueError(
-            f"{_ENCODE}: 'pixels' cannot be encoded on the {config.num_ranks} ranks of 'cluster': {exc} (num_ranks is "
+            f"{node}: 'pixels' cannot be encoded on the {config.num_ranks} ranks of 'cluster': {exc} (num_ranks is "
             "set on the PatchRay Cluster node)"
         ) from None
     dtype = cv.resolve_dtype(precision, vae)
-    _check_encode_memory(vae, pixels, x, dtype, config, spec=spec)
+    _check_encode_memory(vae, pixels, x, dtype, config, spec=spec, node=node)
     with rank_errors_for_user():
         z: torch.Tensor = distributed_encode(
             get_cluster(config, cancel_check=cancel_check), spec, x, dtype=dtype, cancel_check=cancel_check, progress=progress,
             balance=balance,
         )
-    return Result({"samples": cv.latent_from_library(spec, z)}, None)
+    return Result(cv.to_output_device(vae, cv.latent_from_library(spec, z).float()), None)

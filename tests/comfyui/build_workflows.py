@@ -2,7 +2,9 @@
 
 Both forms come from one description per workflow below, so they agree by construction; the tests in
 tests/nodes/test_workflows.py check that independently (UI -> API conversion, link types, known node types).
-Run: ``python tests/comfyui/build_workflows.py``.
+The ``template_*`` workflows are ComfyUI's own templates with the PatchRay nodes added: template_workflows.py makes
+them from the installed ``comfyui-workflow-templates`` package (without it this script says so and exits 1 after
+writing the others). Run: ``python tests/comfyui/build_workflows.py``.
 """
 
 from __future__ import annotations
@@ -439,7 +441,7 @@ def build(name: str, nodes: dict, info: dict):
     return ui, api
 
 
-def main():
+def main() -> int:
     info = node_info()
     OUT.mkdir(exist_ok=True)
     for name, fn in WORKFLOWS.items():
@@ -447,7 +449,18 @@ def main():
         (OUT / f"{name}.json").write_text(json.dumps(ui, indent=1) + "\n")
         (OUT / f"{name}.api.json").write_text(json.dumps(api, indent=1) + "\n")
         print(f"workflows/{name}.json, workflows/{name}.api.json")
+    # ComfyUI's own templates with the PatchRay nodes added (template_workflows.py), read from the installed
+    # comfyui-workflow-templates package
+    import template_workflows
+
+    try:
+        for ui_path, api_path in zip(*[iter(template_workflows.write_all(info))] * 2):
+            print(f"{ui_path}, {api_path}")
+    except template_workflows.TemplatesMissing as exc:
+        print(f"the template workflows were not written: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

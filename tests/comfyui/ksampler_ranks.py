@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from rank_harness import sampling_inputs, stock_sample, write_report
+from rank_harness import rank_run_inputs, sampling_inputs, stock_sample, write_report
 
 GIB = 1024**3
 
@@ -88,6 +88,7 @@ def _rank(ctx, opts):
                 torch.cuda.synchronize(ctx.device)
             out["stock"] = {"seconds": round(time.perf_counter() - t0, 3),
                             "peak_gib": round(torch.cuda.max_memory_allocated(ctx.device) / GIB, 3) if cuda else None}
+    inputs = rank_run_inputs(mp, inputs, None, "unet", "auto")
     _sync(ctx)
     for name in opts["presets"]:
         session = RankSession(ctx, "model", preset(name, split_batch=False))

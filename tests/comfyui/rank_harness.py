@@ -88,6 +88,37 @@ def stock_sample(mp, inputs):
                                    force_full_denoise=inputs.get("force_full_denoise", False))
 
 
+def rank_run_inputs(mp, inputs, layout, kind, attention):
+    """What the Parallel Model's driver sends its ranks for the KSampler call ``inputs`` describes (old-style keys:
+    noise, steps, cfg, sampler_name, ...): ComfyUI's own ``comfy.sample.sample`` runs on a clone of ``mp`` up to its
+    OUTER_SAMPLE extension point, where a wrapper takes the guider, sampler, sigmas, noise, latent and mask as the
+    Parallel Model's wrapper does (``parallel_model.rank_inputs``) and returns without sampling."""
+    import comfy.patcher_extension as pe
+    import comfy.sample
+
+    from patchray.nodes.bridge.parallel_model import rank_inputs
+
+    seen = {}
+
+    def capture(executor, noise, latent_image, sampler, sigmas, denoise_mask=None, callback=None, disable_pbar=False,
+                seed=None):
+        seen["inputs"] = rank_inputs(executor.class_obj, noise, latent_image, sampler, sigmas, denoise_mask, seed, layout,
+                                     kind, attention)
+        return latent_image
+
+    m = mp.clone()
+    m.model_options = inputs["model_options"]
+    for name, obj in inputs["object_patches"].items():
+        m.add_object_patch(name, obj)
+    m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "patchray.test.capture", capture)
+    comfy.sample.sample(m, inputs["noise"], inputs["steps"], inputs["cfg"], inputs["sampler_name"], inputs["scheduler"],
+                        inputs["positive"], inputs["negative"], inputs["latent_image"], denoise=inputs["denoise"],
+                        noise_mask=inputs["noise_mask"], disable_pbar=True, seed=inputs["seed"],
+                        disable_noise=inputs.get("disable_noise", False), start_step=inputs.get("start_step"),
+                        last_step=inputs.get("last_step"), force_full_denoise=inputs.get("force_full_denoise", False))
+    return seen["inputs"]
+
+
 @contextlib.contextmanager
 def watch_text():
     """The text shard sizes of every sequence-parallel model call of the block (``()``: the text stayed whole), read
@@ -145,8 +176,8 @@ def sample_case(ctx, key, mp, inputs, layout, kind, attention):
     from patchray.distributed.sampling.remote import RankSession
     from patchray.nodes.bridge import ksampler_rank as kr
 
-    inputs.update(layout=layout._asdict(), kind=kind, attention=attention)
     ref = stock_sample(mp, inputs).float() if ctx.rank == 0 else None
+    inputs = rank_run_inputs(mp, inputs, layout, kind, attention)
     session = RankSession(ctx, key, preset("full_sync", split_batch=False))
     session.begin()
     with comm.log_comm() as log, watch_text() as texts:

@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rank_harness import rank_main, stock_sample  # noqa: E402
+from rank_harness import rank_main, rank_run_inputs, stock_sample  # noqa: E402
 
 # name -> (dit_ranks model kind, parallelism, fp8 weights)
 CASES = {
@@ -67,10 +67,10 @@ def _rank(ctx, opts):
         inputs = _inputs(kind, cond, shape, "euler", 1, parallelism, "gathered", opts["cfg"])
         is_unet = kind == "unet"
         layout = plan_layout(parallelism, ctx.world_size, inputs["cfg"], 1, sequence_refusal=None)
-        inputs.update(layout=layout._asdict(), kind="unet" if is_unet else "dit", attention="gathered")
         ref = None
         if ctx.rank == 0:
             ref = stock_sample(mp, inputs).float()
+        inputs = rank_run_inputs(mp, inputs, layout, "unet" if is_unet else "dit", "gathered")
         _, make_skeleton, names, tensor, sizes = portable_parts(mp, layout.mode)
         rec = {"layout": layout.mode}
         finals = {}

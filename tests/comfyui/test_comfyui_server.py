@@ -33,7 +33,8 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
 WORKFLOWS = ["sdxl_otil_txt2img", "flux_distributed_decode", "wan_video_row_decode", "topology_probe", "vae_benchmark"]
-NODE_IDS = {"PatchRayCluster", "PatchRayVAEDecode", "PatchRayVAEEncode", "PatchRayKSampler", "PatchRayTilePlanner", "PatchRayTopologyProbe", "PatchRayBenchmark"}
+NODE_IDS = {"PatchRayCluster", "PatchRayParallelModel", "PatchRayParallelVAE", "PatchRayVAEDecode", "PatchRayVAEEncode",
+            "PatchRayKSampler", "PatchRayKSamplerAdvanced", "PatchRayTilePlanner", "PatchRayTopologyProbe", "PatchRayBenchmark"}
 
 
 def _free_port():
@@ -535,7 +536,32 @@ class PatchRayTestSaveImageTensor:
         return {"ui": {"tensors": [name]}}
 
 
-NODE_CLASS_MAPPINGS = {"PatchRayTestConditioning": PatchRayTestConditioning, "PatchRayTestSaveImageTensor": PatchRayTestSaveImageTensor}
+class PatchRayTestLoadedModels:
+    """The diffusion models ComfyUI's own model management holds loaded in this process (after ``latent`` exists)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"latent": ("LATENT",)}}
+
+    RETURN_TYPES = ()
+    FUNCTION = "report"
+    OUTPUT_NODE = True
+    CATEGORY = "testing"
+
+    def report(self, latent):
+        import comfy.model_management as mm
+
+        names = []
+        for loaded in mm.current_loaded_models:
+            patcher = loaded.model
+            dm = getattr(getattr(patcher, "model", None), "diffusion_model", None)
+            if dm is not None:
+                names.append(type(dm).__name__)
+        return {"ui": {"loaded": names}}
+
+
+NODE_CLASS_MAPPINGS = {"PatchRayTestConditioning": PatchRayTestConditioning, "PatchRayTestSaveImageTensor": PatchRayTestSaveImageTensor,
+                       "PatchRayTestLoadedModels": PatchRayTestLoadedModels}
 '''
 
 

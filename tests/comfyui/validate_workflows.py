@@ -38,6 +38,7 @@ MODEL_FOLDERS = {
     ("DualCLIPLoader", "clip_name1"): "text_encoders",
     ("DualCLIPLoader", "clip_name2"): "text_encoders",
     ("LoraLoader", "lora_name"): "loras",
+    ("LoraLoaderModelOnly", "lora_name"): "loras",
 }
 
 

@@ -100,11 +100,12 @@ EXTRA_HEIGHT = {
     "SaveImage": 300, "PreviewImage": 300, "LoadImage": 260, "SaveAnimatedWEBP": 260, "CLIPTextEncode": 90,
     "MarkdownNote": 200, "Note": 200,
     "PatchRayCluster": 110, "PatchRayTilePlanner": 230, "PatchRayTopologyProbe": 220, "PatchRayBenchmark": 240,
-    "PatchRayVAEDecode": 70, "PatchRayVAEEncode": 70, "PatchRayKSampler": 70, "PatchRayKSamplerAdvanced": 70,
+    "PatchRayVAEDecode": 70, "PatchRayVAEEncode": 70, "PatchRayParallelVAE": 70, "PatchRayKSampler": 70, "PatchRayKSamplerAdvanced": 70,
+    "PatchRayParallelModel": 90,
 }
 #: widths that keep the widget labels and values, and the panels' lines, readable
 MIN_WIDTH = {"PatchRayTopologyProbe": 520, "PatchRayBenchmark": 560, "PatchRayTilePlanner": 520, "PatchRayCluster": 400,
-             "PatchRayKSampler": 360, "PatchRayKSamplerAdvanced": 360, "CLIPTextEncode": 400, "MarkdownNote": 560, "Note": 400}
+             "PatchRayKSampler": 360, "PatchRayKSamplerAdvanced": 360, "PatchRayParallelModel": 360, "CLIPTextEncode": 400, "MarkdownNote": 560, "Note": 400}
 DEFAULT_WIDTH = 320
 
 
@@ -161,3 +162,87 @@ def overlaps(ui: dict, margin: int = 0) -> list:
             if ax0 < bx1 + margin and bx0 < ax1 + margin and ay0 < by1 + margin and by0 < ay1 + margin:
                 found.append((a, b))
     return found
+
+
+# -- the frontend's conversion for any graph of ComfyUI's templates: bypassed nodes, primitive nodes, reroutes
+
+#: frontend-only nodes: never in a prompt (a PrimitiveNode's value goes into the widget it feeds; a Reroute passes its link on)
+FRONTEND_ONLY = VIRTUAL | {"PrimitiveNode", "Reroute"}
+#: node modes (LiteGraph): 0 always, 2 never (muted), 4 bypassed
+MUTED, BYPASSED = 2, 4
+
+
+def _valid_connection(a, b) -> bool:
+    """LiteGraph.isValidConnection: "*" or "" matches anything, else a shared entry of the comma lists (any case)."""
+    if a in ("", "*", None, 0) or b in ("", "*", None, 0) or a == b:
+        return True
+    return bool({t.strip().lower() for t in str(a).split(",")} & {t.strip().lower() for t in str(b).split(",")})
+
+
+def _bypass_input(node: dict, slot: int, want: str):
+    """The input a bypassed node passes to its output ``slot`` when read as type ``want`` (the frontend's rule in
+    ExecutableNodeDTO: the input at the same index if its type fits both, else the first input of exactly ``want``)."""
+    inputs = node.get("inputs") or []
+    if want in ("*", ""):
+        return slot if len(inputs) > slot else (0 if inputs else None)
+    out_type = node["outputs"][slot]["type"]
+    if slot < len(inputs) and _valid_connection(inputs[slot]["type"], out_type) and _valid_connection(inputs[slot]["type"], want):
+        return slot
+    return next((i for i, inp in enumerate(inputs) if inp["type"] == want), None)
+
+
+def ui_to_api_graph(ui: dict, info: dict) -> dict:
+    """:func:`ui_to_api` for the graphs ComfyUI's templates use, as ComfyUI's frontend (1.27) converts them on Queue.
+
+    Beyond :func:`ui_to_api`: a link from a bypassed node (mode 4) reads the bypassed node's matching input instead
+    (nothing if that input is unplugged), a PrimitiveNode's value goes into the widget it feeds, a Reroute passes its
+    link on. Muted (mode 2) and bypassed nodes and frontend-only nodes are left out. A graph with subgraphs is refused
+    (``NotImplementedError``); so is an active node reading a muted node's output (the frontend's answer there is not
+    modelled). Nodes come out in id order."""
+    if (ui.get("definitions") or {}).get("subgraphs"):
+        raise NotImplementedError("a workflow with subgraphs")
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    links = {l[0]: l for l in ui["links"]}
+
+    def resolve(link_id, want, reader):
+        """``("link", [id, slot])``, ``("value", v)`` or ``None`` (nothing arrives) for the link feeding ``reader``."""
+        for _ in range(len(nodes) + 1):
+            _, src_id, slot = links[link_id][:3]
+            src = nodes[src_id]
+            if src["type"] == "PrimitiveNode":
+                return "value", src["widgets_values"][0]
+            if src["type"] == "Reroute" or src.get("mode", 0) == BYPASSED:
+                idx = 0 if src["type"] == "Reroute" else _bypass_input(src, slot, want)
+                if idx is None or (src.get("inputs") or [{}])[idx].get("link") is None:
+                    return None
+                link_id = src["inputs"][idx]["link"]
+                continue
+            if src.get("mode", 0) == MUTED:
+                raise ValueError(f"node {reader} reads the output of muted node {src_id}")
+            return "link", [str(src_id), slot]
+        raise ValueError(f"node {reader}: a loop of bypassed nodes")
+
+    api = {}
+    for node in sorted(ui["nodes"], key=lambda n: n["id"]):
+        t = node["type"]
+        if t in FRONTEND_ONLY or node.get("mode", 0) in (MUTED, BYPASSED):
+            continue
+        inputs = {}
+        values = list(node.get("widgets_values") or [])
+        pos = 0
+        for w in widget_inputs(info, t):
+            if pos >= len(values):
+                break
+            inputs[w["name"]] = values[pos]
+            pos += 1 + int(w["control_after_generate"]) + int(w["upload"])
+        if pos != len(values):
+            raise ValueError(f"node {node['id']} ({t}): {len(values)} widget values, the node type takes {pos}")
+        declared = {i["name"]: i["type"] for i in info[t]["inputs"]}
+        for slot in node.get("inputs", []):
+            if slot.get("link") is None:
+                continue
+            got = resolve(slot["link"], declared.get(slot["name"], slot["type"]), node["id"])
+            if got is not None:
+                inputs[slot["name"]] = got[1]
+        api[str(node["id"])] = {"class_type": t, "inputs": inputs, "_meta": {"title": node.get("title") or t}}
+    return api

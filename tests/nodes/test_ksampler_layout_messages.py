@@ -6,7 +6,7 @@ import pytest
 from patchray.nodes.bridge.dit_layout import plan_layout
 from patchray.nodes.bridge.dit_models import refusal
 
-PREFIX = "PatchRay Distributed KSampler: "
+PREFIX = "PatchRay: "
 NO_ROW = refusal("OpenAISignatureMMDITWrapper", "comfy.ldm.modules.diffusionmodules.mmdit", family="SD3")
 
 
@@ -60,7 +60,7 @@ def test_the_node_description_names_every_family_of_the_dit_table():
 
 
 def test_the_node_summary_says_how_the_ranks_shared_the_work():
-    from patchray.nodes.bridge.ksampler import layout_summary
+    from patchray.nodes.bridge.parallel_model import layout_summary
 
     assert layout_summary(plan_layout("cfg", 2, 5.0, 1), 6) == "parallelism cfg on 2 rank(s): cond and uncond on different ranks; 6 model calls"
     lay = plan_layout("cfg", 2, 1.0, 1)  # cfg = 1: sequence instead, and the layout says why
@@ -71,7 +71,7 @@ def test_the_node_summary_says_how_the_ranks_shared_the_work():
 def test_the_node_summary_names_the_sequence_attention_that_ran():
     """The user picks sequence_attention (auto, or a mode); the node says which mode the attention calls ran, and
     why where a call ran another mode than the one picked (a mask or a stale preset's K/V: gathered) or none ran."""
-    from patchray.nodes.bridge.ksampler import attention_note, layout_summary
+    from patchray.nodes.bridge.parallel_model import attention_note, layout_summary
 
     seq = plan_layout("sequence", 3, 5.0, 1)
     assert layout_summary(seq, 4, {"ring": 8}) == (

@@ -4,7 +4,7 @@ estimates larger than the memory that rank can use (pure arithmetic on the layou
 import pytest
 
 from patchray.nodes.bridge.dit_layout import plan_layout
-from patchray.nodes.bridge.ksampler import check_call_memory, rank_call_shape
+from patchray.nodes.bridge.parallel_model import check_call_memory, rank_call_shape
 
 GIB = 1024**3
 

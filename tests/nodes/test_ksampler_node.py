@@ -6,7 +6,6 @@ per key, the caller's sampler on every rank, the exact final latent) in tests/di
 on real Ray ranks.
 """
 
-import inspect
 
 import pytest
 import torch
@@ -31,10 +30,10 @@ def ks():
     from types import SimpleNamespace
 
     from patchray.nodes import ksampler
-    from patchray.nodes.bridge import ksampler as bridge_ksampler
+    from patchray.nodes.bridge import sampling_options
 
     # the node (schema + one call) and its widget -> PatchConfig mapping, which lives in the bridge
-    return SimpleNamespace(PatchRayKSampler=ksampler.PatchRayKSampler, patch_config=bridge_ksampler.patch_config)
+    return SimpleNamespace(PatchRayKSampler=ksampler.PatchRayKSampler, patch_config=sampling_options.patch_config)
 
 
 @pytest.mark.parametrize("name", sorted(_DOCUMENTED))
@@ -64,7 +63,7 @@ def test_auto_picks_the_preset_from_the_link(ks):
 
 def test_auto_counts_the_ranks_that_share_the_latent(ks):
     from patchray.distributed.cluster import ClusterConfig
-    from patchray.nodes.bridge import ksampler as bridge_ksampler
+    from patchray.nodes.bridge import sampling_options as bridge_ksampler
 
     # PCIe without P2P: displaced's stream hides behind compute at 2 ranks, not at 4 (the arithmetic is in
     # tests/distributed/test_sampling_config.py)
@@ -94,14 +93,17 @@ def test_bad_widgets_are_refused_with_the_fix(ks):
 def test_refusals_before_touching_comfyui(ks):
     from patchray.distributed.cluster import ClusterConfig
 
-    args = dict(model=object(), seed=0, steps=4, cfg=5.0, scheduler="normal", positive=[], negative=[],
-                latent_image={"samples": None}, denoise=1.0)
-    with pytest.raises(ValueError, match="adapts its step count"):
-        ks.PatchRayKSampler.execute(sampler_name="dpm_adaptive", cluster=ClusterConfig(num_ranks=2, device="cpu"), preset="otil", **args)
+    args = dict(model=object(), seed=0, steps=4, cfg=5.0, sampler_name="euler", scheduler="normal", positive=[],
+                negative=[], latent_image={"samples": None}, denoise=1.0)
+    cluster = ClusterConfig(num_ranks=2, device="cpu")
     with pytest.raises(TypeError, match="PatchRay Cluster"):
-        ks.PatchRayKSampler.execute(sampler_name="euler", cluster="not a cluster", **args)
+        ks.PatchRayKSampler.execute(cluster="not a cluster", **args)
+    with pytest.raises(ValueError, match="parallelism must be one of"):
+        ks.PatchRayKSampler.execute(cluster=cluster, parallelism="diagonal", **args)
+    with pytest.raises(ValueError, match="k_ratio"):
+        ks.PatchRayKSampler.execute(cluster=cluster, preset="otil", k_ratio=0.0, **args)
     with pytest.raises(TypeError, match="LATENT"):
-        ks.PatchRayKSampler.execute(sampler_name="euler", cluster=ClusterConfig(num_ranks=2, device="cpu"), **dict(args, latent_image=[1]))
+        ks.PatchRayKSampler.execute(cluster=cluster, **dict(args, latent_image=[1]))
 
 
 def test_schema_offers_comfyuis_samplers_and_the_presets(ks):
@@ -123,7 +125,7 @@ def test_conditioning_the_bands_cannot_honour_is_refused_with_the_reason(key):
     from patchray.nodes.bridge import model as _model
 
     cond = [[torch.zeros(1, 77, 8), {"pooled_output": torch.zeros(1, 8), key: object()}]]
-    with pytest.raises(NotImplementedError, match="use the stock KSampler"):
+    with pytest.raises(NotImplementedError, match="sample this graph without PatchRay"):
         _model.check_conditioning("positive", cond)
     _model.check_conditioning("positive", [[torch.zeros(1, 77, 8), {"pooled_output": torch.zeros(1, 8), "strength": 0.5}]])
     with pytest.raises(TypeError, match="CONDITIONING"):
@@ -149,166 +151,79 @@ def test_the_advanced_node_takes_the_stock_advanced_inputs_then_the_clusters():
     assert (inputs["start_at_step"].default, inputs["end_at_step"].default) == (0, 10000)
 
 
-@pytest.mark.parametrize("add_noise, leftover, want_noise, want_full", [
-    ("enable", "enable", True, False),   # the first sampler of a chain: noise in, leftover noise out
-    ("disable", "disable", False, True),  # the second: no noise added, denoised fully at its last step
-])
-def test_the_advanced_node_hands_its_part_of_the_schedule_to_the_bridge(monkeypatch, add_noise, leftover, want_noise, want_full):
-    from patchray.nodes import ksampler
-    from patchray.nodes.bridge import ksampler as bridge_ksampler
-
-    seen = {}
-
-    def bridge_sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
-                      cluster, config, **kw):
-        seen.update(seed=seed, steps=steps, denoise=denoise, **kw)
-        return {"samples": "latent"}
-
-    monkeypatch.setattr(bridge_ksampler, "sample", bridge_sample)
-    out = ksampler.PatchRayKSamplerAdvanced.execute(
-        "model", add_noise, 7, 20, 3.5, "euler", "simple", "pos", "neg", {"samples": None}, 10, 10000, leftover,
-        "cluster")
-    assert out.result == ({"samples": "latent"},)
-    assert (seen["seed"], seen["steps"], seen["denoise"]) == (7, 20, 1.0)
-    assert (seen["add_noise"], seen["start_step"], seen["last_step"], seen["force_full_denoise"]) == (
-        want_noise, 10, 10000, want_full)
-
-
-def test_the_plain_node_runs_the_whole_schedule(monkeypatch):
-    from patchray.nodes import ksampler
-    from patchray.nodes.bridge import ksampler as bridge_ksampler
-
-    # the stock KSampler's call (nodes.common_ksampler): noise added, no start or end step, no forced full denoise;
-    # the plain node passes none of the schedule, so the bridge's defaults are that call
-    params = inspect.signature(bridge_ksampler.sample).parameters
-    assert (params["add_noise"].default, params["start_step"].default, params["last_step"].default,
-            params["force_full_denoise"].default) == (True, None, None, False)
-    seen = {}
-
-    def bridge_sample(*args, **kw):
-        seen.update(kw)
-        return {"samples": "latent"}
-
-    monkeypatch.setattr(bridge_ksampler, "sample", bridge_sample)
-    ksampler.PatchRayKSampler.execute("model", 7, 20, 3.5, "euler", "simple", "pos", "neg", {"samples": None}, 1.0, "cluster")
-    assert seen and not {"add_noise", "start_step", "last_step", "force_full_denoise"} & set(seen), seen
-
-
-class _StandInSample:
-    """``comfy.sample`` as far as the bridge uses it, recording the sampler's call (ComfyUI is not installed in CI)."""
+class _StandInNodes:
+    """ComfyUI's ``nodes`` module as far as the Distributed KSampler uses it: ``common_ksampler``, recording its call
+    (ComfyUI is not installed in CI; the real composition is tested against the stock nodes in tests/comfyui)."""
 
     def __init__(self):
         self.calls = []
 
-    @staticmethod
-    def fix_empty_latent_channels(model, latent):
-        return latent
-
-    @staticmethod
-    def prepare_noise(latent, seed, batch_index=None):
-        return torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
-
-    def sample(self, *args, **kwargs):
-        self.calls.append((args, kwargs))
-        return args[8]  # the latent
+    def common_ksampler(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent, **kw):
+        self.calls.append(dict(model=model, seed=seed, steps=steps, cfg=cfg, sampler_name=sampler_name, **kw))
+        return ({"samples": "latent"},)
 
 
-@pytest.fixture()
-def standin_sample(monkeypatch):
+@pytest.fixture
+def composed(monkeypatch):
+    """The KSampler nodes with ComfyUI's ``common_ksampler`` stood in and the Parallel Model's patch recorded."""
     import sys
-    import types
 
-    fake = _StandInSample()
-    comfy = types.ModuleType("comfy")
-    comfy.sample = fake
-    monkeypatch.setitem(sys.modules, "comfy", comfy)
-    monkeypatch.setitem(sys.modules, "comfy.sample", fake)
-    return fake
+    from patchray.nodes.bridge import parallel_model
 
+    nodes = _StandInNodes()
+    patched = []
 
-def test_the_ranks_hand_the_schedule_to_comfyuis_sampler(standin_sample):
-    from types import SimpleNamespace
+    def patch_model(model, options, hooks):
+        patched.append((model, options))
+        return ("patched", model)
 
-    from patchray.nodes.bridge import ksampler_rank
-
-    session = SimpleNamespace(progress=lambda *a: None)
-    model = SimpleNamespace(model=SimpleNamespace(__dict__={}))
-    latent = torch.zeros(1, 4, 8, 8)
-    inputs = {"noise": latent, "steps": 20, "cfg": 3.5, "sampler_name": "euler", "scheduler": "simple",
-              "positive": [], "negative": [], "latent_image": latent, "denoise": 1.0, "seed": 7,
-              "disable_noise": True, "start_step": 10, "last_step": 10000, "force_full_denoise": True}
-    ksampler_rank._run(model, session, inputs)
-    (args, kwargs), = standin_sample.calls
-    assert args[2] == 20 and args[8] is latent
-    assert (kwargs["disable_noise"], kwargs["start_step"], kwargs["last_step"], kwargs["force_full_denoise"]) == (
-        True, 10, 10000, True)
-    # inputs without the schedule (the plain node, and callers from before the advanced node): the whole schedule
-    for key in ("disable_noise", "start_step", "last_step", "force_full_denoise"):
-        inputs.pop(key)
-    ksampler_rank._run(model, session, inputs)
-    kwargs = standin_sample.calls[-1][1]
-    assert (kwargs["disable_noise"], kwargs["start_step"], kwargs["last_step"], kwargs["force_full_denoise"]) == (
-        False, None, None, False)
+    monkeypatch.setitem(sys.modules, "nodes", nodes)
+    monkeypatch.setattr(parallel_model, "patch_model", patch_model)
+    return nodes, patched
 
 
-def test_add_noise_disable_gives_zero_noise(standin_sample):
-    from patchray.nodes.bridge import model as bridge_model
-
-    latent = torch.ones(1, 4, 6, 10)
-    _, noise = bridge_model.latent_and_noise(None, {"samples": latent}, 3)
-    assert noise.abs().sum() > 0  # the seeded noise
-    _, none = bridge_model.latent_and_noise(None, {"samples": latent}, 3, add_noise=False)
-    assert none.shape == latent.shape and not none.any()
-
-
-def test_a_start_past_the_end_returns_the_latent_before_any_rank_starts(monkeypatch):
-    """ComfyUI's sampler returns the latent as it came when the start step is at or past the end; the node does the
-    same without starting the ranks or shipping the model (a two-expert chain would otherwise evict the other
-    expert from the ranks' one-model cache)."""
-    import patchray.distributed.cluster as cluster_mod
-    from patchray.distributed.cluster import ClusterConfig
-    from patchray.nodes.bridge import ksampler as bridge_ksampler
-    from patchray.nodes.bridge import model as bridge_model
-
-    latent = torch.randn(1, 16, 4, 6, 6)
-    monkeypatch.setattr(bridge_model, "check_model_type", lambda m: None)
-    monkeypatch.setattr(bridge_model, "diffusion_kind", lambda m: "dit")
-    monkeypatch.setattr(bridge_model, "latent_and_noise", lambda m, lat, seed, add_noise=True: (lat["samples"], None))
-    monkeypatch.setattr(bridge_model, "schedule_steps", lambda m, steps, *a: steps)
-
-    def no_ranks(*a, **k):
-        raise AssertionError("the ranks were started")
-
-    monkeypatch.setattr(cluster_mod, "get_cluster", no_ranks)
-    lines = []
-    out = bridge_ksampler.sample(
-        "model", 0, 20, 5.0, "euler", "simple", [], [], {"samples": latent, "batch_index": [0]}, 1.0,
-        ClusterConfig(num_ranks=2), bridge_ksampler.patch_config("full_sync"), start_step=12, last_step=10,
-        add_noise=False, report=lines.append)
-    assert out["samples"] is latent and out["batch_index"] == [0]
-    assert "nothing to sample" in lines[0] and "step 10 of 20" in lines[0]
-
-
-@pytest.mark.parametrize("total, start, last, want", [
-    (20, None, None, 20),
-    (20, 0, 10, 10),       # Wan 2.2 14B's high-noise expert: steps 0-9
-    (20, 10, 10000, 10),   # its low-noise expert: steps 10-19
-    (20, 10, 10, 0),       # an empty range returns the latent untouched
-    (20, 25, None, 0),
-    (20, None, 0, 0),
-    (20, 3, 7, 4),
+@pytest.mark.parametrize("add_noise, leftover, want_disable_noise, want_full", [
+    ("enable", "enable", False, False),   # the first sampler of a chain: noise in, leftover noise out
+    ("disable", "disable", True, True),  # the second: no noise added, denoised fully at its last step
 ])
-def test_steps_run_follows_comfyuis_cut_of_the_sigmas(total, start, last, want):
-    from patchray.nodes.bridge.ksampler import steps_run
+def test_the_advanced_node_is_the_stock_advanced_sampler_on_a_parallel_model(composed, add_noise, leftover,
+                                                                            want_disable_noise, want_full):
+    from patchray.distributed.cluster import ClusterConfig
+    from patchray.nodes import ksampler
 
-    assert steps_run(total, start, last) == want
+    nodes, patched = composed
+    cluster = ClusterConfig(num_ranks=2, device="cpu")
+    out = ksampler.PatchRayKSamplerAdvanced.execute(
+        "model", add_noise, 7, 20, 3.5, "euler", "simple", "pos", "neg", {"samples": None}, 10, 10000, leftover,
+        cluster, parallelism="cfg", sharding="blocks")
+    assert out.result == ({"samples": "latent"},)
+    (model, options), = patched
+    assert model == "model" and (options.cluster, options.parallelism, options.sharding) == (cluster, "cfg", "blocks")
+    (call,) = nodes.calls
+    # nodes.KSamplerAdvanced.sample's call of common_ksampler (ComfyUI 0.3.64), written out by hand
+    assert call == dict(model=("patched", "model"), seed=7, steps=20, cfg=3.5, sampler_name="euler", denoise=1.0,
+                        disable_noise=want_disable_noise, start_step=10, last_step=10000, force_full_denoise=want_full)
+
+
+def test_the_plain_node_is_the_stock_ksampler_on_a_parallel_model(composed):
+    from patchray.distributed.cluster import ClusterConfig
+    from patchray.nodes import ksampler
+
+    nodes, patched = composed
+    ksampler.PatchRayKSampler.execute("model", 7, 20, 3.5, "euler", "simple", "pos", "neg", {"samples": None}, 0.6,
+                                      ClusterConfig(num_ranks=2, device="cpu"))
+    (call,) = nodes.calls
+    # nodes.KSampler.sample's call: the whole schedule, noise added, denoise passed through
+    assert call == dict(model=("patched", "model"), seed=7, steps=20, cfg=3.5, sampler_name="euler", denoise=0.6,
+                        disable_noise=False, start_step=None, last_step=None, force_full_denoise=False)
 
 
 @pytest.mark.parametrize("start, last", [(-1, None), (None, -3), (2.5, None)])
 def test_a_negative_or_fractional_step_is_refused_naming_the_widget(start, last):
+    from patchray.distributed.cluster import ClusterConfig
     from patchray.nodes.bridge import ksampler as bridge_ksampler
+    from patchray.nodes.bridge.sampling_options import SamplingOptions
 
-    widget = "start_at_step" if start is not None else "end_at_step"
-    with pytest.raises(ValueError, match=widget):
-        bridge_ksampler.sample(None, 0, 20, 1.0, "euler", "simple", [], [], {"samples": None}, 1.0, None,
-                               bridge_ksampler.patch_config("full_sync"), start_step=start, last_step=last)
+    with pytest.raises(ValueError, match="at_step must be a step number"):
+        bridge_ksampler.ksample(None, SamplingOptions(ClusterConfig(num_ranks=2, device="cpu")), 0, 20, 1.0, "euler",
+                                "simple", [], [], {"samples": None}, start_step=start, last_step=last)

@@ -83,7 +83,7 @@ def test_call_and_conditioning_refusals_name_the_input():
     ],
 )
 def test_layouts(mode, n, cfg, batch, seq_ok, stale, want):
-    lay = plan_layout(mode, n, cfg, batch, sequence_refusal=None if seq_ok else "no row", unet_stale_preset=stale)
+    lay = plan_layout(mode, n, cfg, batch, sequence_refusal=None if seq_ok else "no row", stale_preset=stale)
     assert (lay.mode, lay.cfg_groups, lay.seq_ranks, lay.batch) == want
     assert lay.note == ""
     if not lay.batch:
@@ -126,7 +126,7 @@ def test_groups_and_peers():
 
 
 def test_node_lists_the_modes_the_planner_knows():
-    from patchray.nodes.bridge.ksampler import PARALLELISM_NAMES
+    from patchray.nodes.bridge.sampling_options import PARALLELISM_NAMES
 
     assert PARALLELISM_NAMES == dit_layout.MODES
 

@@ -86,5 +86,5 @@ def test_calls_without_transformer_options_do_not_share_a_dict():
 
 
 def test_controlnet_is_refused_with_the_fix():
-    with pytest.raises(NotImplementedError, match="use the stock KSampler"):
+    with pytest.raises(NotImplementedError, match="is not supported yet; sample this graph without PatchRay"):
         kr.patch_parallel(_Session())(_Executor(), torch.zeros(1, 4, 8, 8), torch.zeros(1), control={"output": []})

@@ -14,8 +14,10 @@ PACK = Path(__file__).resolve().parents[2]
 # Node ids are public: workflows reference them. Never rename one (deprecate with is_deprecated instead).
 NODE_IDS = {
     "PatchRayCluster",
+    "PatchRayParallelModel",
     "PatchRayVAEDecode",
     "PatchRayVAEEncode",
+    "PatchRayParallelVAE",
     "PatchRayKSampler",
     "PatchRayKSamplerAdvanced",
     "PatchRayTilePlanner",
@@ -102,8 +104,10 @@ def _imports(path: Path):
 # ComfyUI's unload_all_models so "Free model" frees the ranks too).
 COMFY_TOUCHING = {
     "bridge/lifecycle.py": {"comfy"},
-    "_comfy.py": {"comfy_api", "comfy", "folder_paths"},
+    "_comfy.py": {"comfy_api", "comfy", "folder_paths", "server"},
     "bridge/model.py": {"comfy"},
+    "bridge/parallel_model.py": {"comfy", "folder_paths"},
+    "bridge/ksampler.py": {"nodes"},
     "bridge/ksampler_rank.py": {"comfy"},
 }
 

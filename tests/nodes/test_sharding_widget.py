@@ -80,7 +80,7 @@ def test_host_memory_refusal_in_the_nodes_terms():
     with pytest.raises(ValueError) as err:
         bs.check_host_memory(dm, 2, [("pc", 4 * GIB + 191, 24 * GIB), ("pc", 4 * GIB + 500, 24 * GIB)])
     msg = str(err.value)
-    assert "PatchRay Distributed KSampler: sharding=blocks+offload" in msg and "Nothing was loaded" in msg
+    assert "PatchRay: sharding=blocks+offload" in msg and "Nothing was loaded" in msg
     assert "the 2 rank(s) on pc would pin" in msg and "sharding=blocks" in msg
     # ranks on two machines: each machine holds its own ranks' shards (96 B each)
     assert bs.check_host_memory(dm, 2, [("a", 4 * GIB + 96, 24 * GIB), ("b", 4 * GIB + 96, 24 * GIB)])

@@ -1,0 +1,556 @@
+"""PatchRay Parallel Model: a MODEL that samples on the cluster's ranks, whichever sampler node samples it.
+
+Driver side (ComfyUI's process). :func:`patch_model` returns a clone of the user's MODEL carrying one wrapper at
+ComfyUI's ``OUTER_SAMPLE`` extension point (``comfy.patcher_extension.WrappersMP.OUTER_SAMPLE``, around
+``CFGGuider.outer_sample``). Every sampling path of ComfyUI passes there:
+
+* KSampler and KSampler (Advanced): ``comfy.sample.sample`` -> ``comfy.samplers.KSampler.sample`` -> ``CFGGuider``;
+* SamplerCustom / SamplerCustomAdvanced with any guider (CFGGuider, BasicGuider, DualCFGGuider, PerpNegGuider are
+  ``CFGGuider`` subclasses overriding ``predict_noise``), any sampler object and any sigmas;
+* a third-party sampler node that samples through ComfyUI's sampling functions (``comfy.sample``, a guider).
+
+Design decisions:
+
+* **Intercept where everything is decided and nothing is loaded.** At ``OUTER_SAMPLE`` the noise is generated, the
+  sigmas are cut to this part of the schedule (start/end steps, denoise), added noise and leftover noise are settled,
+  and the guider holds its conditionings and scales; ``prepare_sampling`` (which loads the diffusion model onto the
+  device) has not run. The wrapper never calls its executor, so ComfyUI's process does not load the diffusion model
+  onto its own GPU while the ranks sample (on a two-GPU rig that would put a second copy on GPU 0).
+* **The ranks run the same loop.** What travels: the guider without its model (its class by reference, its state:
+  conditionings, scales), the sampler object, the sigmas, noise, latent, mask and seed; the model itself once per
+  weights and patches (:func:`.model.portable_parts`), its ``model_options`` and object patches with each run. Each
+  rank rebuilds the guider around its own ModelPatcher and calls ``guider.sample``: ComfyUI's own sampler loop, with
+  PatchRay's rank wrappers doing the split (:mod:`.ksampler_rank`). The result is rank 0's exact final latent.
+* **Refused by name, before any rank starts**: a patch, guider, sampler or option that cannot travel (objects
+  holding a model, code the ranks cannot import), and everything the layout cannot honour (:mod:`.model`'s checks).
+  Code from another custom-node pack travels by value (``cloudpickle``), so a third-party sampler function or guider
+  class works on the ranks without that pack being importable there.
+* **What ran is shown where the user looks**: ``Hooks.report`` receives the summary (ranks, parallelism, attention,
+  sharding, model calls, bytes exchanged per step, seconds per step).
+"""
+
+from __future__ import annotations
+
+import io as _io
+import logging
+import math
+import operator
+import os
+import pickle
+import sys
+import time
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from . import model as bridge_model
+from . import shard_models as bridge_shard
+from . import validate
+from .errors import rank_errors_for_user
+from .sampling_options import SamplingOptions
+from .shim import CANONICAL
+
+__all__ = [
+    "OUTER_KEY", "Hooks", "patch_model", "parallel_options", "sample_guided", "rank_inputs", "guider_scale", "portable_guider",
+    "layout_summary", "attention_note", "rank_call_shape", "check_call_memory", "config_name",
+]
+
+log = logging.getLogger(__name__)
+
+_RANK = f"{CANONICAL}.nodes.bridge.ksampler_rank"
+
+#: the key PatchRay files its OUTER_SAMPLE wrapper under (one per MODEL: patching again replaces it)
+OUTER_KEY = "patchray.parallel_model"
+
+# samplers whose step control reads the whole latent: with OTIL's approximate remote regions the ranks would take
+# different numbers of steps, and their collectives would not line up
+_ADAPTIVE = ("dpm_adaptive",)
+
+
+class Hooks(NamedTuple):
+    """What the node layer lends the sampling run (all optional; ``None`` outside a ComfyUI server).
+
+    Args:
+        cancel_check: ComfyUI's interrupt check, polled while the ranks work.
+        progress: ``progress(total) -> fn(done, total)``: a progress bar for the node that is sampling.
+        report: ``report(line)``: the lines the user should read (what ran, notes).
+    """
+
+    cancel_check: Optional[Callable[[], None]] = None
+    progress: Optional[Callable[[int], Callable[[int, int], None]]] = None
+    report: Optional[Callable[[str], None]] = None
+
+
+def patch_model(model, options: SamplingOptions, hooks: Hooks = Hooks()):
+    """A clone of ComfyUI MODEL ``model`` whose sampling runs on the ranks of ``options.cluster``.
+
+    The clone shares the weights (ComfyUI's ``ModelPatcher.clone``); ``model`` itself is unchanged. Patching a MODEL
+    that already carries PatchRay's wrapper replaces it (the last Parallel Model node's widgets win). What the MODEL
+    already carries that cannot travel to the ranks is refused here, on the node, by name.
+    """
+    import comfy.patcher_extension as pe
+
+    if not isinstance(options, SamplingOptions):
+        raise TypeError(f"options must be SamplingOptions (got {type(options).__name__})")
+    bridge_model.check_model_type(model)
+    bridge_model.check_patches(model, ignore=(OUTER_KEY,))
+    patched = model.clone()
+    patched.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, OUTER_KEY)
+    wrapper = _outer_sample(options, hooks)
+    patched.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, OUTER_KEY, wrapper)
+    return patched
+
+
+def parallel_options(model) -> Optional[SamplingOptions]:
+    """The options a MODEL was patched with (``None``: not a PatchRay Parallel Model)."""
+    import comfy.patcher_extension as pe
+
+    for fn in model.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, OUTER_KEY) or []:
+        options = getattr(fn, "patchray_options", None)
+        if options is not None:
+            return options
+    return None
+
+
+def _outer_sample(options: SamplingOptions, hooks: Hooks):
+    def wrapper(executor, noise, latent_image, sampler, sigmas, denoise_mask=None, callback=None, disable_pbar=False,
+                seed=None):
+        # the executor (ComfyUI's outer_sample, which loads the model here) is deliberately not called
+        return sample_guided(executor.class_obj, noise, latent_image, sampler, sigmas, denoise_mask, callback, seed,
+                             options, hooks)
+
+    wrapper.patchray_options = options
+    return wrapper
+
+
+# ------------------------------------------------------------------------------------------- what travels
+
+
+_GUIDER_RUNTIME = ("model_patcher", "model_options", "inner_model", "conds", "loaded_models")
+
+
+def portable_guider(guider):
+    """``(class, state)`` of a guider without its model: what the ranks rebuild it from. Refuses, naming the guider
+    and the attribute, state that holds a model (it would not be the rank's)."""
+    cls = type(guider)
+    state = {k: v for k, v in vars(guider).items() if k not in _GUIDER_RUNTIME}
+    for name, value in state.items():
+        if _holds_model(value):
+            raise NotImplementedError(
+                f"PatchRay Parallel Model: the guider {cls.__name__} ({cls.__module__}) keeps a model in its attribute "
+                f"{name!r}; the ranks sample with their own copy of the MODEL and cannot take it: sample this MODEL "
+                "with ComfyUI's own guiders (CFGGuider, BasicGuider, DualCFGGuider, PerpNegGuider) or without the "
+                "Parallel Model node")
+    return cls, state
+
+
+def _holds_model(value, depth: int = 0) -> bool:
+    if isinstance(value, torch.nn.Module) or type(value).__name__ == "ModelPatcher":
+        return True
+    if depth > 2:
+        return False
+    if isinstance(value, dict):
+        return any(_holds_model(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_model(v, depth + 1) for v in value[:64])
+    return False
+
+
+def guider_scale(guider) -> float:
+    """The guidance the layout decides the CFG split from: 1.0 when the guider evaluates one conditioning per step
+    (BasicGuider; a CFGGuider at cfg 1 with ComfyUI's cfg-1 shortcut), else its scale (or 2.0 for guiders with
+    several conditionings and no single ``cfg``, e.g. DualCFGGuider)."""
+    conds = [k for k, v in (getattr(guider, "original_conds", None) or {}).items() if v]
+    if len(conds) < 2:
+        return 1.0
+    cfg = getattr(guider, "cfg", None)
+    options = getattr(guider, "model_options", None) or {}
+    if isinstance(cfg, (int, float)) and len(conds) == 2 and not options.get("disable_cfg1_optimization", False):
+        return float(cfg)
+    return 2.0
+
+
+def _custom_node_roots() -> list:
+    """The folders ComfyUI loads custom nodes from (empty outside ComfyUI)."""
+    try:
+        import folder_paths
+
+        return [os.path.realpath(p) for p in folder_paths.get_folder_paths("custom_nodes")]
+    except Exception:  # outside ComfyUI: nothing counts as another pack's code
+        return []
+
+
+class _Modules(pickle.Unpickler):
+    """Reads a pickle back, recording every module it imports a name from."""
+
+    def __init__(self, data: bytes):
+        super().__init__(_io.BytesIO(data))
+        self.modules = set()
+
+    def find_class(self, module, name):
+        self.modules.add(module)
+        return super().find_class(module, name)
+
+
+def _travel_by_value(what: str, obj) -> None:
+    """Make ``obj`` travel to the ranks, or refuse it by name: code the ranks cannot import by its module's name (other
+    custom-node packs; ComfyUI's comfy_extras, which ComfyUI loads under their file paths) is registered with Ray's
+    pickler to travel by value; anything that does not pickle is refused."""
+    from ray import cloudpickle
+
+    ours = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+    roots = _custom_node_roots()
+    for _ in range(3):  # registering a pack may reveal the packs its code refers to
+        try:
+            data = cloudpickle.dumps(obj)
+            reader = _Modules(data)
+            reader.load()
+        except Exception as exc:
+            raise NotImplementedError(
+                f"PatchRay Parallel Model: {what} cannot travel to the ranks ({type(exc).__name__}: {exc}); sample "
+                "this graph without the Parallel Model node, or remove the node that added it") from None
+        foreign = set()
+        for name in reader.modules:
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            if not all(part.isidentifier() for part in name.split(".")):
+                # ComfyUI loads comfy_extras and custom-node packs under their paths (or folder names such as
+                # "ComfyUI-Foo"): no rank can import a module by that name
+                foreign.add(name)
+                continue
+            root = name.split(".")[0]
+            path = os.path.realpath(getattr(sys.modules.get(root), "__file__", "") or "")
+            if path and any(path.startswith(r + os.sep) for r in roots) and not path.startswith(ours + os.sep):
+                foreign.add(root)
+        new = [m for m in foreign if not cloudpickle.cloudpickle._is_registered_pickle_by_value(sys.modules[m])]
+        if not new:
+            return
+        for m in new:
+            log.info("PatchRay Parallel Model: %s uses code of %s, which the ranks cannot import by name: it travels "
+                     "by value", what, m)
+            cloudpickle.register_pickle_by_value(sys.modules[m])
+
+
+# ------------------------------------------------------------------------------------------- the run
+
+
+def _conditioning(conds) -> list:
+    """ComfyUI's converted conditionings (dicts) as CONDITIONING pairs, for the checks written against the latter."""
+    return [[c.get("cross_attn"), c] for c in conds or [] if isinstance(c, dict)]
+
+
+def rank_inputs(guider, noise, latent_image, sampler, sigmas, denoise_mask, seed, layout, kind: str, attention: str) -> dict:
+    """What one sampling run sends its ranks (``ksampler_rank.sample``'s ``inputs``): the guider without its model, the
+    sampler object, the schedule's tensors on the host, the MODEL's model options and object patches, and the layout.
+    Refuses, by name, what cannot travel (:func:`portable_guider`, :func:`_travel_by_value`)."""
+    mp = guider.model_patcher
+    guider_cls, guider_state = portable_guider(guider)
+    fn = getattr(sampler, "sampler_function", None)
+    inputs = {
+        "guider": (guider_cls, guider_state), "sampler": sampler, "sigmas": sigmas.detach().to("cpu"),
+        "noise": noise.detach().to("cpu"), "latent_image": latent_image.detach().to("cpu"),
+        "denoise_mask": denoise_mask.detach().to("cpu") if denoise_mask is not None else None, "seed": seed,
+        "model_options": bridge_model.portable_options(mp), "object_patches": dict(mp.object_patches),
+        "layout": layout._asdict() if layout is not None else None, "kind": kind, "attention": attention,
+    }
+    _travel_by_value(f"the guider {guider_cls.__name__}", inputs["guider"])
+    _travel_by_value(f"the sampler {type(sampler).__name__} ({getattr(fn, '__name__', '?')})", sampler)
+    _travel_by_value("the MODEL's model options and object patches", (inputs["model_options"], inputs["object_patches"]))
+    return inputs
+
+
+def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, callback, seed, options: SamplingOptions,
+                  hooks: Hooks = Hooks()) -> torch.Tensor:
+    """``guider.outer_sample`` on the ranks of ``options.cluster``: returns the latent ComfyUI's own call would
+    (``process_latent_out`` applied), computed by the ranks.
+
+    Raises:
+        ValueError / TypeError / NotImplementedError: refused inputs, before any rank starts or any weight ships.
+        RankFailure: a rank failed (clean message; the trace is chained for the log).
+    """
+    from ...distributed.cluster import get_cluster
+    from ...distributed.sampling.config import LayerMode, OutputMode
+    from ...distributed.sampling.remote import distributed_sample
+    from ...distributed.sampling.ship import ship_model_in_parts
+    from ...distributed.topology.throughput import cluster_band_weights
+    from .dit_layout import plan_layout
+    from .dit_models import cond_refusal, find_row
+
+    mp = guider.model_patcher
+    bridge_model.check_model_type(mp)
+    kind = bridge_model.diffusion_kind(mp)
+    latent = latent_image
+    if latent.dim() not in (4, 5):
+        raise ValueError(f"PatchRay Parallel Model takes image latents [B, C, H, W] or video latents [B, C, T, H, W]; "
+                         f"got shape {tuple(latent.shape)}")
+    steps = max(0, int(sigmas.shape[-1]) - 1)
+    config = options.patch_config(mp)
+    stale = config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER
+    fn = getattr(sampler, "sampler_function", None)
+    if config.output is OutputMode.OTIL and any(a in getattr(fn, "__name__", "") for a in _ADAPTIVE):
+        raise ValueError("the sampler adapts its step count to the whole latent, which OTIL leaves approximate on each "
+                         "rank; pick another sampler or preset")
+    n = options.num_ranks
+    no_sequence = bridge_model.sequence_refusal(mp)
+    layout = plan_layout(options.parallelism, n, guider_scale(guider), int(latent.shape[0]),
+                         sequence_refusal=no_sequence, stale_preset=stale)
+    if layout.note:
+        log.warning("PatchRay: %s", layout.note)
+    if options.preset == "auto" and options.parallelism == "auto":
+        config = options.patch_config(mp, layout.mode)  # auto's preset for the ranks that share the latent
+        stale = config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER
+    name = config_name(config)
+    if stale and kind == "unet" and layout.mode != "sequence":
+        raise ValueError(
+            f"preset {name} (stale neighbour data) is the UNet's row-band patch parallelism: it applies to "
+            f"parallelism=sequence on SD 1.x/2.x/SDXL UNets; this run is parallelism={layout.mode}: pick preset full_sync")
+    if stale and kind == "dit" and layout.seq_ranks < 2:
+        raise ValueError(
+            f"preset {name} (stale K/V between sequence ranks) needs sequence ranks; this run is "
+            f"parallelism={layout.mode} with {layout.seq_ranks} sequence rank(s) per group: pick preset full_sync or "
+            f"parallelism sequence / cfg+sequence")
+    attention = options.sequence_attention
+    if stale and kind == "dit" and attention == "ulysses":
+        raise ValueError(
+            f"preset {name} keeps earlier steps' K/V in a gathered memory; sequence_attention=ulysses exchanges this "
+            f"step's queries, keys and values: pick sequence_attention gathered or auto")
+    conds = {k: _conditioning(v) for k, v in (guider.original_conds or {}).items()}
+    if layout.seq_ranks > 1:
+        if kind == "unet":  # in node terms, before the ranks start or weights ship (DiT rows: check_sequence)
+            validate.sampling_rows(mp, latent, layout.seq_ranks)
+        bridge_model.check_sequence(mp, latent, layout.seq_ranks)
+        if kind == "dit":
+            dm = mp.model.diffusion_model
+            row = find_row(type(dm).__name__)
+            for cname, cond in conds.items():
+                why = cond_refusal(row, cname, cond)
+                if why:
+                    raise NotImplementedError(why)
+            heads = int(operator.attrgetter(row.heads)(dm))  # a dotted path ("transformer_blocks.0.attn1.heads")
+            if attention == "ulysses" and heads % layout.seq_ranks:
+                raise ValueError(
+                    f"sequence_attention=ulysses splits the {heads} attention heads over the {layout.seq_ranks} sequence "
+                    f"ranks, which does not divide; pick auto, gathered, overlapped or ring (all exact), or a rank "
+                    f"count on the PatchRay Cluster node that divides {heads}")
+    for cname, cond in conds.items():
+        bridge_model.check_conditioning(cname, cond, layout.mode)
+    key, make_skeleton, names, tensor, sizes = bridge_model.portable_parts(mp, layout.mode, ignore=(OUTER_KEY,))
+    dm = mp.model.diffusion_model
+    sharding = options.sharding
+    if sharding in bridge_shard.SHARDED:
+        bridge_shard.blocks_for(dm, sharding)  # an uncovered class is refused before the ranks start
+    inputs = rank_inputs(guider, noise, latent, sampler, sigmas, denoise_mask, seed, layout, kind, attention)
+    root = bridge_model.comfy_root()
+    progress = hooks.progress(steps) if hooks.progress is not None and steps else None
+    cluster_config = options.cluster
+    with rank_errors_for_user():
+        rank_cluster = get_cluster(cluster_config, cancel_check=hooks.cancel_check)  # the ranks start here on first use
+        weights = cluster_band_weights(rank_cluster, options.balance) if layout.seq_ranks > 1 else None
+        free_min = total_min = None
+        host_ranks = False
+        if n > 1:
+            mem = rank_cluster.run(f"{_RANK}:device_memory", timeout_s=60.0, cancel_check=hooks.cancel_check)
+            # a size no rank can hold is refused here, before any weight ships or a rank allocates
+            check_call_memory(mp, tuple(latent.shape), layout, mem)
+            if sharding == "auto":
+                free_min, total_min = min(m[0] for m in mem), min(m[1] for m in mem)
+                host_ranks = all(len(m) > 2 and m[2] == "cpu" for m in mem)
+        from .sampling_options import link_profile
+
+        # the link only words the advice (is an offloaded sharded step slower than one card with ComfyUI's offload?)
+        link = link_profile(cluster_config) if sharding in ("auto", "blocks+offload") and n > 1 else None
+        resolved, why = bridge_shard.resolve_sharding(sharding, dm, n, free_min, total_min, link=link, host_ranks=host_ranks)
+        cost = bridge_shard.offload_advice(dm, n, link) if resolved == "blocks+offload" and n > 1 else None
+        level = logging.WARNING if cost is not None and cost.slower else logging.INFO
+        if sharding == "auto":
+            log.log(level, "PatchRay: %s", why)
+        elif cost is not None:
+            log.log(level, "PatchRay: sharding=blocks+offload: %s", cost.text)
+        if cost is not None:
+            # the shards go to pinned host memory: refuse, before any weight ships, a machine whose available memory
+            # cannot hold its ranks' shards
+            hosts = rank_cluster.run(f"{_RANK}:host_memory", timeout_s=60.0, cancel_check=hooks.cancel_check)
+            log.info("PatchRay: sharding=blocks+offload: %s", bridge_shard.check_host_memory(dm, n, hosts))
+        key = key + (("sharding", resolved),)  # a sharded model and a whole one are different things on the ranks
+
+        def make_payload(make=make_skeleton, resolved=resolved):
+            return dict(make(), sharding=resolved)
+
+        # the weights travel a part at a time (numpy views of Ray's shared store): beside ComfyUI's own weights the
+        # host holds at most one part in flight (sampling/ship.py)
+        ship_model_in_parts(
+            rank_cluster, key, make_payload, names, tensor, f"{_RANK}:begin_parts", end=f"{_RANK}:end_parts", sizes=sizes,
+            prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=hooks.cancel_check,
+        )
+        start = time.perf_counter()
+        result = distributed_sample(
+            rank_cluster, key, f"{_RANK}:sample", inputs, config,
+            prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=hooks.cancel_check, progress=progress,
+            timeout_s=cluster_config.call_timeout_s, band_weights=weights, return_traffic=True,
+        )
+        seconds = time.perf_counter() - start
+    if result["calls"] == 0 and steps > 0:
+        raise RuntimeError(
+            "PatchRay: the ranks sampled without calling the model through PatchRay's wrapper (another extension "
+            "replaced ComfyUI's diffusion-model call?); refusing to return an unsharded result")
+    info = result.get("info") or {}
+    attention_calls = info.get("attention_calls")
+    summary = layout_summary(layout, result["calls"], attention_calls)
+    summary += f"; sharding {resolved}; preset {name}"
+    per_step = _bytes_per_step(result.get("traffic"), steps)
+    if steps:
+        summary += f"; {seconds / steps:.3g} s/step over {steps} step{'s' if steps != 1 else ''}"
+        if per_step is not None and n > 1:
+            summary += f", {_words_bytes(per_step)} exchanged per step"
+    unused = attention_note(attention, kind, layout, attention_calls, sequence_ok=no_sequence is None) if result["calls"] else None
+    log.info("PatchRay: %s", summary)
+    if unused:
+        log.info("PatchRay: %s", unused)
+    if hooks.report is not None:
+        hooks.report(summary)
+        if layout.note:
+            hooks.report(f"note: {layout.note}")
+        if unused:
+            hooks.report(f"note: {unused}")
+    if progress is not None:
+        progress(steps, steps)
+    x0 = info.get("x0")
+    if callback is not None and steps and x0 is not None:
+        # ComfyUI's callback once, with rank 0's last denoised estimate: SamplerCustom's "denoised_output" reads it,
+        # and the node's own progress bar completes (the ranks' steps drove ``progress`` meanwhile)
+        callback(steps - 1, x0, result["latent"], steps)
+    return result["latent"]
+
+
+def _bytes_per_step(traffic: Optional[dict], steps: int) -> Optional[float]:
+    if not traffic or not steps:
+        return None
+    return sum((traffic.get("bytes") or {}).values()) / steps
+
+
+def _words_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+# ------------------------------------------------------------------------------------------- words and checks
+
+
+def layout_summary(layout, calls: int, attention_calls: Optional[dict] = None) -> str:
+    """One line: how the ranks shared the work (the node shows it; the log has it too), and with
+    ``attention_calls`` (``{mode: attention calls}`` of a DiT's sequence ranks) the attention modes that ran."""
+    how = {
+        "sequence": f"each of the {layout.seq_ranks} ranks a band of the latent's rows",
+        "cfg": "cond and uncond on different ranks",
+        "cfg+sequence": f"2 CFG groups x {layout.seq_ranks} sequence ranks",
+        "batch": "the batch rows split across the ranks",
+        "replicated": "the whole model on every rank (no split)",
+    }.get(layout.mode, layout.mode)
+    line = f"parallelism {layout.mode} on {layout.num_ranks} rank(s): {how}; {calls} model calls"
+    if attention_calls:
+        ran = ", ".join(f"{mode} ({n} attention call{'s' if n != 1 else ''})" for mode, n in sorted(attention_calls.items()))
+        line += f"; sequence attention {ran}"
+    return line
+
+
+def attention_note(requested: str, kind: str, layout, attention_calls: Optional[dict], *, sequence_ok: bool = True
+                   ) -> Optional[str]:
+    """Why the attention did not run as ``requested`` (the sequence_attention widget), or ``None``: a mode other
+    than ``auto`` that no call ran (no DiT sequence ranks in this run), or that some calls ran another way (overlapped
+    and ring attend with PyTorch's kernel over exact K/V: a call with an attention mask, or a stale preset's K/V,
+    runs gathered). ``sequence_ok``: the model has a sequence split (a row of the DiT table)."""
+    if requested == "auto":
+        return None
+    if kind != "dit" or layout.seq_ranks < 2 or not attention_calls:
+        if kind != "dit":
+            split = "a UNet's row bands" if layout.seq_ranks > 1 else f"parallelism {layout.mode} of a UNet"
+        elif not sequence_ok:
+            split = f"parallelism {layout.mode} of a model without a sequence split"
+        else:
+            split = f"parallelism {layout.mode} (parallelism sequence or cfg+sequence uses it)"
+        return (f"sequence_attention={requested} was not used: it applies to a DiT's sequence ranks, and this run "
+                f"is {split}")
+    total = sum(attention_calls.values())
+    other = {mode: n for mode, n in attention_calls.items() if mode != requested}
+    if not other:
+        return None
+    how = ", ".join(f"{mode} in {n}" for mode, n in sorted(other.items()))
+    return (f"sequence_attention={requested} ran {how} of {total} attention calls (overlapped and ring run a call "
+            f"with an attention mask, or a stale preset's keys and values, gathered)")
+
+
+_GIB = 1024**3
+
+
+def rank_call_shape(latent_shape: tuple, layout) -> tuple:
+    """The smallest model call a rank of ``layout`` makes for a latent of ``latent_shape``: ComfyUI evaluates one
+    conditioning at a time when memory is short (all of the latent's batch rows), ``batch`` gives each rank its share
+    of those rows, and sequence ranks take a band of the rows (the last but one dimension, all frames)."""
+    shape = list(latent_shape)
+    n = max(1, int(layout.num_ranks))
+    if layout.batch:
+        shape[0] = -(-shape[0] // n)
+    if layout.seq_ranks > 1:
+        shape[-2] = -(-shape[-2] // int(layout.seq_ranks))
+    return tuple(shape)
+
+
+def check_call_memory(model, latent_shape: tuple, layout, memory) -> None:
+    """Refuse, before anything ships, a latent whose smallest model call on a rank ComfyUI itself estimates larger than
+    the memory that rank can use (``BaseModel.memory_required``, the figure ComfyUI plans its loads and batching with).
+
+    What a rank can use: GPU ranks their card (ComfyUI offloads weights to make room for the activations); CPU ranks
+    the host's available memory shared by the ranks on it (they run their calls at the same time, so N CPU ranks each
+    sized against the whole free memory would together exhaust the machine).
+
+    Args:
+        model: the ComfyUI MODEL (its ``memory_required``).
+        latent_shape: the latent as sampled (``[B, C, H, W]`` or ``[B, C, T, H, W]``).
+        layout: the run's :class:`.dit_layout.Layout`.
+        memory: per rank ``(free bytes, total bytes, device type)`` (``ksampler_rank.device_memory``).
+    """
+    estimate = getattr(getattr(model, "model", None), "memory_required", None)
+    if estimate is None or not memory:
+        return
+    call = rank_call_shape(latent_shape, layout)
+    try:
+        need = float(estimate(list(call)))
+    except Exception as exc:  # an estimate is advice: a model that cannot give one is not refused over it
+        log.debug("memory estimate unavailable: %s", exc)
+        return
+    cpu = all(len(m) > 2 and m[2] == "cpu" for m in memory)
+    if cpu:
+        have = min(float(m[0]) for m in memory) / len(memory)  # embedded CPU ranks share one host's memory
+        where = f"the host's available memory ({min(float(m[0]) for m in memory) / _GIB:.1f} GiB) shared by its {len(memory)} CPU ranks"
+    else:
+        have = min(float(m[1]) for m in memory)
+        where = "the smallest rank's card"
+    if need <= have:
+        return
+    shrink = (need / have) ** 0.5
+    batch_hint = f" or batch_size (each rank's calls hold {call[0]} of the batch's {latent_shape[0]} rows)" if call[0] > 1 else ""
+    raise ValueError(
+        f"latent_image: ComfyUI estimates {need / _GIB:.1f} GiB for one model call on each rank at this size (latent "
+        f"{'x'.join(str(d) for d in latent_shape[2:])}, {layout.mode} over {layout.num_ranks} ranks: each rank's call "
+        f"covers {'x'.join(str(d) for d in call[2:])}); a rank has {have / _GIB:.1f} GiB ({where}). Lower width and "
+        f"height about {shrink:.1f}x{batch_hint}, or use more ranks"
+        + (" with parallelism sequence" if layout.seq_ranks <= 1 else "")
+    )
+
+
+def config_name(config) -> str:
+    """The preset a PatchConfig came from (for messages)."""
+    from ...distributed.sampling.config import PRESETS
+    from .sampling_options import PRESET_NAMES
+
+    for name in PRESET_NAMES:
+        if name not in PRESETS:  # "auto" names a choice, not a config
+            continue
+        base = PRESETS[name].replace(split_batch=False)
+        key = (base.layer_mode, base.output, base.groupnorm, base.exchange_bits)
+        if key == (config.layer_mode, config.output, config.groupnorm, config.exchange_bits):
+            return name
+    return "(custom)"
