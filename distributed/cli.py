@@ -20,6 +20,7 @@ COMMANDS = {
     "probe": ("patchray.distributed.topology.cli", "probe_main", "form the cluster, check collectives, P2P topology and advice"),
     "plan": ("patchray.distributed.vae.planner", "plan_main", "tile plans (coarse / balanced / fine) and the Pareto frontier"),
     "row-memory": ("patchray.distributed.vae.row_memory", "main", "per-rank peak CUDA memory of row mode vs the band 1/N baseline"),
+    "exactness": ("patchray.distributed.sampling.exactness", "main", "the runtime exactness check's verdicts (--clear forgets them)"),
 }
 
 

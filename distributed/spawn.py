@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import logging
 import os
 import queue as _queue
 import shutil
@@ -23,11 +24,13 @@ import traceback
 from typing import Any, Callable, List, Sequence, Union
 
 import torch
+
+log = logging.getLogger(__name__)
 import torch.multiprocessing as mp
 
 from . import comm
 
-__all__ = ["run_ranks", "RankError"]
+__all__ = ["run_ranks", "RankError", "choose_backend"]
 
 
 class RankError(RuntimeError):
@@ -144,3 +147,34 @@ def run_ranks(
         raise RankError(f"rank {rank} failed: {errors[rank]}")
     # our own rank processes' results (arbitrary Python values), never a file from elsewhere
     return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]
+
+
+def choose_backend(requested: str, device: str, ranks: int, gpus: Union[int, None] = None) -> str:
+    """The process-group backend for ``ranks`` local ranks on ``device``: ``auto`` is NCCL when every rank has a GPU of
+    its own and gloo otherwise (NCCL refuses two ranks on one GPU with "Duplicate GPU detected"; under gloo ranks share
+    a GPU, which measures per-rank work, not a multi-GPU speed-up: said in the log). An explicit ``nccl`` that cannot
+    run is refused here, in the options' terms, before any process starts.
+
+    Args:
+        requested: ``auto``, ``gloo`` or ``nccl`` (the benchmarks' ``--backend``).
+        device: ``cuda`` or ``cpu``.
+        ranks: local ranks.
+        gpus: visible GPUs (default: ``torch.cuda.device_count()``).
+    """
+    if requested not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"--backend must be auto, gloo or nccl (got {requested!r})")
+    if device != "cuda":
+        if requested == "nccl":
+            raise ValueError("--backend nccl runs CUDA ranks only: use --device cuda, or --backend gloo for CPU ranks")
+        return "gloo"
+    gpus = torch.cuda.device_count() if gpus is None else int(gpus)
+    if ranks <= gpus:
+        return "nccl" if requested == "auto" else requested
+    if requested == "nccl":
+        raise ValueError(
+            f"--backend nccl needs a GPU per rank: {ranks} ranks, {gpus} GPU(s) visible; use --ranks {max(1, gpus)}, or "
+            "--backend gloo (ranks share a GPU: per-rank work, not a multi-GPU speed-up)")
+    if requested == "auto":
+        log.warning("%d ranks share %d GPU(s): backend gloo (NCCL refuses two ranks on one GPU); their times measure "
+                    "per-rank work, not a multi-GPU speed-up", ranks, gpus)
+    return "gloo"

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""One rank's cost of PatchRay Parallel Model against ComfyUI's own sampling, on one GPU: s/step and peak memory.
+"""One rank's cost of PatchRay Parallel Model against ComfyUI's own sampling, on one GPU: s/step and peak memory, and
+the one-time cost of the runtime exactness check.
 
 What a rank runs for a patched MODEL (``nodes/bridge/ksampler_rank.sample``: the driver's guider rebuilt around the
 rank's model, PatchRay's wrappers at ComfyUI's extension points, ComfyUI's sampler loop) against the stock call
@@ -145,6 +146,16 @@ def main(argv=None) -> int:
     record["s_per_step"] = best
     record["overhead"] = best["parallel_model_1_rank"] / best["stock"] - 1.0
     record["model_calls"] = session.calls
+    # the runtime exactness check's one-time cost (a rank's share: one step of a small crop, whole and split)
+    from patchray.nodes.bridge.dit_models import find_row
+
+    dm = mp.model.diffusion_model
+    sync()
+    t0 = time.perf_counter()
+    check = kr.verify_sequence(ctx, ctx, mp.clone(), find_row(type(dm).__name__), dm, dict(rank_inputs))
+    sync()
+    record["exactness_check"] = dict(check, wall_seconds=time.perf_counter() - t0,
+                                     weights_gib=sum(p.numel() * p.element_size() for p in dm.parameters()) / 2**30)
     text = json.dumps(record, indent=1)
     print(text)
     if args.out:

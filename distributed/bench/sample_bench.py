@@ -283,7 +283,9 @@ def run_sample_bench(
         kind = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
         # PATCHRAY_SPAWN_BACKEND=gloo lets several ranks share one GPU (NCCL refuses that) to count bytes and
         # agreement on the real architecture; such times are not speed-ups.
-        backend = os.environ.get("PATCHRAY_SPAWN_BACKEND") or ("nccl" if kind == "cuda" else "gloo")
+        from ..spawn import choose_backend
+
+        backend = choose_backend(os.environ.get("PATCHRAY_SPAWN_BACKEND") or "auto", kind, ranks)
         results = run_ranks(_bench_all, ranks, plan, device=kind, backend=backend, timeout_s=900)
     else:
         raise ValueError(f"--launcher must be 'ray' or 'spawn' (got {launcher!r})")

@@ -101,7 +101,10 @@ def _run_torchrun(payload: dict) -> Tuple[List[dict], int]:
         # visible devices, so --backend gloo can put several ranks on one GPU)
         device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)
-        backend = "nccl" if payload["backend"] == "auto" else payload["backend"]
+        from ..spawn import choose_backend
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+        backend = choose_backend(payload["backend"], "cuda", local)
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not comm.is_initialized():
@@ -180,7 +183,9 @@ def _launch(opts: Options, payload: dict, cluster, cancel_check=None, progress=N
     if opts.launcher == "spawn":
         from ..spawn import run_ranks
 
-        backend = opts.backend if opts.backend != "auto" else ("nccl" if opts.device == "cuda" else "gloo")
+        from ..spawn import choose_backend
+
+        backend = choose_backend(opts.backend, opts.device, opts.ranks)
         return run_ranks(bench_rank, opts.ranks, payload, backend=backend, device=opts.device, timeout_s=opts.timeout_s)[0], True
     return _run_ray(opts, payload), True
 

@@ -302,6 +302,9 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
             row = find_row(type(dm).__name__)
             if row is None:  # backstop, not the guard: the driver refuses models without a row
                 raise NotImplementedError(f"no DiT table row for {type(dm).__name__}")
+            if inputs.get("verify"):
+                # the runtime exactness check: first use of this (class, ComfyUI, PatchRay, mode); raises on a mismatch
+                session.info["exactness"] = verify_sequence(ctx, seq_ctx, model, row, dm, inputs)
             seq = dit_rank.sequence_parallel(seq_ctx, row, dm, attention=inputs.get("attention", "auto"), counter=counter,
                                              config=session.config, linear_rows=comfy_linear_rows)
             undo.append(seq.remove)
@@ -330,6 +333,69 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
     finally:
         for fn in reversed(undo):
             fn()
+
+
+def verify_sequence(ctx, seq_ctx, model, row, dm, inputs: dict) -> dict:
+    """The runtime exactness check of a DiT row (``distributed/sampling/exactness.py``): one sampling step of a small
+    crop of this run's latent (the smallest token grid that gives every sequence rank two token rows; the run's own
+    conditionings, mask and seed), once with the whole model on every rank and once split by the row, compared.
+    Every rank agrees on the largest error; above the compute dtype's bound all ranks raise ``ExactnessMismatch``.
+    Returns what the driver records: the error, the bound, the seconds and this rank's peak memory of the check."""
+    import time
+
+    import comfy.model_management as mm
+    import comfy.patcher_extension as pe
+    import comfy.samplers
+
+    from ...distributed.sampling.exactness import ExactnessMismatch, agreed_error, bound_for, relative_error
+    from . import dit_rank
+
+    sigmas = inputs["sigmas"]
+    if sigmas.shape[-1] < 2:
+        return {}
+    _, ph, pw = row.patch(dm)
+    latent, noise = inputs["latent_image"], inputs["noise"]
+    rows, cols = min(int(latent.shape[-2]), ph * seq_ctx.world_size * 2), min(int(latent.shape[-1]), pw * 4)
+
+    def cut(t):
+        return t[..., :rows, :cols].contiguous()
+
+    sampler = comfy.samplers.sampler_object("euler")
+    sharded = model.model.__dict__.get("_patchray_shards") is not None
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    start = time.perf_counter()
+
+    def one_step(m, agree):
+        m.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching(dit_rank.Agree(agree), mm.get_free_memory))
+        guider = rebuild_guider(inputs["guider"], m)
+        with torch.no_grad() if sharded else torch.inference_mode():
+            return guider.sample(cut(noise), cut(latent), sampler, sigmas[:2], denoise_mask=inputs.get("denoise_mask"),
+                                 callback=None, disable_pbar=True, seed=inputs.get("seed"))
+
+    whole = one_step(model.clone(), ctx)
+    probe = dit_rank.sequence_parallel(seq_ctx, row, dm, attention=inputs.get("attention", "auto"), config=None,
+                                       linear_rows=comfy_linear_rows)
+    try:
+        split_model = model.clone()
+        split_model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, probe.wrapper)
+        split = one_step(split_model, seq_ctx)
+    finally:
+        probe.remove()
+    err = agreed_error(ctx, relative_error(whole, split))
+    base = model.model
+    dtype = getattr(base, "manual_cast_dtype", None) or base.get_dtype()
+    bound = bound_for(dtype)
+    seconds = time.perf_counter() - start
+    if not err <= bound:
+        raise ExactnessMismatch(
+            f"PatchRay's exactness check: sequence parallelism on {type(dm).__name__} computes a different step than the "
+            f"whole model (relative error {err:.2e} > bound {bound:.0e} for {str(dtype).replace('torch.', '')}): PatchRay's "
+            f"table does not match this ComfyUI's {type(dm).__name__}")
+    return {"error": err, "bound": bound, "seconds": seconds,
+            "peak_bytes": int(torch.cuda.max_memory_allocated(ctx.device)) if cuda else 0,
+            "grid": [int(d) for d in cut(latent).shape]}
 
 
 def _counted(counter):

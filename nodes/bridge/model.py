@@ -205,6 +205,16 @@ def check_patches(mp, ignore: tuple = ()) -> None:
                       for k, v in table.items() if any(fns for key, fns in v.items() if key not in ignore))
         if used:
             raise _refuse(f"{kind} added to the MODEL by other nodes ({used})")
+    extra = {k: v for k, v in (getattr(mp, "additional_models", None) or {}).items() if v}
+    if "multigpu" in extra:
+        # newer ComfyUI's own multi-GPU split (its MultiGPU Work Units node) clones the model onto other GPUs: the two
+        # splits would each take the cards, and the ranks could not hold those clones
+        raise NotImplementedError(
+            "PatchRay: the MODEL carries ComfyUI's own multi-GPU split (MultiGPU Work Units): PatchRay splits the work "
+            "over its ranks itself, and a model is never split twice; connect the MODEL before that node to PatchRay, "
+            "or use ComfyUI's split without PatchRay")
+    if extra:
+        raise _refuse(f"additional models attached to the MODEL by other nodes ({sorted(extra)})")
     if mp.weight_wrapper_patches:
         raise _refuse("weight wrapper patches")
     if getattr(mp, "hook_patches", None):
@@ -234,7 +244,12 @@ _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8
 def _patched_weight(mp, key: str, live: torch.Tensor) -> torch.Tensor:
     import comfy.float
     import comfy.lora
-    from comfy.model_patcher import get_key_weight, string_to_seed
+    from comfy.model_patcher import get_key_weight
+
+    try:  # newer ComfyUI keeps it in comfy.utils
+        from comfy.utils import string_to_seed
+    except ImportError:
+        from comfy.model_patcher import string_to_seed
 
     original = mp.backup[key].weight if key in mp.backup else live
     if key not in mp.patches:

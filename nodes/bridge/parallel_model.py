@@ -44,6 +44,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from . import model as bridge_model
+from . import runtime_check
 from . import shard_models as bridge_shard
 from . import validate
 from .errors import rank_errors_for_user
@@ -341,6 +342,14 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
     if sharding in bridge_shard.SHARDED:
         bridge_shard.blocks_for(dm, sharding)  # an uncovered class is refused before the ranks start
     inputs = rank_inputs(guider, noise, latent, sampler, sigmas, denoise_mask, seed, layout, kind, attention)
+    check_key = check_mode = verdict = None
+    if layout.seq_ranks > 1 and kind == "dit":
+        # the split depends on ComfyUI's internals of this class: checked once per class, versions and mode
+        check_mode = f"sequence/{attention}"
+        check_key, verdict = runtime_check.cached_verdict(type(dm).__name__, check_mode)
+        if verdict is not None and not verdict.ok:
+            raise runtime_check.refusal(type(dm).__name__, check_mode, verdict)
+        inputs["verify"] = verdict is None
     root = bridge_model.comfy_root()
     progress = hooks.progress(steps) if hooks.progress is not None and steps else None
     cluster_config = options.cluster
@@ -384,17 +393,33 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
             prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=hooks.cancel_check,
         )
         start = time.perf_counter()
-        result = distributed_sample(
-            rank_cluster, key, f"{_RANK}:sample", inputs, config,
-            prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=hooks.cancel_check, progress=progress,
-            timeout_s=cluster_config.call_timeout_s, band_weights=weights, return_traffic=True,
-        )
+        try:
+            result = distributed_sample(
+                rank_cluster, key, f"{_RANK}:sample", inputs, config,
+                prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=hooks.cancel_check, progress=progress,
+                timeout_s=cluster_config.call_timeout_s, band_weights=weights, return_traffic=True,
+            )
+        except Exception as exc:
+            from ...distributed.cluster import caused_by
+            from ...distributed.sampling.exactness import ExactnessMismatch
+
+            if check_key is not None and caused_by(exc, ExactnessMismatch):
+                failed = runtime_check.record_mismatch(check_key, str(exc))
+                raise runtime_check.refusal(type(dm).__name__, check_mode, failed) from exc
+            raise
         seconds = time.perf_counter() - start
     if result["calls"] == 0 and steps > 0:
         raise RuntimeError(
             "PatchRay: the ranks sampled without calling the model through PatchRay's wrapper (another extension "
             "replaced ComfyUI's diffusion-model call?); refusing to return an unsharded result")
     info = result.get("info") or {}
+    check_line = None
+    if check_key is not None:
+        fresh = bool(info.get("exactness"))
+        if fresh:
+            verdict = runtime_check.record(check_key, info["exactness"])
+        if verdict is not None:
+            check_line = runtime_check.line(type(dm).__name__, check_mode, verdict, fresh)
     attention_calls = info.get("attention_calls")
     summary = layout_summary(layout, result["calls"], attention_calls)
     summary += f"; sharding {resolved}; preset {name}"
@@ -407,8 +432,16 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
     log.info("PatchRay: %s", summary)
     if unused:
         log.info("PatchRay: %s", unused)
+    newer = runtime_check.newer_comfyui_note()
+    if newer:
+        log.warning("PatchRay: %s", newer)
+        check_line = f"{check_line}\nnote: {newer}" if check_line else f"note: {newer}"
+    if check_line:
+        log.info("PatchRay: %s", check_line)
     if hooks.report is not None:
         hooks.report(summary)
+        if check_line:
+            hooks.report(check_line)
         if layout.note:
             hooks.report(f"note: {layout.note}")
         if unused:

@@ -65,7 +65,8 @@ def serve(base: Path):
     everything it spawned (Ray's processes) afterwards."""
     port = _free_port()
     log = open(base / "server.log", "w")
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # the runtime exactness check's verdicts in the server's own folder: every test server checks afresh
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PATCHRAY_CACHE_DIR=str(base / "patchray-cache"))
     proc = subprocess.Popen(
         [PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
          "--disable-auto-launch", "--dont-print-server", "--disable-api-nodes"],

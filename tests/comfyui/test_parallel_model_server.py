@@ -223,7 +223,7 @@ def test_comfyuis_process_does_not_load_the_diffusion_model_while_the_ranks_samp
     for model, want in ((["20", 0], []), (["2", 0], ["WanModel"])):
         # ComfyUI applies "unload models" after the next queue item: a small prompt carries it out first
         assert _post(url + "/free", {"unload_models": True, "free_memory": True})[0] == 200
-        _run(url, {"a": {"class_type": "EmptyLatentImage", "inputs": {"width": 8, "height": 8, "batch_size": 1}},
+        _run(url, {"a": {"class_type": "EmptyLatentImage", "inputs": {"width": 16, "height": 16, "batch_size": 1}},
                    "b": {"class_type": "PatchRayTestLoadedModels", "inputs": {"latent": ["a", 0]}}})
         api = _dit_graph(WAN, 2, parallelism="sequence")
         api["8"] = {"class_type": "KSampler", "inputs": {
@@ -232,6 +232,26 @@ def test_comfyuis_process_does_not_load_the_diffusion_model_while_the_ranks_samp
         api["30"] = {"class_type": "PatchRayTestLoadedModels", "inputs": {"latent": ["8", 0]}}
         entry = _run(url, api)
         assert entry["outputs"]["30"]["loaded"] == want, (model, entry["outputs"]["30"])
+
+
+def test_the_exactness_check_runs_once_and_its_verdict_shows_on_the_node(server):
+    """The Distributed KSampler (the same path) shows the check's line: run now on first use of a class and mode, cached
+    after; a cfg run (which does not depend on the model's internals) runs no check."""
+    url, base = server
+    common = {"seed": 5, "steps": 2, "cfg": 3.5, "sampler_name": "euler", "scheduler": "simple", "positive": ["3", 0],
+              "negative": ["4", 0], "latent_image": ["5", 0], "denoise": 1.0, "model": ["2", 0], "cluster": ["7", 0],
+              "preset": "full_sync", "warmup_steps": -1, "refresh_every": -1, "k_ratio": 0.25, "block_size": 8,
+              "sequence_attention": "ring", "balance": "equal", "sharding": "none"}
+    texts = []
+    for seed, parallelism in ((5, "sequence"), (6, "sequence"), (7, "cfg")):
+        api = _dit_graph(WAN, 2)
+        api["8"] = {"class_type": "PatchRayKSampler", "inputs": dict(common, seed=seed, parallelism=parallelism)}
+        api["10"] = {"class_type": "SaveLatent", "inputs": {"samples": ["8", 0], "filename_prefix": f"check_{seed}"}}
+        texts.append("\n".join(_run(url, api)["outputs"]["8"]["text"]))
+    assert "exactness check: sequence on WanModel" in texts[0] and "checked now" in texts[0], texts[0]
+    assert "verified earlier (cached)" in texts[1], texts[1]
+    assert "exactness check" not in texts[2], texts[2]
+    assert "WanModel|" in (base / "patchray-cache" / "exactness.json").read_text()
 
 
 def test_a_bad_widget_is_refused_on_the_parallel_model_node(server):

@@ -44,3 +44,18 @@ def test_a_failing_rank_is_named_and_the_folder_still_removed(private_tmp):
     with pytest.raises(RankError, match=r"rank 1 failed: ValueError: rank one refuses"):
         run_ranks(_fail_on_rank_1, 2, timeout_s=60)
     assert os.listdir(private_tmp) == []
+
+
+def test_the_backend_is_nccl_only_with_a_gpu_per_rank_and_a_bad_choice_is_refused_first():
+    from patchray.distributed.spawn import choose_backend
+
+    assert choose_backend("auto", "cuda", 2, gpus=2) == "nccl"
+    assert choose_backend("auto", "cuda", 2, gpus=1) == "gloo"  # ranks share the GPU: NCCL would refuse them
+    assert choose_backend("auto", "cpu", 4) == "gloo"
+    assert choose_backend("gloo", "cuda", 4, gpus=8) == "gloo"
+    with pytest.raises(ValueError, match="needs a GPU per rank: 2 ranks, 1 GPU"):
+        choose_backend("nccl", "cuda", 2, gpus=1)
+    with pytest.raises(ValueError, match="CUDA ranks only"):
+        choose_backend("nccl", "cpu", 2)
+    with pytest.raises(ValueError, match="--backend must be"):
+        choose_backend("mpi", "cuda", 2, gpus=2)

@@ -169,3 +169,34 @@ def test_the_rank_rebuilds_the_drivers_guider_around_its_own_model():
     g = rebuild_guider((Guider, state), model)
     assert type(g) is Guider and g.model_patcher is model and g.model_options is model.model_options
     assert (g.original_conds, g.cfg, g.extra) == ({"positive": [1]}, 2.5, "kept")
+
+
+def _patcher(**over):
+    """A ModelPatcher's attributes as check_patches reads them (ComfyUI 0.3.64's names)."""
+    base = dict(wrappers={}, callbacks={}, model_options={"transformer_options": {}}, weight_wrapper_patches={},
+                hook_patches={}, additional_models={})
+    return SimpleNamespace(**dict(base, **over))
+
+
+def test_a_model_carrying_comfyuis_own_multigpu_split_is_refused_by_name():
+    from patchray.nodes.bridge.model import check_patches
+
+    check_patches(_patcher())  # nothing attached: accepted
+    with pytest.raises(NotImplementedError, match="ComfyUI's own multi-GPU split .*never split twice"):
+        check_patches(_patcher(additional_models={"multigpu": ["clone on cuda:1"]}))
+    with pytest.raises(NotImplementedError, match=r"additional models .*\['style'\]"):
+        check_patches(_patcher(additional_models={"style": ["m"], "empty": []}))
+
+
+def test_wrappers_of_other_extensions_are_refused_by_key_and_patchrays_own_pass():
+    from patchray.nodes.bridge.model import check_patches
+
+    ours = _patcher(wrappers={"outer_sample": {pm.OUTER_KEY: [print]}})
+    check_patches(ours, ignore=(pm.OUTER_KEY,))
+    with pytest.raises(NotImplementedError, match="easycache"):
+        check_patches(_patcher(wrappers={"outer_sample": {"easycache": [print]}}), ignore=(pm.OUTER_KEY,))
+    in_options = _patcher(model_options={"transformer_options": {"wrappers": {"diffusion_model": {"x.y": [print]}}}})
+    with pytest.raises(NotImplementedError, match="x.y"):
+        check_patches(in_options, ignore=(pm.OUTER_KEY,))
+    with pytest.raises(NotImplementedError, match="TorchCompileModel"):
+        check_patches(_patcher(wrappers={"apply_model": {"torch.compile": [print]}}))

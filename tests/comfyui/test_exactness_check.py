@@ -1,0 +1,37 @@
+"""Opt-in: the runtime exactness check on ComfyUI's own DiT classes passes every row of PatchRay's table and refuses a
+row whose text block sits on the wrong side (the drift a newer ComfyUI's HunyuanVideo made: every length still
+matches, only the check sees it). Runs ``exactness_ranks.py`` on 2 and 3 gloo CPU ranks.
+
+    COMFYUI_DIR=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/its/python pytest tests/comfyui/test_exactness_check.py
+"""
+
+import pytest
+
+from .rank_harness import comfyui_marks, run_rank_script
+
+pytestmark = comfyui_marks()
+
+JOINT = {"flux", "chroma", "qwen", "hunyuan", "hyimage"}  # rows with text tokens in the joint sequence
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_check_passes_the_table_and_refuses_a_flipped_text_block(tmp_path, ranks):
+    cases = ["flux", "chroma", "wan21", "wan21i2v", "qwen", "hunyuan", "hyimage", "ltxv"]
+    report = run_rank_script("exactness_ranks.py", tmp_path, ranks, cases, timeout=1500)
+    per_rank = report["per_rank"]
+    caught = 0
+    for name in cases:
+        rec = report["cases"][name]
+        # fp32: the split reorders sums only (bound 1e-4; see distributed/sampling/exactness.py)
+        assert rec["correct"]["error"] <= 1e-4 == rec["correct"]["bound"], (name, rec)
+        caught += "exactness check" in rec.get("flipped", "")
+        print(f"{name} ({rec['class']}) x{ranks}: table row {rec['correct']['error']:.1e}; flipped: "
+              f"{rec.get('flipped', '-')[:90]}")
+        if name in JOINT:
+            # caught by the check, or refused loudly by the split itself: never a silent wrong result
+            assert rec["flipped"] != "passed", (name, rec)
+            if "exactness check" in rec["flipped"]:
+                assert rec["class"] in rec["flipped"]
+        # every rank reached the same verdict
+        assert all(r[name].get("flipped", "-") == rec.get("flipped", "-") for r in per_rank), name
+    assert caught >= 3, caught  # the check itself catches the flipped text of most joint rows
