@@ -14,6 +14,13 @@ TEST_PYTHONPATH = str(Path(__file__).resolve().parents[2])
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def _own_exactness_verdicts(tmp_path, monkeypatch):
+    """Each test keeps the runtime exactness check's verdicts in its own folder: a verdict one test left behind must
+    not decide another test's run (and the user's cache is never touched)."""
+    monkeypatch.setenv("PATCHRAY_CACHE_DIR", str(tmp_path / "patchray-cache"))
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """Yield once Ray may be used; stop the cluster and the embedded Ray after the last test."""

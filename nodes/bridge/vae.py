@@ -514,6 +514,14 @@ def decode_latent(
         plan = _tile_plan(spec, z, config.num_ranks, plan, node)
     dtype = cv.resolve_dtype(precision, vae)
     _check_decode_memory(vae, {"samples": raw}, z, spec, dtype, config, node)
+    check_note = None
+    if mode in ("auto", "row") and config.num_ranks > 1:
+        # row mode rebuilds ComfyUI's VAE from its weights: checked against ComfyUI's own decode once per VAE layout,
+        # ComfyUI version and PatchRay version (a mismatch decodes as stock, never a wrong image)
+        ok, check_note = _verify_row(spec, raw, vae, config, dtype, _plain(vae).decode, cancel_check, node)
+        if not ok:
+            log.warning("%s: %s", node, check_note)
+            return Result((stock or vae.decode)(raw), check_note)
     with _out_of_memory_hint(config, node), rank_errors_for_user():
         report = decode_report(
             get_cluster(config, cancel_check=cancel_check),  # the ranks start here on first use
@@ -534,7 +542,68 @@ def decode_latent(
     note = "; ".join(n for n in (unused, report.note) if n) or None
     if note:
         log.warning("%s: %s", node, note)
+    if check_note:  # a passed check: in the log and in `python -m patchray exactness`; the node notes deviations only
+        log.info("%s: %s", node, check_note)
     return Result(cv.to_output_device(vae, cv.decoded_to_pixels(report.sample)), note)
+
+
+#: relative L2 bound of PatchRay's row decode of a small latent against ComfyUI's own decode, by compute dtype. Two
+#: implementations of the same network (diffusers' classes against ComfyUI's) in fp32 differ by reordered sums: the
+#: opt-in suite measures them within one 8-bit level (max abs <= 1/255, relative L2 ~1e-6..1e-5), so 1e-3 leaves two
+#: orders of margin; a wrongly converted weight or layout gives errors of order 0.1. bf16 / fp16 round at 7.8e-3 /
+#: 9.8e-4 per layer: 5e-2 / 1e-2 sit above that and below a wrong conversion.
+_ROW_BOUNDS = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def _verify_row(spec, raw: torch.Tensor, vae, config, dtype: torch.dtype, stock: Callable, cancel_check, node: str):
+    """The runtime exactness check of a VAE row: ``(ok, note)``. On first use of the VAE's layout (per ComfyUI and
+    PatchRay version), a small crop of ``raw`` is decoded in row mode on the ranks and by ComfyUI's own decode, and
+    compared within :data:`_ROW_BOUNDS`; the verdict is kept (``runtime_check``). ``note`` is the node's line.
+    ``stock``: ComfyUI's own untiled decode of the VAE (never a tiled one: tiles blend, row mode is exact)."""
+    import time
+
+    from ...distributed.cluster import get_cluster
+    from ...distributed.sampling.exactness import Verdict, VerdictCache, now, relative_error
+    from ...distributed.vae.api import decode_report
+    from . import runtime_check
+
+    label = f"VAE {_vae_label(spec)}"
+    key, verdict = runtime_check.cached_verdict(label, "row")
+    if verdict is not None:
+        if verdict.ok:
+            return True, None
+        return False, (f"row mode is refused for the {_vae_label(spec)} VAE on ComfyUI {runtime_check.comfy_version()}: "
+                       f"PatchRay's exactness check found its row decode differs from ComfyUI's own (relative error "
+                       f"{verdict.error:.2e} > {verdict.bound:.0e}); decoded with ComfyUI's own decode instead "
+                       "(`python -m patchray exactness --clear` checks again)")
+    n = config.num_ranks
+    rows = min(int(raw.shape[-2]), max(8, 2 * n))
+    cols = min(int(raw.shape[-1]), 8)
+    crop = raw[..., :rows, :cols]
+    if crop.ndim == 5:
+        crop = crop[:, :, : min(int(crop.shape[2]), 2)]
+    crop = crop[:1].contiguous()
+    start = time.perf_counter()
+    z = cv.latent_to_library(spec, crop.detach().cpu())
+    try:
+        _check_samples(spec, z, n, "row", node)
+    except ValueError:
+        return True, None  # too small a latent to split: this decode runs whole (nothing to check here)
+    with rank_errors_for_user():
+        report = decode_report(get_cluster(config, cancel_check=cancel_check), spec, z, mode="row", plan=None,
+                               dtype=dtype, gn_sync=False, cancel_check=cancel_check, on_oom=None)
+    ours = cv.decoded_to_pixels(report.sample).float().cpu()
+    theirs = stock(crop).float().cpu()
+    error = relative_error(theirs, ours)
+    bound = _ROW_BOUNDS.get(dtype, _ROW_BOUNDS[torch.float32])
+    verdict = Verdict(ok=error <= bound, error=error, bound=bound, seconds=time.perf_counter() - start, when=now())
+    VerdictCache().put(key, verdict)
+    if not verdict.ok:
+        return False, (f"row mode is refused for the {_vae_label(spec)} VAE on ComfyUI {runtime_check.comfy_version()}: "
+                       f"PatchRay's exactness check found its row decode differs from ComfyUI's own (relative error "
+                       f"{error:.2e} > {bound:.0e}); decoded with ComfyUI's own decode instead")
+    return True, (f"exactness check: row decode of the {_vae_label(spec)} VAE (ComfyUI {runtime_check.comfy_version()}) "
+                  f"equals ComfyUI's own, relative error {error:.1e} <= {bound:.0e}; checked now in {verdict.seconds:.2f} s")
 
 
 def _plain(vae):

@@ -194,7 +194,7 @@ def _same(a, b, tol):
 # ---------------------------------------------------------------------------------------------- the image VAE
 
 
-def test_the_stock_nodes_on_the_parallel_vae_give_what_they_give_on_the_vae(cluster, kl):
+def test_the_stock_nodes_on_the_parallel_vae_give_what_they_give_on_the_vae(cluster, kl, tmp_path):
     out = _parallel(kl, cluster)
     fast = out.args[0]
     assert out.ui is None  # nothing differs from the request: no note
@@ -213,8 +213,10 @@ def test_the_stock_nodes_on_the_parallel_vae_give_what_they_give_on_the_vae(clus
     assert latent.shape == (2, 4, 12, 10)
     _same(stock_vae_encode_tiled(fast, pixels, tile_size=64, overlap=0)[0]["samples"], kl.encode(pixels[..., :3]), LATENT_TOL)
 
-    # none of that ran the stand-in's own (one-process) methods on the Parallel VAE: the ranks did it all
+    # none of that ran the stand-in's own (one-process) methods on the Parallel VAE: the ranks did it all (the runtime
+    # exactness check's one stock decode of a small crop, on the first decode of this layout, ran on the plain VAE)
     assert (fast.decode_calls, fast.encode_calls) == before and not fast.tiled_calls
+    assert "VAE " in (tmp_path / "patchray-cache" / "exactness.json").read_text()
 
 
 def test_the_parallel_vae_decodes_what_the_distributed_vae_decode_node_decodes(cluster, kl):

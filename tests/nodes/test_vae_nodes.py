@@ -164,3 +164,44 @@ def test_balance_widgets_have_tooltips():
         inputs = {i.id: i for i in node.define_schema().inputs}
         assert list(inputs["balance"].options) == ["equal", "speed"] and inputs["balance"].default == "equal"
         assert "speed" in inputs["balance"].tooltip and inputs["balance"].optional
+
+
+def test_a_row_decode_that_differs_from_comfyuis_own_is_refused_by_the_exactness_check(cluster, tmp_path):
+    """The runtime exactness check on a VAE whose weights as PatchRay reads them differ from the ones ComfyUI decodes
+    with (what a changed key layout in a newer ComfyUI would do: two up-block convolutions exchanged, every shape the
+    same): the first decode compares a small crop, refuses row mode and decodes as stock, with the reason on the node;
+    the verdict is kept, so the next decode is refused without decoding on the ranks; a faithful VAE passes."""
+    import json
+
+    from diffusers import AutoencoderKL
+
+    from patchray.nodes.vae import PatchRayVAEDecode
+
+    torch.manual_seed(5)
+    model = AutoencoderKL(down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                          block_out_channels=[32, 32], latent_channels=4, norm_num_groups=32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    drifted = kl_to_ldm(model.state_dict(), 2)
+    a, b = "decoder.up.0.block.0.conv1.weight", "decoder.up.0.block.1.conv1.weight"
+    assert a in drifted and b in drifted and drifted[a].shape == drifted[b].shape
+    drifted[a], drifted[b] = drifted[b].clone(), drifted[a].clone()
+    vae = ComfyLikeVAE(model, drifted)
+    z = torch.randn(1, 4, 12, 10)
+    for attempt in range(2):
+        out = PatchRayVAEDecode.execute(samples={"samples": z}, vae=vae, cluster=cluster, mode="row", precision="fp32",
+                                        gn_sync=False)
+        assert torch.equal(out.args[0], vae.decode(z))  # ComfyUI's own decode, not the drifted row decode
+        note = " ".join(out.ui.as_dict()["text"])
+        assert "row mode is refused" in note and "exactness check" in note, note
+    kept = json.loads((tmp_path / "patchray-cache" / "exactness.json").read_text())
+    assert [v["ok"] for v in kept.values()] == [False] and list(kept.values())[0]["error"] > 1e-2
+    # the same VAE read faithfully passes (a fresh cache folder: a verdict is per layout and versions)
+    (tmp_path / "patchray-cache" / "exactness.json").unlink()
+    faithful = ComfyLikeVAE(model, kl_to_ldm(model.state_dict(), 2))
+    out = PatchRayVAEDecode.execute(samples={"samples": z}, vae=faithful, cluster=cluster, mode="row", precision="fp32",
+                                    gn_sync=False)
+    assert out.ui is None and (out.args[0] - faithful.decode(z)).abs().max() <= 1 / 255
+    kept = json.loads((tmp_path / "patchray-cache" / "exactness.json").read_text())
+    assert [v["ok"] for v in kept.values()] == [True] and list(kept.values())[0]["error"] < 1e-3
