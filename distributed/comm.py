@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .accounting import COUNTED_OPS, CommCall, CommHook, CommLog, tensor_bytes
-from .comm_fsdp import ShardTally, base_class, fully_shard, is_sharded, is_sharded_tensor, local_shard, set_forward_prefetch
+from .comm_fsdp import (ShardTally, base_class, fully_shard, is_sharded, is_sharded_tensor, kept_whole, local_shard,
+                        set_forward_prefetch)
 from .comm_intercept import intercept, log_comm, unwrapped
 from .comm_p2p import Halo, exchange_halo, exchange_pieces, ring_start
 from .context import ParallelContext
@@ -46,7 +47,8 @@ __all__ = [
     # the interception layer (comm_intercept) and its records (accounting)
     "intercept", "log_comm", "COUNTED_OPS", "CommLog", "CommCall", "CommHook", "tensor_bytes",
     # weight sharding's FSDP2 wrappers (comm_fsdp)
-    "ShardTally", "fully_shard", "is_sharded", "is_sharded_tensor", "base_class", "set_forward_prefetch", "local_shard",
+    "ShardTally", "fully_shard", "kept_whole", "is_sharded", "is_sharded_tensor", "base_class", "set_forward_prefetch",
+    "local_shard",
 ]
 
 # --------------------------------------------------------------------------------------------------

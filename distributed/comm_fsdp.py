@@ -9,6 +9,11 @@ Design decisions:
   (tests/distributed/test_structure.py) lets use ``torch.distributed``, and only :mod:`.comm` imports it.
 * **FSDP2 is imported where it is used.** ``torch.distributed.fsdp`` and ``DeviceMesh`` load only when a model is
   sharded, so a decode or a sampling run without sharding never imports them.
+* **Scalar parameters stay whole.** FSDP2 shards on dim 0 and refuses a 0-d parameter ("fully_shard doesn't support
+  scalar parameters"); ComfyUI's scaled-fp8 layers hold their scales as 0-d parameters (``scale_weight``,
+  ``scale_input``). :func:`fully_shard` passes them to FSDP2 as ``ignored_params`` (:func:`kept_whole` is the rule):
+  every rank holds its own full copy as loaded, in its dtype, on the module where the layer reads it, so a gathered
+  layer computes with exactly the scale the unsharded one does. They are bytes, not a gather: 4 per scale.
 * The design of weight sharding (per-block units, prefetch, dtypes on the wire) is in ``docs/sharding.md``.
 """
 
@@ -21,7 +26,7 @@ import torch.distributed as dist
 
 from .context import ParallelContext
 
-__all__ = ["ShardTally", "fully_shard", "is_sharded", "base_class", "set_forward_prefetch", "local_shard"]
+__all__ = ["ShardTally", "fully_shard", "kept_whole", "is_sharded", "base_class", "set_forward_prefetch", "local_shard"]
 
 
 class ShardTally:
@@ -91,9 +96,16 @@ def _mesh(ctx: ParallelContext):
     return mesh
 
 
+def kept_whole(param: torch.Tensor) -> bool:
+    """Whether :func:`fully_shard` leaves ``param`` whole on every rank instead of sharding it: a 0-d (scalar)
+    parameter, which has no dim 0 to shard (ComfyUI's scaled-fp8 ``scale_weight`` / ``scale_input``)."""
+    return param.dim() == 0
+
+
 def fully_shard(module: torch.nn.Module, ctx: ParallelContext, tally: ShardTally, *, offload: bool = False) -> torch.nn.Module:
     """Shard ``module``'s parameters over ``ctx``'s ranks with FSDP2 (dim-0 shards; gathered before its forward and
     freed after it); ``offload`` keeps the shards in host memory (FSDP2's ``CPUOffloadPolicy``), pinned on CUDA ranks.
+    Scalar parameters (:func:`kept_whole`) are FSDP2's ``ignored_params``: each rank keeps them whole, where they are.
 
     No dtype cast is asked for (no ``MixedPrecisionPolicy`` dtype): every parameter keeps its own dtype in memory
     and on the wire. Returns ``module`` (its class becomes FSDP2's subclass of the original; see :func:`base_class`).
@@ -104,7 +116,8 @@ def fully_shard(module: torch.nn.Module, ctx: ParallelContext, tally: ShardTally
     # pinned pages make FSDP2's per-block host -> device copy (non_blocking) asynchronous at the full PCIe rate; torch
     # pins only with a CUDA host allocator, so CPU ranks (whose copy is a no-op) keep ordinary pages
     policy = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else OffloadPolicy()
-    _fully_shard(module, mesh=_mesh(ctx), reshard_after_forward=True, offload_policy=policy)
+    whole = {p for p in module.parameters() if kept_whole(p)}
+    _fully_shard(module, mesh=_mesh(ctx), reshard_after_forward=True, offload_policy=policy, ignored_params=whole or None)
     module.set_custom_all_gather(_gather_comm(ctx, tally))
     return module
 

@@ -21,6 +21,9 @@ Design decisions:
   (torch 2.13) gathers a block that mixes dtypes (fp8 weights, bf16 biases and norms, as ComfyUI loads fp8
   checkpoints) as one ``uint8`` byte buffer and views each parameter back in its dtype, so a float8 weight costs
   one byte per element in the shard, on the wire and gathered. A separate group per dtype is not needed.
+* **Scalars stay whole.** A 0-d parameter has no dim 0 to shard (FSDP2 refuses it): ComfyUI's scaled-fp8 layers
+  hold their ``scale_weight`` / ``scale_input`` so. Each rank keeps such a parameter whole on its layer
+  (``comm.kept_whole``; FSDP2's ``ignored_params``), so the scale travels with its layer and is never gathered.
 * **Exact.** A gathered parameter is the original tensor, byte for byte; the forward computes the same ops on the
   same values, so a sharded run equals the unsharded one up to what sequence parallelism itself changes.
 * **A load-time property, not an adapter.** Sharding replaces the parameters (each rank keeps 1/N of them), so it
@@ -119,8 +122,10 @@ class ShardHandle:
 
     @property
     def sharded_bytes(self) -> int:
-        """Bytes of the sharded units' parameters, unsharded (what one rank gathers per forward)."""
-        return sum(block_bytes(m) for _, m in self.units)
+        """Bytes of the sharded units' parameters, unsharded (what one rank gathers per forward); the scalars each rank
+        keeps whole (``comm.kept_whole``) are not gathered and not counted."""
+        return sum(int(torch.Size(p.shape).numel()) * p.element_size()
+                   for _, m in self.units for p in m.parameters() if not comm.kept_whole(p))
 
     def local_bytes(self) -> int:
         """Bytes of parameters this rank holds: its shards plus the parameters outside the units."""
@@ -131,10 +136,12 @@ class ShardHandle:
         return total
 
     def local_shapes(self) -> Dict[str, Tuple[torch.Size, torch.Size, torch.dtype]]:
-        """``path -> (global shape, local shape, dtype)`` of every sharded parameter."""
+        """``path -> (global shape, local shape, dtype)`` of every sharded parameter (not the scalars kept whole)."""
         out = {}
         for path, unit in self.units:
             for name, p in unit.named_parameters():
+                if comm.kept_whole(p):
+                    continue
                 out[f"{path}.{name}"] = (torch.Size(p.shape), comm.local_shard(p).shape, comm.local_shard(p).dtype)
         return out
 

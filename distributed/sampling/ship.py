@@ -49,11 +49,16 @@ def materialize_meta(module: nn.Module, device: torch.device, shard_device: Opti
     """Allocate (uninitialised) every meta parameter and buffer of ``module`` on ``device``; sharded units through
     ``to_empty`` (FSDP2 allocates only the local shard) on ``shard_device`` (default ``device``; the host for shards
     offloaded to host memory, where FSDP2's CPU offload requires them), other tensors one by one (real tensors are
-    left alone)."""
+    left alone). The scalars a sharded unit keeps whole (``comm.kept_whole``: ComfyUI's scaled-fp8 scales) are not
+    shards: they go to ``device``, where their layer computes, also when the shards are on the host."""
     for m in module.modules():
         if comm.is_sharded(m):
             if any(p.is_meta for p in m.parameters()):
                 m.to_empty(device=shard_device if shard_device is not None else device)
+                for sub in m.modules():
+                    for name, p in list(sub._parameters.items()):
+                        if p is not None and comm.kept_whole(p) and not hasattr(p, "to_local") and p.device != device:
+                            sub._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
     for m in module.modules():
         for name, p in list(m._parameters.items()):
             if p is not None and p.is_meta and not hasattr(p, "to_local"):
