@@ -95,6 +95,14 @@ class _Cut:
         self.src = self.out = None
 
 
+def _class_name(module) -> str:
+    """``module``'s own class name: with ``sharding`` blocks or blocks+offload, FSDP2 has replaced a sharded block's
+    class by its subclass (``FSDPBasicTransformerBlock``), and the hooks must still find the block."""
+    from ...distributed import comm
+
+    return comm.base_class(module).__name__
+
+
 class _Handle:
     def __init__(self, fn):
         self.remove = fn
@@ -132,7 +140,7 @@ def _ltxv_hooks(seq) -> List[Any]:
         return (local,) + tuple(args[1:]), kwargs
 
     for path, module in dm.named_modules():
-        name = type(module).__name__
+        name = _class_name(module)
         if name == "BasicTransformerBlock" and hasattr(module, "attn1") and hasattr(module, "attn2"):
             handles += _scope(seq, module.attn1, "self", f"{path}.attn1")
             handles += _scope(seq, module.attn2, "cross", f"{path}.attn2")
@@ -166,7 +174,7 @@ def _hunyuan_hooks(seq) -> List[Any]:
 
     handles: List[Any] = []
     for _path, module in dm.named_modules():
-        key = keys.get(type(module).__name__)
+        key = keys.get(_class_name(module))
         if key is None:
             continue
 

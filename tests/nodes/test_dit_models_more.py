@@ -213,3 +213,89 @@ def test_a_local_text_mask_made_under_inference_mode_is_checked_not_cached():
         mask[..., 1] = -1e9  # the same tensor changed in place: checked again, refused
         with pytest.raises(NotImplementedError, match="differs between image keys"):
             _key_mask(mask, 5, 9, 0, 3, 6, order, "single_blocks.0", checked)
+
+
+# ------------------------------------------------------------------- hooks on weight-sharded blocks (FSDP2)
+
+
+class _ShardedLtxBlock(BasicTransformerBlock):
+    """LTX-Video's block with a weight, so weight sharding makes it an FSDP2 unit."""
+
+    def __init__(self, log, stack):
+        super().__init__(log, stack)
+        self.ff = nn.Linear(4, 4)
+
+    def forward(self, x, **kwargs):
+        return super().forward(self.ff(x), **kwargs)
+
+
+_ShardedLtxBlock.__name__ = _ShardedLtxBlock.__qualname__ = "BasicTransformerBlock"
+
+
+class _ShardedDoubleStreamBlock(DoubleStreamBlock):
+    def __init__(self, log):
+        super().__init__(log)
+        self.lin = nn.Linear(4, 4)
+
+
+_ShardedDoubleStreamBlock.__name__ = _ShardedDoubleStreamBlock.__qualname__ = "DoubleStreamBlock"
+
+
+def _sharded_hooks_rank(ctx):
+    """On each of 2 gloo ranks: blocks sharded by ``shard_model`` (``sharding=blocks``: FSDP2 replaces each block's
+    class by its subclass ``FSDP<name>``), then the rank-side hooks, as ``DitSequence`` registers them at sampling."""
+    from patchray.distributed.parallel.shard import shard_model
+
+    torch.manual_seed(0)
+    shards = TokenShards.split(1, 5, 3, ctx.world_size)  # 15 tokens: rank 0 holds 3 rows (9), rank 1 two (6)
+    mine = shards.index(ctx.rank)
+    log = []
+    dm = nn.Module()
+    dm.adaln_single = _Recorder(log)
+    seq = _seq(dm, shards, ctx.rank)
+    seq.ctx = SimpleNamespace(rank=ctx.rank, world_size=ctx.world_size)
+    dm.transformer_blocks = nn.ModuleList([_ShardedLtxBlock(log, seq.scopes.stack) for _ in range(2)])
+    handle = shard_model(dm, ctx, ["transformer_blocks.*"])
+    classes = sorted({type(b).__name__ for b in dm.transformer_blocks})
+    handles = _ltxv_hooks(seq)
+    cos, sin = torch.randn(1, shards.total, 4), torch.randn(1, shards.total, 4)
+    with torch.no_grad():
+        for block in dm.transformer_blocks:
+            block(torch.zeros(1, len(mine), 4), pe=(cos, sin))
+    pes = [e[1] for e in log if e[0] == "block"]
+    scopes = [e[2] for e in log if e[0] != "block"]
+    for h in handles:
+        h.remove()
+    # HunyuanVideo's first-frame modulation boundary on a sharded double-stream block
+    hlog = []
+    hy = nn.Module()
+    hy.block = _ShardedDoubleStreamBlock(hlog)
+    shard_model(hy, ctx, ["block"])
+    _hunyuan_hooks(_seq(hy, TokenShards.split(5, 5, 3, ctx.world_size), ctx.rank))
+    full = 15
+    with torch.no_grad():
+        hy.block(torch.zeros(1), modulation_dims_img=[(0, full, 0), (full, None, 1)])
+    return {
+        "classes": classes,
+        "units": len(handle.units),
+        "pe_cut": len(pes) == 2 and all(torch.equal(p[0], cos[:, mine]) and torch.equal(p[1], sin[:, mine]) for p in pes),
+        "scopes": scopes,
+        "hunyuan_dims": hlog[0][1]["modulation_dims_img"],
+        "hunyuan_class": type(hy.block).__name__,
+    }
+
+
+def test_hooks_find_blocks_that_weight_sharding_wrapped():
+    """sharding=blocks wraps every block in FSDP2's subclass (``FSDPBasicTransformerBlock``); the LTX-Video hooks looked
+    blocks up by ``type(module).__name__`` and missed them: the RoPE reached the blocks uncut and the rank failed in
+    ``apply_rotary_emb`` ("The size of tensor a (60) must match the size of tensor b (105)"). On 2 real gloo ranks."""
+    from patchray.distributed.spawn import run_ranks
+
+    for rank, r in enumerate(run_ranks(_sharded_hooks_rank, 2, backend="gloo", device="cpu", timeout_s=120)):
+        assert r["classes"] == ["FSDPBasicTransformerBlock"] and r["units"] == 2, (rank, r)
+        assert r["pe_cut"], rank
+        assert r["scopes"] == [[("self", "transformer_blocks.0.attn1")], [("cross", "transformer_blocks.0.attn2")],
+                               [("self", "transformer_blocks.1.attn1")], [("cross", "transformer_blocks.1.attn2")]], (rank, r)
+        first = (9, 6)[rank]  # this rank's rows of frame 0 (3 or 2 rows of 3 tokens)
+        assert r["hunyuan_class"] == "FSDPDoubleStreamBlock", (rank, r)
+        assert [tuple(d) for d in r["hunyuan_dims"]] == [(0, first, 0), (first, None, 1)], (rank, r)
