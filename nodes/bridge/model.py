@@ -4,8 +4,8 @@ Runs in ComfyUI's process (driver side). The rank side is :mod:`.ksampler_rank`.
 
 * The **weights** are ComfyUI's weights with the MODEL's weight patches (LoRAs, merges) applied exactly the way
   ``ModelPatcher.patch_weight_to_device`` applies them (fp32 ``comfy.lora.calculate_weight``, then
-  ``comfy.float.stochastic_rounding`` seeded by the key), always from the original weights (``backup``), whatever
-  ComfyUI currently has patched in place.
+  ``comfy.float.stochastic_rounding`` seeded by the key; on a scaled-fp8 layer through its ``convert_weight`` and
+  ``set_weight``), always from the original weights (``backup``), whatever ComfyUI currently has patched in place.
 * The **skeleton** is a deep copy of the ``BaseModel`` whose parameters and persistent buffers are meta tensors
   (no data): the ranks get ComfyUI's own classes and configuration without a second copy of the weights, and
   ``load_state_dict(assign=True)`` fills it. Runtime state of ComfyUI's loader (low-VRAM casting hooks, the
@@ -28,7 +28,7 @@ from typing import Hashable
 
 import torch
 
-__all__ = ["comfy_root", "model_key", "portable_parts", "portable_options", "check_patches", "check_model_type", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal"]
+__all__ = ["comfy_root", "model_key", "portable_parts", "portable_options", "check_patches", "check_model_type", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal", "patch_weight"]
 
 _UNSUPPORTED_COND_KEYS = {
     "control": "ControlNet conditioning (its residuals are full-image tensors added inside the UNet)",
@@ -241,7 +241,7 @@ _TORCH_COMPILE_KEY = "torch.compile"
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 
 
-def _patched_weight(mp, key: str, live: torch.Tensor) -> torch.Tensor:
+def _patched_weight(mp, key: str, live: torch.Tensor, backup: dict) -> torch.Tensor:
     import comfy.float
     import comfy.lora
     from comfy.model_patcher import get_key_weight
@@ -251,17 +251,60 @@ def _patched_weight(mp, key: str, live: torch.Tensor) -> torch.Tensor:
     except ImportError:
         from comfy.model_patcher import string_to_seed
 
-    original = mp.backup[key].weight if key in mp.backup else live
+    # the original weight: ComfyUI's backup when it has patched this weight into the model (now, or when the live state
+    # was read: an unload since then restored the original and emptied the backup, while ``live`` is the patched one)
+    original = mp.backup[key].weight if key in mp.backup else backup.get(key, live)
     if key not in mp.patches:
         return original.detach().to("cpu")
     _, set_func, convert_func = get_key_weight(mp.model, key)
-    if set_func is not None:
-        raise _refuse(f"a weight with a custom setter ({key}: scaled fp8 or quantised checkpoints)")
+    return patch_weight(original, live.dtype, key, lambda w: comfy.lora.calculate_weight(mp.patches[key], w, key),
+                        seed=string_to_seed(key), rounding=comfy.float.stochastic_rounding, set_func=set_func,
+                        convert_func=convert_func)
+
+
+def patch_weight(original: torch.Tensor, dtype: torch.dtype, key: str, calculate, *, seed: int, rounding, set_func=None,
+                 convert_func=None) -> torch.Tensor:
+    """The weight ``ModelPatcher.patch_weight_to_device`` (ComfyUI 0.3.64) would write for ``key``, returned on the host
+    instead of written into the driver's model.
+
+    ComfyUI's steps, in its order: the original weight in float32; the layer's ``convert_func`` (a scaled-fp8 layer's
+    ``convert_weight``: times its ``scale_weight``); ``calculate`` (``comfy.lora.calculate_weight`` of the patches);
+    then either ``rounding`` to the weight's dtype (``comfy.float.stochastic_rounding``, seeded by the key), or, for a
+    layer with a custom setter, the setter's own arithmetic (scaled fp8's ``set_weight``: divided by ``scale_weight``,
+    stochastically rounded to the layer's fp8 dtype with the same seed). The setter is asked for the weight
+    (``return_weight=True``), so nothing on the driver's layer changes; a setter that cannot return it (another
+    extension's quantised layer) is refused by name.
+
+    Args:
+        original: the weight as loaded (ComfyUI's backup when it has patched the model in place).
+        dtype: the weight's dtype in the model (the rounding target when there is no setter).
+        key: the state-dict name (errors).
+        calculate: ``calculate(float32 weight) -> patched float32 weight``.
+        seed: the rounding seed (``string_to_seed(key)``, as ComfyUI seeds it).
+        rounding: ``rounding(value, dtype, seed=...)``.
+        set_func, convert_func: what ``comfy.model_patcher.get_key_weight`` returns for ``key``.
+    """
+    if set_func is not None and not _returns_weight(set_func):
+        raise _refuse(f"a weight with a custom setter that cannot return the weight ({key}: "
+                      f"{getattr(set_func, '__qualname__', type(set_func).__name__)}, a quantised layer of another extension)")
     temp = original.detach().to("cpu", torch.float32, copy=True)
     if convert_func is not None:
         temp = convert_func(temp, inplace=True)
-    out = comfy.lora.calculate_weight(mp.patches[key], temp, key)
-    return comfy.float.stochastic_rounding(out, live.dtype, seed=string_to_seed(key)).to("cpu")
+    out = calculate(temp)
+    if set_func is None:
+        return rounding(out, dtype, seed=seed).to("cpu")
+    return set_func(out, seed=seed, return_weight=True).to("cpu")
+
+
+def _returns_weight(set_func) -> bool:
+    """Whether ``set_func`` takes ``return_weight`` (ComfyUI's scaled-fp8 ``set_weight`` does, and then changes
+    nothing on its layer)."""
+    import inspect
+
+    try:
+        return "return_weight" in inspect.signature(set_func).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _skeleton(mp, state: dict):
@@ -331,6 +374,7 @@ def portable_parts(mp, mode: str = "sequence", ignore: tuple = ()):
     """
     key = model_key(mp, mode, ignore)  # the refusals and the key
     live = _live_state(mp)
+    backup = {k: b.weight for k, b in mp.backup.items()}  # read with the live state: the two belong together
     names = list(live)
     sizes = {k: t.numel() * t.element_size() for k, t in live.items()}
 
@@ -338,6 +382,6 @@ def portable_parts(mp, mode: str = "sequence", ignore: tuple = ()):
         return {"skeleton": _skeleton(mp, live)}
 
     def tensor(name: str) -> torch.Tensor:
-        return _patched_weight(mp, name, live[name])
+        return _patched_weight(mp, name, live[name], backup)
 
     return key, make_skeleton, names, tensor, sizes
