@@ -112,8 +112,8 @@ class RankSession:
         self.denoiser: Optional[PatchParallelDenoiser] = None
         self._unet: Optional[nn.Module] = None
         self._fn: Optional[Callable[..., Any]] = None
-        self.calls = 0  # UNet calls completed in this run
-        self.entered = 0  # UNet calls begun in this run (collectives may have started)
+        self.calls = 0  # model calls (UNet or DiT) completed in this run
+        self.entered = 0  # model calls begun in this run (collectives may have started)
         #: what this run's sampler leaves for the caller to read (e.g. the attention modes that ran); rank 0's
         #: comes back beside the latent as ``"info"``
         self.info: dict = {}
@@ -128,7 +128,7 @@ class RankSession:
     def agree_min(self, value: float) -> float:
         """The minimum of ``value`` over the ranks (one tiny all-gather): for host decisions that read local state.
 
-        ComfyUI, for one, decides from the device's free memory whether cond and uncond share a UNet call; ranks
+        ComfyUI, for one, decides from the device's free memory whether cond and uncond share a model call; ranks
         that decided differently would make different collective calls. Feed such inputs through here.
         """
         if self.ctx.world_size == 1:
@@ -138,13 +138,13 @@ class RankSession:
         return float(every.min().item())
 
     def _check_same_call(self, stream: Hashable, x: torch.Tensor) -> None:
-        """Every rank must be making the same UNet call (stream and shape); raise instead of mismatching collectives."""
+        """Every rank must be making the same model call (stream and shape); raise instead of mismatching collectives."""
         sig = torch.tensor([zlib.crc32(repr(stream).encode()), *x.shape, self.entered], dtype=torch.int64, device=self.ctx.device)
         every = all_gather_padded(sig.view(1, -1), self.ctx, dim=0, sizes=[1] * self.ctx.world_size).cpu()
         if not bool((every == every[0]).all()):
             raise SamplingDesync(
                 f"rank {self.ctx.rank}: the ranks' samplers diverged (stream-hash, shape, call index per rank: "
-                f"{every.tolist()}); every rank must make the same sequence of UNet calls"
+                f"{every.tolist()}); every rank must make the same sequence of model calls"
             )
 
     def denoise(self, unet: nn.Module, fn: Callable[..., Any], x: torch.Tensor, t: Any, *, stream: Hashable = None, **cond) -> torch.Tensor:
@@ -155,7 +155,7 @@ class RankSession:
         rank's band in OTIL mode).
         """
         if self._unet is not None and unet is not self._unet:
-            raise RuntimeError("RankSession.denoise got a different UNet than before; one session serves one model")
+            raise RuntimeError("RankSession.denoise got a different model than before; one session serves one model")
         if self.denoiser is None:
             self._unet = unet
             self.denoiser = PatchParallelDenoiser(
@@ -241,7 +241,7 @@ def _sample_on_rank(ctx: ParallelContext, key, sample, inputs_ref, config: dict,
         session.close()
         if started and not isinstance(exc, (SamplingDesync, KeyboardInterrupt)):
             raise SamplingDesync(
-                f"rank {ctx.rank} failed after {session.entered} UNet call(s) began: {type(exc).__name__}: {exc}"
+                f"rank {ctx.rank} failed after {session.entered} model call(s) began: {type(exc).__name__}: {exc}"
             ) from exc
         raise
     if ctx.rank != 0:
@@ -319,7 +319,7 @@ def distributed_sample(
     ``sample`` runs the caller's sampler loop, calling ``session.denoise(unet, fn, x, t, stream=..., **cond)`` in
     place of the UNet and ``session.progress(done, total)`` per step, and returns its final latent. Every rank
     must make the same sequence of ``denoise`` calls (same shapes): the sampler must be deterministic given the
-    inputs (seeded noise included). Returns ``{"latent": exact final latent (CPU), "calls": UNet calls}`` from
+    inputs (seeded noise included). Returns ``{"latent": exact final latent (CPU), "calls": model calls}`` from
     rank 0, plus ``"traffic"`` when asked and ``"info"`` when rank 0's sampler left anything in ``session.info``.
 
     ``band_weights`` (one positive figure per rank, e.g. ``topology.cluster_band_weights(cluster, "speed")``) make

@@ -1,4 +1,4 @@
-"""ComfyUI's own sampler on each rank, with the UNet call routed through the patch-parallel session.
+"""ComfyUI's own sampler on each rank, with each model call (UNet or DiT) routed through the patch-parallel session.
 
 Runs in the rank processes (sent by name, ``patchray.nodes.bridge.ksampler_rank:...``), never in ComfyUI's process.
 ComfyUI is imported only after :func:`prepare` has put its folder on the import path, with ``--cpu`` semantics on
@@ -7,10 +7,10 @@ which ComfyUI's model management then uses as its device.
 
 Each rank runs ``comfy.sample.sample`` — the stock KSampler path: sigmas from ComfyUI's scheduler, its sampler,
 CFG, model_options — on identical inputs (the driver prepared the seeded noise). A DIFFUSION_MODEL wrapper (ComfyUI's
-own extension point around ``UNetModel.forward``) hands every UNet call to :class:`RankSession.denoise`, so each
+own extension point around ``UNetModel.forward``) hands every model call to :class:`RankSession.denoise`, so each
 rank computes its row band; the final latent is assembled exactly from every rank's own band.
 
-ComfyUI decides per UNet call whether cond and uncond share one batch, from this device's free memory; ranks that
+ComfyUI decides per model call whether cond and uncond share one batch, from this device's free memory; ranks that
 decided differently would make different collective calls. A CALC_COND_BATCH wrapper (ComfyUI's extension point
 around that decision) makes every rank decide from the group's minimum free memory: for the duration of the call
 only, the model the wrapper is handed answers ``memory_required`` with the agreed verdict. Nothing process-wide
@@ -200,7 +200,7 @@ def agreed_batching(session, free_memory: Callable[[torch.device], float]):
 
 
 def patch_parallel(session):
-    """A DIFFUSION_MODEL wrapper: every UNet call goes through ``session.denoise`` (the rank computes its band)."""
+    """A DIFFUSION_MODEL wrapper: every model call goes through ``session.denoise`` (the rank computes its band)."""
 
     def wrapper(executor, x, timesteps, context=None, y=None, control=None, transformer_options=None, **kwargs):
         if control is not None:

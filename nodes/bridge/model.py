@@ -31,11 +31,11 @@ import torch
 __all__ = ["comfy_root", "model_key", "portable_parts", "portable_options", "check_patches", "check_model_type", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal", "patch_weight"]
 
 _UNSUPPORTED_COND_KEYS = {
-    "control": "ControlNet conditioning (its residuals are full-image tensors added inside the UNet)",
+    "control": "ControlNet conditioning (its residuals are full-image tensors added inside the model)",
     "gligen": "GLIGEN conditioning",
     "hooks": "conditioning hooks (scheduled LoRA/weight hooks)",
-    "area": "area conditioning (the UNet sees a cropped latent, not the row bands of the image)",
-    "mask": "masked conditioning (the UNet sees a cropped latent, not the row bands of the image)",
+    "area": "area conditioning (the model sees a cropped latent, not the row bands of the image)",
+    "mask": "masked conditioning (the model sees a cropped latent, not the row bands of the image)",
 }
 
 

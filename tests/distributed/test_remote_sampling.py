@@ -123,7 +123,7 @@ def test_sampler_error_is_raised_and_next_run_works():
     assert _rel(out["latent"], tasks.reference(payload, inp)) < 2e-5
 
 
-@pytest.mark.parametrize("task, message", [("diverge", "diverged"), ("fail_after_a_step", "failed after 1 UNet call")])
+@pytest.mark.parametrize("task, message", [("diverge", "diverged"), ("fail_after_a_step", "failed after 1 model call")])
 def test_failures_after_the_collectives_began_stop_the_cluster_and_the_next_run_works(task, message):
     from patchray.distributed.cluster import RankFailure
 
