@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ._comfy import ComfyExtension
 from .bridge import lifecycle
-from .bench import PatchRayBenchmark
+from .bench import PatchRayBenchmark, PatchRaySamplerBenchmark
 from .cluster import PatchRayCluster
 from .ksampler import PatchRayKSampler, PatchRayKSamplerAdvanced
 from .parallel_model import PatchRayParallelModel
@@ -25,6 +25,7 @@ NODES = (
     PatchRayTilePlanner,
     PatchRayTopologyProbe,
     PatchRayBenchmark,
+    PatchRaySamplerBenchmark,
 )
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 
-from ._comfy import interrupt_check, io, measure_again, output_directory, progress_callback
-from .bridge import diagnostics
+from ._comfy import interrupt_check, io, measure_again, output_directory, progress_callback, sampler_lists
+from .bridge import diagnostics, sampler_bench
+from .bridge.images import png_to_image
+from .bridge.parallel_model import Hooks
 from .planner import FAMILY_NAMES, family_tooltip
 from .types import CATEGORY, CLUSTER
 
-__all__ = ["PatchRayBenchmark"]
+__all__ = ["PatchRayBenchmark", "PatchRaySamplerBenchmark"]
 
 
 class PatchRayBenchmark(io.ComfyNode):
@@ -55,3 +57,63 @@ class PatchRayBenchmark(io.ComfyNode):
                                        cancel_check=interrupt_check(), progress=progress_callback(1))
         ui = {"text": [report.text], "patchray_bench": [{"records": report.data["records"], "file": report.data["file"]}]}
         return io.NodeOutput(json.dumps(report.data["report"], indent=1), report.image, report.text, ui=ui)
+
+
+class PatchRaySamplerBenchmark(io.ComfyNode):
+    """A few steps of the user's own MODEL: ComfyUI's stock sampling, then each exact parallelism on the cluster."""
+
+    @classmethod
+    def define_schema(cls):
+        samplers, schedulers = sampler_lists()
+        return io.Schema(
+            node_id="PatchRaySamplerBenchmark",
+            display_name="PatchRay Sampler Benchmark",
+            category=f"{CATEGORY}/diagnostics",
+            description=(
+                "Samples your MODEL a few steps with ComfyUI's own sampler in this process, then on the cluster's ranks "
+                "in each exact parallelism (sequence, cfg, cfg+sequence, batch: each as PatchRay Parallel Model runs it), "
+                "and reports s/step, the speed-up, bytes exchanged per step and the error against the stock result. "
+                "Modes this model, latent or rank count cannot run are listed with the reason. Report JSON and chart "
+                "saved to output/patchray/. Ranks that share one device measure contention, not a speed-up."
+            ),
+            is_experimental=True,
+            is_output_node=True,
+            not_idempotent=True,
+            inputs=[
+                io.Model.Input("model", tooltip="The model to benchmark (as you sample it: loaders and patches applied)."),
+                io.Conditioning.Input("positive", tooltip="Positive conditioning."),
+                io.Conditioning.Input("negative", tooltip="Negative conditioning."),
+                io.Latent.Input("latent_image", tooltip="The latent to sample (its size is the benchmark's)."),
+                CLUSTER.Input("cluster", tooltip="The rank cluster the modes run on."),
+                io.Int.Input("steps", default=4, min=1, max=100, tooltip="Steps per run (s/step is the run's time over its steps)."),
+                io.Float.Input("cfg", default=4.0, min=0.0, max=100.0, step=0.1, tooltip="Classifier-free guidance scale (cfg 1 leaves no CFG split)."),
+                io.Combo.Input("sampler_name", options=samplers, default="euler", tooltip="ComfyUI's sampler."),
+                io.Combo.Input("scheduler", options=schedulers, default="simple", tooltip="ComfyUI's scheduler."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, tooltip="The noise seed (the same for every run)."),
+            ],
+            outputs=[
+                io.String.Output(display_name="report_json", tooltip="The benchmark as JSON (also saved to output/patchray/)."),
+                io.Image.Output(display_name="chart", tooltip="s/step per mode."),
+                io.String.Output(display_name="summary", tooltip="The benchmark as a table."),
+            ],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, **inputs):
+        return measure_again(**inputs)
+
+    @classmethod
+    def execute(cls, model, positive, negative, latent_image, cluster, steps=4, cfg=4.0, sampler_name="euler",
+                scheduler="simple", seed=0) -> io.NodeOutput:
+        hooks = Hooks(cancel_check=interrupt_check(), progress=progress_callback)
+        rows = sampler_bench.run(model, positive, negative, latent_image, cluster, seed, steps, cfg, sampler_name,
+                                 scheduler, hooks=hooks)
+        folder = os.path.join(output_directory(), "patchray")
+        meta = {"steps": steps, "cfg": cfg, "sampler": sampler_name, "scheduler": scheduler,
+                "latent": list(latent_image["samples"].shape), "ranks": cluster.num_ranks, "device": cluster.device}
+        path = sampler_bench.save(rows, folder, meta)
+        text = sampler_bench.table(rows, sampler_bench.shares_device(cluster))
+        chart = png_to_image(sampler_bench.write_chart(rows, os.path.splitext(path)[0] + ".png"))
+        with open(path) as fh:
+            report = fh.read()
+        return io.NodeOutput(report, chart, text, ui={"text": [text]})

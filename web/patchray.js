@@ -12,6 +12,7 @@ export const PANEL = {
   PatchRayTilePlanner: 220,
   PatchRayTopologyProbe: 210,
   PatchRayBenchmark: 230,
+  PatchRaySamplerBenchmark: 160,
   PatchRayVAEDecode: 60,
   PatchRayVAEEncode: 60,
   PatchRayParallelVAE: 60,

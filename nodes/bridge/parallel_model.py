@@ -75,11 +75,14 @@ class Hooks(NamedTuple):
         cancel_check: ComfyUI's interrupt check, polled while the ranks work.
         progress: ``progress(total) -> fn(done, total)``: a progress bar for the node that is sampling.
         report: ``report(line)``: the lines the user should read (what ran, notes).
+        stats: ``stats(record)``: what ran as figures (layout, model calls, steps, seconds, bytes exchanged per step,
+            attention calls), for a benchmark.
     """
 
     cancel_check: Optional[Callable[[], None]] = None
     progress: Optional[Callable[[int], Callable[[int, int], None]]] = None
     report: Optional[Callable[[str], None]] = None
+    stats: Optional[Callable[[dict], None]] = None
 
 
 def patch_model(model, options: SamplingOptions, hooks: Hooks = Hooks()):
@@ -446,6 +449,11 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
             hooks.report(f"note: {layout.note}")
         if unused:
             hooks.report(f"note: {unused}")
+    if hooks.stats is not None:
+        hooks.stats({"mode": layout.mode, "ranks": layout.num_ranks, "cfg_groups": layout.cfg_groups,
+                     "seq_ranks": layout.seq_ranks, "calls": int(result["calls"]), "steps": steps, "seconds": seconds,
+                     "bytes_per_step": per_step, "attention_calls": dict(attention_calls or {}), "sharding": resolved,
+                     "preset": name})
     if progress is not None:
         progress(steps, steps)
     x0 = info.get("x0")

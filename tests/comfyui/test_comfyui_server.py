@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
 WORKFLOWS = ["sdxl_otil_txt2img", "flux_distributed_decode", "wan_video_row_decode", "topology_probe", "vae_benchmark"]
 NODE_IDS = {"PatchRayCluster", "PatchRayParallelModel", "PatchRayParallelVAE", "PatchRayVAEDecode", "PatchRayVAEEncode",
-            "PatchRayKSampler", "PatchRayKSamplerAdvanced", "PatchRayTilePlanner", "PatchRayTopologyProbe", "PatchRayBenchmark"}
+            "PatchRayKSampler", "PatchRayKSamplerAdvanced", "PatchRayTilePlanner", "PatchRayTopologyProbe", "PatchRayBenchmark",
+            "PatchRaySamplerBenchmark"}
 
 
 def _free_port():

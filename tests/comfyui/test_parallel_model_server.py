@@ -261,3 +261,28 @@ def test_a_bad_widget_is_refused_on_the_parallel_model_node(server):
     api["20"]["inputs"]["parallelism"] = "diagonal"
     with pytest.raises(AssertionError, match="parallelism must be one of"):
         _run(url, api)
+
+
+def test_the_sampler_benchmark_node_runs_the_stock_path_and_each_mode(server):
+    """PatchRay Sampler Benchmark on the Wan model and 2 CPU ranks: the stock row, sequence, cfg and batch runs each
+    equal to the stock result (the report's rel_l2), cfg+sequence refused for 2 ranks with the reason, the chart and
+    the report saved."""
+    import json
+
+    url, base = server
+    api = _dit_graph(WAN, 2, batch=2)
+    api["30"] = {"class_type": "PatchRaySamplerBenchmark", "inputs": {
+        "model": ["2", 0], "positive": ["3", 0], "negative": ["4", 0], "latent_image": ["5", 0], "cluster": ["7", 0],
+        "steps": 2, "cfg": 3.5, "sampler_name": "euler", "scheduler": "simple", "seed": 3}}
+    entry = _run(url, api)
+    text = entry["outputs"]["30"]["text"][0]
+    print(text)
+    files = sorted((base / "output" / "patchray").glob("sampler_bench_*.json"))
+    assert files, "no report saved"
+    rows = {r["mode"]: r for r in json.loads(files[-1].read_text())["rows"]}
+    for mode in ("sequence", "cfg", "batch"):
+        assert rows[mode]["rel_l2"] is not None and rows[mode]["rel_l2"] <= BOUND, (mode, rows[mode])
+        assert rows[mode]["s_per_step"] > 0 and rows[mode]["calls"] > 0
+    assert rows["cfg+sequence"]["s_per_step"] is None and "four" in rows["cfg+sequence"]["note"]
+    assert files[-1].with_suffix(".png").exists()
+    assert "not a multi-GPU speed-up" in text

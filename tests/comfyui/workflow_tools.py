@@ -101,7 +101,7 @@ EXTRA_HEIGHT = {
     "MarkdownNote": 200, "Note": 200,
     "PatchRayCluster": 110, "PatchRayTilePlanner": 230, "PatchRayTopologyProbe": 220, "PatchRayBenchmark": 240,
     "PatchRayVAEDecode": 70, "PatchRayVAEEncode": 70, "PatchRayParallelVAE": 70, "PatchRayKSampler": 70, "PatchRayKSamplerAdvanced": 70,
-    "PatchRayParallelModel": 90,
+    "PatchRayParallelModel": 90, "PatchRaySamplerBenchmark": 170,
 }
 #: widths that keep the widget labels and values, and the panels' lines, readable
 MIN_WIDTH = {"PatchRayTopologyProbe": 520, "PatchRayBenchmark": 560, "PatchRayTilePlanner": 520, "PatchRayCluster": 400,

@@ -23,6 +23,7 @@ NODE_IDS = {
     "PatchRayTilePlanner",
     "PatchRayTopologyProbe",
     "PatchRayBenchmark",
+    "PatchRaySamplerBenchmark",
 }
 
 
@@ -108,6 +109,7 @@ COMFY_TOUCHING = {
     "bridge/model.py": {"comfy"},
     "bridge/parallel_model.py": {"comfy", "folder_paths"},
     "bridge/ksampler.py": {"nodes"},
+    "bridge/sampler_bench.py": {"nodes"},
     "bridge/ksampler_rank.py": {"comfy"},
 }
 
