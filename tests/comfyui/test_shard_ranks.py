@@ -1,9 +1,11 @@
 """Opt-in: the Distributed KSampler with sharding=blocks and blocks+offload equals sharding=none and ComfyUI's stock sampling.
 
 Runs ``shard_ranks.py`` with ComfyUI's Python on 2 gloo CPU ranks: ComfyUI's own Flux (sequence), Wan 2.1 (sequence),
-an SD-style UNet (cfg) and Flux with fp8_e4m3fn block weights (ComfyUI's per-layer cast), each built by the node's
-rank code from the node's payload with each sharding (blocks+offload: FSDP2's CPUOffloadPolicy; on CPU ranks the
-copy to the device is a no-op, the offload path itself runs).
+an SD-style UNet (cfg), Flux with fp8_e4m3fn block weights (ComfyUI's per-layer cast), a Wan 2.1 in ComfyUI's
+scaled-fp8 checkpoint layout loaded by its own detection (sequence, cfg, and sequence with a LoRA) and LTX-Video
+(sequence: its RoPE is cut per rank by a hook on each block, which FSDP2 wraps), each built by the node's rank code
+from the node's payload with each sharding (blocks+offload: FSDP2's CPUOffloadPolicy; on CPU ranks the copy to the
+device is a no-op, the offload path itself runs).
 
     COMFYUI_DIR=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/its/python pytest tests/comfyui -k shard_ranks
 """
@@ -12,7 +14,10 @@ from .rank_harness import comfyui_marks, run_rank_script
 
 pytestmark = comfyui_marks()
 
-CASES = ["flux-seq", "wan21-seq", "unet-cfg", "flux-seq-fp8"]
+CASES = ["flux-seq", "wan21-seq", "unet-cfg", "flux-seq-fp8", "wan21-seq-scaled", "wan21-cfg-scaled", "wan21-seq-scaled-lora",
+         "ltxv-seq", "hunyuani2v-seq"]
+#: 0-d parameters in the blocks of the scaled-fp8 Wan: scale_weight and scale_input of 10 Linears in each of 2 blocks
+SCALED_BLOCK_SCALARS = 40
 
 
 def test_sharded_blocks_equal_whole_weights(tmp_path):
@@ -40,11 +45,27 @@ def test_sharded_blocks_equal_whole_weights(tmp_path):
             # ComfyUI's loader counts what the card holds: the parameters outside the blocks and two blocks in flight
             # (the running one and the prefetched next), not the shards (in host memory)
             assert rec["offload_mp_size"] == rec["offload_rest_bytes"] + 2 * rec["offload_largest_block"], rec
-            if name.endswith("fp8"):
+            if name.endswith("fp8") or "scaled" in name:
                 assert rec["fp8_local"] == ["torch.float8_e4m3fn"], rec
                 # gathered as bytes: far below the fp32 size of the same weights
                 assert rec["gathered_bytes"] < 3 * rec["block_bytes"] * 1.2, rec
+            if "scaled" in name:
+                # every layer's scales stay whole on every rank (not sharded, not gathered), equal to the loaded ones
+                print(f"rank {rank} {name}: {rec['block_scalars']} scales kept whole in the blocks")
+                assert rec["block_scalars"] == SCALED_BLOCK_SCALARS and rec["block_scalars_whole"], rec
+            else:
+                assert rec["block_scalars"] == 0, rec
+            if name.endswith("lora"):
+                # the LoRA's weights ship as ComfyUI's own patching writes them (the layer's convert_weight and
+                # set_weight: scale, LoRA, unscale, stochastic rounding to fp8 with the key's seed), byte for byte
+                assert rec["lora_equal_comfy"] and rec["lora_dtypes"] == ["torch.float8_e4m3fn"], rec
+                assert rec["lora_weights"] == rec["lora_changed"] == 20, rec  # every patched weight changed by it
         if rank == 0:
             for name in CASES:
                 rec = cases[name]
+                print(f"{name}: none vs stock {rec['none_vs_stock']:.2e}, blocks vs stock {rec['blocks_vs_stock']:.2e}")
+                # fp32 compute (the scaled-fp8 weights are cast to fp32 per layer, as the stock KSampler casts them):
+                # the ranks compute the same ops on the same weight bytes and scales; sequence parallelism only
+                # reorders sums (attention over keys gathered in rank order, GEMMs over fewer rows), ~1e-6 in fp32.
+                # A lost scale, a LoRA applied twice or rounded with another seed, or a RoPE left uncut gives > 1e-2.
                 assert rec["blocks_vs_stock"] <= 1e-5 and rec["none_vs_stock"] <= 1e-5, (name, rec)
