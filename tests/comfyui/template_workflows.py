@@ -151,11 +151,9 @@ TEMPLATE_WORKFLOWS = {
                    "fp8_scaled version without the 4-step LoRA) has its own Parallel Models and Parallel VAE, "
                    "bypassed with it: they come on with the group (box-select it, Ctrl+B). The Cluster sits outside "
                    "both groups so either can use it.\n\n"
-                   "The 4-step group applies the Lightning LoRAs to fp8_scaled weights, which PatchRay does not "
-                   "support: the run stops with an error that says so. To run that group on several GPUs, load the "
-                   "fp16 files of the two experts in it (wan2.2_t2v_high_noise_14B_fp16.safetensors, "
-                   "wan2.2_t2v_low_noise_14B_fp16.safetensors; *weight_dtype* fp8_e4m3fn keeps them at the fp8 "
-                   "size), or run the second group, which has no LoRA.", video=True),
+                   "The 4-step group applies the Lightning LoRAs to the fp8_scaled weights on the ranks exactly as "
+                   "ComfyUI applies them; `sharding blocks` on the Parallel Models splits each expert's weights "
+                   "over the ranks when one card cannot hold them.", video=True),
         columns=[(975, 860, -1000, 700), (895, 860, 700, 2200)],
         place={"model@82": (1000, -230), "model@86": (1420, -230), "vae@73": (1000, 210),
                "model@93": (920, 860), "model@94": (1340, 860), "vae@92": (920, 1300),
