@@ -74,6 +74,17 @@ def _scope(seq, module, kind: str, path: str) -> list:
     return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
 
+def _first_tensor(value):
+    """The first tensor in ``value`` (a tensor, or nested tuples/lists holding one), or ``None``."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            found = _first_tensor(v)
+            if found is not None:
+                return found
+        return None
+    return value if hasattr(value, "shape") else None
+
+
 class _Cut:
     """Cuts a full-sequence tensor (or tuple of tensors) to this rank's tokens along ``dim``, once per distinct
     source object (every block of a call gets the same ``pe``: cut once, reused)."""
@@ -86,10 +97,18 @@ class _Cut:
     def __call__(self, value):
         if value is self.src:
             return self.out
-        state = self.seq.state
-        self.out = _seq().shard_positions(value, state.require_shards(), self.seq.ctx.rank, dim=self.dim)
+        self.out = self._cut(value)
         self.src = value
         return self.out
+
+    def _cut(self, value):
+        # newer ComfyUI passes LTX-Video's pe as (rotation tables, split mode): tensors are cut, other leaves
+        # (the mode flag) travel as they are
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._cut(v) for v in value)
+        if not hasattr(value, "shape"):
+            return value
+        return _seq().shard_positions(value, self.seq.state.require_shards(), self.seq.ctx.rank, dim=self.dim)
 
     def clear(self):
         self.src = self.out = None
@@ -121,7 +140,9 @@ def _ltxv_hooks(seq) -> List[Any]:
         if world == 1 or pe is None:
             return None
         total = seq.state.require_shards().total
-        first = pe[0] if isinstance(pe, (tuple, list)) else pe
+        first = _first_tensor(pe)
+        if first is None:
+            return None
         if first.shape[1] != total:
             if first.shape[1] == seq.state.require_shards().counts[seq.ctx.rank]:
                 return None  # already this rank's (a block patch passing the cut table on)

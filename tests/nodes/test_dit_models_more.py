@@ -156,6 +156,26 @@ def test_ltxv_hooks_cut_rope_and_per_token_timestep_and_scope_attentions(rank):
     assert log[0][1][0] is cos  # removed: the model is as before
 
 
+def test_ltxv_hooks_cut_the_newer_rope_tuple_and_keep_its_split_mode():
+    """Newer ComfyUI passes LTX-Video's pe as ((cos, sin), split_mode): the tables are cut to this rank's tokens, the
+    mode travels unchanged (0.3.64's (cos, sin) is the test above)."""
+    shards = TokenShards.split(2, 6, 4, 2)
+    log = []
+    dm = nn.Module()
+    dm.adaln_single = _Recorder(log)
+    seq = _seq(dm, shards, 1)
+    dm.transformer_blocks = nn.ModuleList([BasicTransformerBlock(log, seq.scopes.stack)])
+    handles = _ltxv_hooks(seq)
+    mine = shards.index(1)
+    cos, sin = torch.randn(1, shards.total, 8), torch.randn(1, shards.total, 8)
+    dm.transformer_blocks[0](torch.zeros(1, len(mine), 8), pe=((cos, sin), "interleaved"))
+    (_, pe), = [e for e in log if e[0] == "block"]
+    assert pe[1] == "interleaved"
+    assert torch.equal(pe[0][0], cos[:, mine]) and torch.equal(pe[0][1], sin[:, mine])
+    for h in handles:
+        h.remove()
+
+
 def test_ltxv_hooks_refuse_a_rope_of_another_length():
     shards = TokenShards.split(1, 4, 4, 2)
     dm = nn.Module()
