@@ -264,6 +264,26 @@ def rank_inputs(guider, noise, latent_image, sampler, sigmas, denoise_mask, seed
     return inputs
 
 
+def _sequence_cond_reason(mp, kind: str, conds: dict) -> Optional[str]:
+    """Why the conditionings keep this run from a sequence split (``None``: they do not): area or mask conditions, and
+    for a DiT the row's own conditioning refusals (reference latents, text masks it cannot split)."""
+    from .dit_models import cond_refusal, find_row
+
+    for name, cond in conds.items():
+        for item in cond:
+            extra = item[1] if len(item) > 1 and isinstance(item[1], dict) else {}
+            for key in ("area", "mask"):
+                if extra.get(key) is not None:
+                    return f"{key} conditioning in {name} crops the latent, which a band of rows cannot follow"
+    if kind == "dit":
+        row = find_row(type(mp.model.diffusion_model).__name__)
+        for name, cond in conds.items():
+            why = cond_refusal(row, name, cond) if row is not None else None
+            if why:
+                return why.split(": ", 1)[-1].split("; use parallelism")[0]
+    return None
+
+
 def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, callback, seed, options: SamplingOptions,
                   hooks: Hooks = Hooks()) -> torch.Tensor:
     """``guider.outer_sample`` on the ranks of ``options.cluster``: returns the latent ComfyUI's own call would
@@ -297,8 +317,18 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
                          "rank; pick another sampler or preset")
     n = options.num_ranks
     no_sequence = bridge_model.sequence_refusal(mp)
+    conds = {k: _conditioning(v) for k, v in (guider.original_conds or {}).items()}
+    auto_note = None
+    if options.parallelism == "auto" and no_sequence is None:
+        # a conditioning the sequence split cannot follow: auto picks a whole-model split (cfg, batch) and says so
+        why = _sequence_cond_reason(mp, kind, conds)
+        if why:
+            no_sequence = why
+            auto_note = f"parallelism auto did not split by sequence: {why}"
     layout = plan_layout(options.parallelism, n, guider_scale(guider), int(latent.shape[0]),
                          sequence_refusal=no_sequence, stale_preset=stale)
+    if auto_note:
+        layout = layout._replace(note="; ".join(x for x in (layout.note, f"{auto_note}; ran as {layout.mode}") if x))
     if layout.note:
         log.warning("PatchRay: %s", layout.note)
     if options.preset == "auto" and options.parallelism == "auto":
@@ -319,7 +349,6 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
         raise ValueError(
             f"preset {name} keeps earlier steps' K/V in a gathered memory; sequence_attention=ulysses exchanges this "
             f"step's queries, keys and values: pick sequence_attention gathered or auto")
-    conds = {k: _conditioning(v) for k, v in (guider.original_conds or {}).items()}
     if layout.seq_ranks > 1:
         if kind == "unet":  # in node terms, before the ranks start or weights ship (DiT rows: check_sequence)
             validate.sampling_rows(mp, latent, layout.seq_ranks)
