@@ -555,6 +555,14 @@ def decode_latent(
 _ROW_BOUNDS = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
+def _row_refusal(spec, error: float, bound: float) -> str:
+    from . import runtime_check
+
+    return (f"row mode is refused for the {_vae_label(spec)} VAE on ComfyUI {runtime_check.comfy_version()}: PatchRay's "
+            f"exactness check found its row decode differs from ComfyUI's own (relative error {error:.2e} > {bound:.0e}); "
+            "decoded with ComfyUI's own decode instead (`python -m patchray exactness --clear` checks again)")
+
+
 def _verify_row(spec, raw: torch.Tensor, vae, config, dtype: torch.dtype, stock: Callable, cancel_check, node: str):
     """The runtime exactness check of a VAE row: ``(ok, note)``. On first use of the VAE's layout (per ComfyUI and
     PatchRay version), a small crop of ``raw`` is decoded in row mode on the ranks and by ComfyUI's own decode, and
@@ -572,10 +580,7 @@ def _verify_row(spec, raw: torch.Tensor, vae, config, dtype: torch.dtype, stock:
     if verdict is not None:
         if verdict.ok:
             return True, None
-        return False, (f"row mode is refused for the {_vae_label(spec)} VAE on ComfyUI {runtime_check.comfy_version()}: "
-                       f"PatchRay's exactness check found its row decode differs from ComfyUI's own (relative error "
-                       f"{verdict.error:.2e} > {verdict.bound:.0e}); decoded with ComfyUI's own decode instead "
-                       "(`python -m patchray exactness --clear` checks again)")
+        return False, _row_refusal(spec, verdict.error, verdict.bound)
     n = config.num_ranks
     rows = min(int(raw.shape[-2]), max(8, 2 * n))
     cols = min(int(raw.shape[-1]), 8)
@@ -599,9 +604,7 @@ def _verify_row(spec, raw: torch.Tensor, vae, config, dtype: torch.dtype, stock:
     verdict = Verdict(ok=error <= bound, error=error, bound=bound, seconds=time.perf_counter() - start, when=now())
     VerdictCache().put(key, verdict)
     if not verdict.ok:
-        return False, (f"row mode is refused for the {_vae_label(spec)} VAE on ComfyUI {runtime_check.comfy_version()}: "
-                       f"PatchRay's exactness check found its row decode differs from ComfyUI's own (relative error "
-                       f"{error:.2e} > {bound:.0e}); decoded with ComfyUI's own decode instead")
+        return False, _row_refusal(spec, error, bound)
     return True, (f"exactness check: row decode of the {_vae_label(spec)} VAE (ComfyUI {runtime_check.comfy_version()}) "
                   f"equals ComfyUI's own, relative error {error:.1e} <= {bound:.0e}; checked now in {verdict.seconds:.2f} s")
 
