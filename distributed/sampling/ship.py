@@ -62,10 +62,29 @@ def materialize_meta(module: nn.Module, device: torch.device, shard_device: Opti
     for m in module.modules():
         for name, p in list(m._parameters.items()):
             if p is not None and p.is_meta and not hasattr(p, "to_local"):
-                m._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                m._parameters[name] = _keep_attributes(p, nn.Parameter(_empty(p, device), requires_grad=p.requires_grad))
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
-                m._buffers[name] = torch.empty_like(b, device=device)
+                m._buffers[name] = _keep_attributes(b, _empty(b, device))
+
+
+def _empty(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor like ``meta`` on ``device``. A tensor subclass (a quantized weight, e.g. the
+    ComfyUI-GGUF pack's tensors) is allocated by its storage size and given its class back: ``empty_like`` of a meta
+    tensor reads the Python ``shape``, which such a subclass redefines (the pack's answers the dequantized shape)."""
+    if type(meta) in (torch.Tensor, nn.Parameter):
+        return torch.empty_like(meta, device=device)
+    return torch.empty_strided(meta.size(), meta.stride(), dtype=meta.dtype, device=device).as_subclass(type(meta))
+
+
+def _keep_attributes(meta: torch.Tensor, allocated: torch.Tensor) -> torch.Tensor:
+    """``allocated`` with the Python attributes of tensor subclass ``meta`` (a quantized weight's type and logical
+    shape): the allocation keeps the subclass but not what its instance carries, and the layer that reads the tensor
+    needs both."""
+    state = {k: v for k, v in getattr(meta, "__dict__", {}).items() if k != "_is_param"}
+    if state and type(allocated) is type(meta):
+        allocated.__dict__.update(state)
+    return allocated
 
 
 def tensor_bytes(module: nn.Module) -> int:
@@ -116,6 +135,11 @@ def fill_tensors(module: nn.Module, tensors: Dict[str, torch.Tensor], ctx: Paral
                 local.copy_(full[start : start + local.shape[0]])
                 kept += local.numel() * local.element_size()
             else:
+                if tuple(target.size()) != tuple(full.size()):
+                    # backstop, not the guard: copy_ would broadcast (and a quantized tensor subclass may swallow the
+                    # error), leaving the weight wrong without a word
+                    raise ValueError(f"{name}: the shipped tensor has size {tuple(full.size())}, the rank's "
+                                     f"{tuple(target.size())}")
                 target.copy_(full)
                 kept += target.numel() * target.element_size()
     return kept
