@@ -98,6 +98,12 @@ def begin_parts(ctx, payload: dict):
         base.__dict__["_patchray_shards"] = handle
     else:
         materialize_meta(base, whole_model_device(ctx, base))
+    if payload.get("ggml_patches"):
+        # a LoRA on a GGUF model's quantized weights: attached to the rank's tensors as the pack's patcher attaches them
+        from .gguf_weights import attach_patches
+
+        device = mm.get_torch_device() if payload.get("ggml_patch_on_device") else mm.unet_offload_device()
+        attach_patches(base, payload["ggml_patches"], device)
     return base, base
 
 

@@ -10,6 +10,8 @@ Runs in ComfyUI's process (driver side). The rank side is :mod:`.ksampler_rank`.
   (no data): the ranks get ComfyUI's own classes and configuration without a second copy of the weights, and
   ``load_state_dict(assign=True)`` fills it. Runtime state of ComfyUI's loader (low-VRAM casting hooks, the
   in-place patch markers) is not copied.
+* **GGUF models** (the ComfyUI-GGUF pack's loaders) ship their quantized bytes, never a dequantized copy, with the
+  LoRA patches of their quantized weights beside the skeleton (:mod:`.gguf_weights`).
 * **Object patches** (e.g. ModelSamplingDiscrete) and **model_options** (CFG functions, ...) travel with each
   prompt: ComfyUI changes both without renewing ``patches_uuid``, so they cannot be part of the cached model.
 * Refused with a reason: for sequence parallelism, diffusion models without a row (UNets of SD 1.x/2.x/SDXL and
@@ -27,6 +29,8 @@ import uuid
 from typing import Hashable
 
 import torch
+
+from . import gguf_weights
 
 __all__ = ["comfy_root", "model_key", "portable_parts", "portable_options", "check_patches", "check_model_type", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal", "patch_weight"]
 
@@ -254,6 +258,10 @@ def _patched_weight(mp, key: str, live: torch.Tensor, backup: dict) -> torch.Ten
     # the original weight: ComfyUI's backup when it has patched this weight into the model (now, or when the live state
     # was read: an unload since then restored the original and emptied the backup, while ``live`` is the patched one)
     original = mp.backup[key].weight if key in mp.backup else backup.get(key, live)
+    if gguf_weights.is_quantized(original):
+        # GGUF: the quantized bytes as loaded (the pack never patches them in place; a LoRA's patches travel with the
+        # skeleton and the rank's layer adds them per call, as the pack's does)
+        return gguf_weights.raw_bytes(original)
     if key not in mp.patches:
         return original.detach().to("cpu")
     _, set_func, convert_func = get_key_weight(mp.model, key)
@@ -314,7 +322,8 @@ def _skeleton(mp, state: dict):
     for t in state.values():
         if id(t) in memo:
             continue
-        meta = torch.empty_like(t, device="meta")
+        # a GGUF weight keeps its class, quantization type and logical shape (the rank allocates its bytes from it)
+        meta = gguf_weights.meta_like(t) if gguf_weights.is_ggml(t) else torch.empty_like(t, device="meta")
         memo[id(t)] = torch.nn.Parameter(meta, requires_grad=False) if isinstance(t, torch.nn.Parameter) else meta
     for m in base.modules():
         for attr in ("weight_function", "bias_function"):
@@ -327,6 +336,7 @@ def _skeleton(mp, state: dict):
         if "prev_comfy_cast_weights" in d:
             d["comfy_cast_weights"] = d.pop("prev_comfy_cast_weights")
         d.pop("comfy_patched_weights", None)
+    gguf_weights.layer_settings(skeleton)
     import comfy.utils
 
     for name, original in mp.object_patches_backup.items():  # the un-patched objects; the rank re-applies ours
@@ -354,7 +364,8 @@ def model_key(mp, mode: str = "sequence", ignore: tuple = ()) -> Hashable:
 
 def _live_state(mp) -> dict:
     base = mp.model
-    live = base.state_dict(keep_vars=True)
+    # the GGUF pack's layers write placeholders into state_dict(): their real tensors instead
+    live = gguf_weights.live_state(base, base.state_dict(keep_vars=True))
     for name, original in mp.object_patches_backup.items():
         # an object patch ComfyUI left applied (e.g. another clone's ModelSamplingDiscrete): the skeleton gets the
         # original object back, so its state comes from the original too
@@ -364,6 +375,13 @@ def _live_state(mp) -> dict:
         if isinstance(original, torch.nn.Module):
             live.update({prefix + k: v for k, v in original.state_dict(keep_vars=True).items()})
     return live
+
+
+def _gguf_payload(mp, live: dict) -> dict:
+    """What a GGUF MODEL's ranks need beside the skeleton and the bytes: the LoRA patches of its quantized weights,
+    and where the pack's patcher keeps them (``patch_on_device``: on the load device, else on the offload device)."""
+    return {"ggml_patches": gguf_weights.quantized_patches(mp, live),
+            "ggml_patch_on_device": bool(getattr(mp, "patch_on_device", False))}
 
 
 def portable_parts(mp, mode: str = "sequence", ignore: tuple = ()):
@@ -379,7 +397,12 @@ def portable_parts(mp, mode: str = "sequence", ignore: tuple = ()):
     sizes = {k: t.numel() * t.element_size() for k, t in live.items()}
 
     def make_skeleton() -> dict:
-        return {"skeleton": _skeleton(mp, live)}
+        payload = {"skeleton": _skeleton(mp, live)}
+        if gguf_weights.holds_ggml(mp.model):
+            payload.update(_gguf_payload(mp, live))
+            # the GGUF pack's classes (loaded under its folder's path) and the patches' code travel by value
+            gguf_weights.travel_by_value("the GGUF model (ComfyUI-GGUF's layers and tensors)", payload)
+        return payload
 
     def tensor(name: str) -> torch.Tensor:
         return _patched_weight(mp, name, live[name], backup)

@@ -48,7 +48,13 @@ COMFY_BLOCKS: Dict[str, Tuple[str, ...]] = {
 
 
 def blocks_for(dm, sharding: str = "blocks") -> Tuple[str, ...]:
-    """The block globs of ComfyUI diffusion model ``dm``; ``NotImplementedError`` in node terms otherwise."""
+    """The block globs of ComfyUI diffusion model ``dm``; ``NotImplementedError`` in node terms otherwise (a class
+    without a row in the table, a GGUF model: ``gguf_weights.sharding_refusal``)."""
+    from .gguf_weights import sharding_refusal
+
+    why = sharding_refusal(dm, sharding)
+    if why:
+        raise NotImplementedError(why)
     name = type(dm).__name__
     if name not in COMFY_BLOCKS:
         raise NotImplementedError(
@@ -226,4 +232,10 @@ def resolve_sharding(sharding: str, dm, num_ranks: int, free_bytes_min: Optional
                              offload=not host_ranks, **extra)
     if choice.sharding in SHARDED and bb is None:
         return "none", f"sharding=auto: {choice.reason}, but {type(dm).__name__} has no block table; each rank holds the whole model"
+    if choice.sharding in SHARDED:
+        from .gguf_weights import holds_ggml
+
+        if holds_ggml(dm):
+            return "none", (f"sharding=auto: {choice.reason}, but a GGUF model's quantized weights cannot be sharded; each "
+                            "rank holds the whole quantized model")
     return choice.sharding, f"sharding=auto: {choice.reason}"
