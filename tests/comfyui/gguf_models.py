@@ -6,7 +6,8 @@ folder's path, ``nodes.load_custom_node``), so its classes are as foreign to the
 
 The file layout is the pack's own (``tools/convert.py``): 1-D and small tensors in F32, ``.modulation`` kept in F32
 (a bare ``nn.Parameter`` no GGML layer dequantizes), tensors of more than 2 dimensions in F16 reshaped to 2-D with a
-``comfy.gguf.orig_shape.<name>`` field, every other weight in the requested quantization. The ``gguf`` package
+``comfy.gguf.orig_shape.<name>`` field, every other weight in the requested quantization. ``python gguf_models.py
+COMFYUI_DIR MODELS_DIR`` writes the server test's files. The ``gguf`` package
 quantizes Q8_0 but not the K-quants (llama.cpp's C tool does): :func:`quantize_q4_k` writes Q4_K blocks (ggml's
 ``block_q4_K``: fp16 ``d`` and ``dmin``, twelve bytes of packed 6-bit sub-block scales and minimums, 128 bytes of
 4-bit quants for 256 values), checked against the ``gguf`` package's own Q4_K dequantizer.
@@ -130,3 +131,50 @@ def wan_state_dict(seed: int = 7) -> dict:
     dm = conf.get_model({}).diffusion_model
     init_random(dm, seed)
     return {k: v.detach().contiguous() for k, v in dm.state_dict().items()}
+
+
+def lora_state_dict(sd: dict, seed: int = 11) -> dict:
+    """A LoRA of ``sd``'s model in ComfyUI's key format: rank 4 over every Linear weight of the blocks (about 10 % of
+    each weight), plus a bias difference (``diff_b``) on one layer (an F32 tensor of the GGUF file)."""
+    g = torch.Generator().manual_seed(seed)
+    lo = {}
+    for name, w in sd.items():
+        if not (name.startswith("blocks.") and name.endswith(".weight") and w.dim() == 2):
+            continue
+        out_f, in_f = w.shape
+        key = "diffusion_model." + name[: -len(".weight")]
+        lo[key + ".lora_down.weight"] = torch.randn(4, in_f, generator=g) / in_f**0.5
+        lo[key + ".lora_up.weight"] = torch.randn(out_f, 4, generator=g) * 0.1 / in_f**0.5 * 4
+        lo[key + ".alpha"] = torch.tensor(4.0)
+    lo["diffusion_model.blocks.0.ffn.0.diff_b"] = 0.1 * torch.randn(sd["blocks.0.ffn.0.bias"].shape, generator=g)
+    return lo
+
+
+#: what :func:`main` writes under a ComfyUI models folder
+FILES = {"Q8_0": "patchray_test_wan_Q8_0.gguf", "Q4_K": "patchray_test_wan_Q4_K.gguf"}
+LORA = "patchray_test_wan_gguf_lora.safetensors"
+
+
+def main(argv=None):
+    """``python gguf_models.py COMFYUI_DIR MODELS_DIR``: the Q8_0 and Q4_K files in ``diffusion_models`` and the LoRA in
+    ``loras`` (for a server test)."""
+    argv = sys.argv[1:] if argv is None else argv
+    comfy_dir, models = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.append(comfy_dir)
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True
+    from safetensors.torch import save_file
+
+    sd = wan_state_dict()
+    os.makedirs(os.path.join(models, "diffusion_models"), exist_ok=True)
+    os.makedirs(os.path.join(models, "loras"), exist_ok=True)
+    for qtype, name in FILES.items():
+        write_gguf(os.path.join(models, "diffusion_models", name), sd, "wan", qtype)
+    save_file({k: v.contiguous() for k, v in lora_state_dict(sd).items()}, os.path.join(models, "loras", LORA))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

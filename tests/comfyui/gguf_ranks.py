@@ -45,22 +45,6 @@ CASES = {
 SHAPE = (1, 16, 5, 9, 6)  # odd rows and columns, 5 frames
 
 
-def _lora(sd: dict, seed: int = 11) -> dict:
-    """A rank-4 LoRA over every Linear weight of the blocks, plus a bias difference (``diff_b``) on one layer."""
-    g = torch.Generator().manual_seed(seed)
-    lo = {}
-    for name, w in sd.items():
-        if not (name.startswith("blocks.") and name.endswith(".weight") and w.dim() == 2):
-            continue
-        out_f, in_f = w.shape
-        key = "diffusion_model." + name[: -len(".weight")]
-        lo[key + ".lora_down.weight"] = torch.randn(4, in_f, generator=g) / in_f**0.5
-        lo[key + ".lora_up.weight"] = torch.randn(out_f, 4, generator=g) * 0.1 / in_f**0.5 * 4
-        lo[key + ".alpha"] = torch.tensor(4.0)
-    lo["diffusion_model.blocks.0.ffn.0.diff_b"] = 0.1 * torch.randn(sd["blocks.0.ffn.0.bias"].shape, generator=g)
-    return lo
-
-
 def _cond(g, b=1):
     return [[torch.randn(b, 7, 4096, generator=g), {}]]
 
@@ -100,7 +84,7 @@ def drive(comfy: str, gguf_dir: str, ranks: int, names, cfg_scale: float) -> dic
     import comfy.sd
     import folder_paths
 
-    from gguf_models import load_pack, wan_state_dict, write_gguf
+    from gguf_models import load_pack, lora_state_dict, wan_state_dict, write_gguf
     from patchray.nodes.bridge import shard_models
     from patchray.nodes.bridge.dit_layout import plan_layout
     from patchray.nodes.bridge.model import portable_parts
@@ -121,7 +105,7 @@ def drive(comfy: str, gguf_dir: str, ranks: int, names, cfg_scale: float) -> dic
         mp = pack_nodes.UnetLoaderGGUF().load_unet(f"wan_{qtype}.gguf")[0]
         rec = {"patcher": type(mp).__name__, "driver": _ggml_summary(mp.model)}
         if lora:
-            mp, _ = comfy.sd.load_lora_for_models(mp, None, _lora(sd), 1.0, 0.0)
+            mp, _ = comfy.sd.load_lora_for_models(mp, None, lora_state_dict(sd), 1.0, 0.0)
             rec["lora_keys"] = len(mp.patches)
         inputs = _inputs(cfg_scale)
         torch.manual_seed(0)
