@@ -10,7 +10,7 @@ Ray's pickler after the classes the ranks cannot import were registered to trave
 
 Ranks (spawned interpreters that never import the pack: checked): unpickle, build the model as the node's ranks do
 (``ksampler_rank.begin_parts``, ``sampling.ship.fill_tensors``, ``ksampler_rank.end_parts``), then sample with
-``ksampler_rank.sample`` (sequence with gathered attention, or cfg). Rank 0 compares its final latent with the
+``ksampler_rank.sample`` (sequence with gathered or ring attention, cfg, or batch). Rank 0 compares its final latent with the
 driver's stock result; every rank reports what it holds (GGML types, bytes, LoRA patches attached).
 
 ``*-lora``: a rank-4 LoRA over every Linear of the blocks (about 10 % of each weight) and a bias difference on one
@@ -33,14 +33,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rank_harness import rank_run_inputs, stock_sample, write_report  # noqa: E402
 
-# name -> (file's quantization, parallelism, LoRA)
+# name -> (file's quantization, parallelism, LoRA, sequence attention, batch)
 CASES = {
-    "q8-seq": ("Q8_0", "sequence", False),
-    "q8-cfg": ("Q8_0", "cfg", False),
-    "q4k-seq": ("Q4_K", "sequence", False),
-    "q4k-cfg": ("Q4_K", "cfg", False),
-    "q4k-seq-lora": ("Q4_K", "sequence", True),
-    "q8-cfg-lora": ("Q8_0", "cfg", True),
+    "q8-seq": ("Q8_0", "sequence", False, "gathered", 1),
+    "q8-cfg": ("Q8_0", "cfg", False, "gathered", 1),
+    "q4k-seq": ("Q4_K", "sequence", False, "gathered", 1),
+    "q4k-cfg": ("Q4_K", "cfg", False, "gathered", 1),
+    "q4k-seq-lora": ("Q4_K", "sequence", True, "gathered", 1),
+    "q8-cfg-lora": ("Q8_0", "cfg", True, "gathered", 1),
+    "q4k-seq-ring": ("Q4_K", "sequence", False, "ring", 1),
+    "q4k-batch": ("Q4_K", "batch", False, "gathered", 2),
 }
 SHAPE = (1, 16, 5, 9, 6)  # odd rows and columns, 5 frames
 
@@ -49,11 +51,11 @@ def _cond(g, b=1):
     return [[torch.randn(b, 7, 4096, generator=g), {}]]
 
 
-def _inputs(cfg_scale):
+def _inputs(cfg_scale, batch=1):
     from rank_harness import sampling_inputs
 
     g = torch.Generator().manual_seed(3)
-    return sampling_inputs(torch.zeros(SHAPE), None, _cond(g), _cond(g), "euler", cfg_scale)
+    return sampling_inputs(torch.zeros((batch,) + SHAPE[1:]), None, _cond(g), _cond(g), "euler", cfg_scale)
 
 
 def _ggml_summary(module) -> dict:
@@ -101,18 +103,19 @@ def drive(comfy: str, gguf_dir: str, ranks: int, names, cfg_scale: float) -> dic
            "cases": {}}
     refs = {}
     for name in names:
-        qtype, parallelism, lora = CASES[name]
+        qtype, parallelism, lora, attention, batch = CASES[name]
         mp = pack_nodes.UnetLoaderGGUF().load_unet(f"wan_{qtype}.gguf")[0]
         rec = {"patcher": type(mp).__name__, "driver": _ggml_summary(mp.model)}
         if lora:
             mp, _ = comfy.sd.load_lora_for_models(mp, None, lora_state_dict(sd), 1.0, 0.0)
             rec["lora_keys"] = len(mp.patches)
-        inputs = _inputs(cfg_scale)
+        inputs = _inputs(cfg_scale, batch)
         torch.manual_seed(0)
         ref = stock_sample(mp, inputs).float()
-        refs[(qtype, lora)] = ref
-        layout = plan_layout(parallelism, ranks, inputs["cfg"], 1, sequence_refusal=None)
-        run = rank_run_inputs(mp, inputs, layout, "dit", "gathered")
+        if batch == 1:
+            refs[(qtype, lora)] = ref
+        layout = plan_layout(parallelism, ranks, inputs["cfg"], batch, sequence_refusal=None)
+        run = rank_run_inputs(mp, inputs, layout, "dit", attention)
         # after the stock run: ComfyUI left the driver's model loaded, the LoRA attached to its quantized tensors
         rec["driver_after_stock"] = _ggml_summary(mp.model)
         _, make_skeleton, tnames, tensor, sizes = portable_parts(mp, layout.mode)
@@ -132,7 +135,7 @@ def drive(comfy: str, gguf_dir: str, ranks: int, names, cfg_scale: float) -> dic
                                                                    host_ranks=True))
         out["cases"][name] = rec
     for name in names:  # how much the LoRA changes the result (the test needs it to matter)
-        qtype, _, lora = CASES[name]
+        qtype, _, lora, _, _ = CASES[name]
         if lora and (qtype, False) in refs:
             base = refs[(qtype, False)]
             out["cases"][name]["lora_effect"] = ((refs[(qtype, True)] - base).norm() / base.norm()).item()

@@ -1,5 +1,6 @@
 """Opt-in: a GGUF model of the ComfyUI-GGUF pack (Q8_0 and the K-quant Q4_K) sampled by the Parallel Model's ranks
-equals the same GGUF model sampled stock, sequence and cfg, with and without a LoRA; the ranks hold the quantized
+equals the same GGUF model sampled stock, sequence (gathered and ring attention), cfg and batch, with and without a
+LoRA; the ranks hold the quantized
 bytes and never import the pack.
 
 Runs ``gguf_ranks.py`` with ComfyUI's Python on 2 gloo CPU ranks. Needs a checkout of the pack (``GGUF_DIR``) and the
@@ -24,7 +25,8 @@ pytestmark = comfyui_marks() + [
                        reason="set GGUF_DIR to a checkout of the ComfyUI-GGUF pack (city96/ComfyUI-GGUF) to run the GGUF tests"),
 ]
 
-CASES = ["q8-seq", "q8-cfg", "q4k-seq", "q4k-cfg", "q4k-seq-lora", "q8-cfg-lora"]
+CASES = ["q8-seq", "q8-cfg", "q4k-seq", "q4k-cfg", "q4k-seq-lora", "q8-cfg-lora", "q4k-seq-ring", "q4k-batch"]
+LAYOUT = {"seq": "sequence", "cfg": "cfg", "batch": "batch"}
 #: the blocks' quantized Linear weights of gguf_models.wan_state_dict: q, k, v, o of self and cross attention and
 #: the two FFN layers in each of 2 blocks (20), plus the text and time embeddings, the time projection and the head;
 #: their biases stay F32 GGML tensors
@@ -62,7 +64,7 @@ def test_gguf_models_on_the_ranks_equal_the_stock_sampler(tmp_path):
         # wrong bytes or type, or a LoRA dropped (see lora_effect, ~1e-1) or applied twice, gives > 1e-2.
         assert rec["rel_l2"] <= 1e-5, (name, rec)
         assert rec["calls"] == 3, rec
-        assert rec["layout"] == ("cfg" if "-cfg" in name else "sequence"), rec
+        assert rec["layout"] == LAYOUT[name.split("-")[1]], rec
         # the ranks hold the quantized weights as the driver does: same types, same bytes, nothing dequantized
         for r, per in enumerate(report["per_rank"]):
             got = per[name]
