@@ -88,7 +88,7 @@ def test_ltx_095_decode_and_encode_match_comfyui(comfy_vae, ranks):
     stock = stock.reshape(-1, *stock.shape[-3:])
     torch.manual_seed(11)
     result = bridge.decode({"samples": z}, vae, cluster, mode="row", precision="fp32")
-    assert result.fallback_note is None, result.fallback_note
+    assert result.note is None, result.note
     ours = result.value
     assert ours.shape == stock.shape == (FRAMES, HEIGHT, WIDTH, 3)
     diff = (ours - stock).abs().max().item()
