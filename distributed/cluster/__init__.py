@@ -12,7 +12,8 @@ The package is split along its seams; this module re-exports the public names:
 * ``errors``    :class:`RankFailure`, :class:`ClusterSetupError`, clean messages from Ray's errors;
 * ``imports``   how the ranks import the library and the functions sent to them;
 * ``check``     :func:`check_cluster`, the probe's collective and bandwidth check;
-* ``limits``    :func:`check_rank_count`: how many GPU or CPU ranks this machine holds, checked before Ray starts.
+* ``limits``    :func:`check_rank_count`: how many GPU or CPU ranks this machine holds, checked before Ray starts;
+* ``watchdog``  the embedded Ray's GCS and raylet, watched: a dead one costs the prompt in flight, not the process.
 
 Example:
     >>> from patchray.distributed.cluster import ClusterConfig, get_cluster  # doctest: +SKIP

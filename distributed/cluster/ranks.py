@@ -14,16 +14,23 @@ Design decisions:
   the root cause (see ``errors.py``). The actors are then killed (a group with a lost member cannot be
   trusted) and the next call rebuilds the cluster. An interrupt (Ctrl-C, or a caller's ``cancel_check``)
   stops every rank the same way.
-* **Reused across calls**: the process-wide cluster lives in ``registry.py`` (:func:`.registry.get_cluster`).
+* **Reused across calls**: the process-wide cluster lives in ``registry.py`` (:func:`.registry.get_cluster`), which
+  first checks that every rank's process still runs (a rank killed between calls would fail the next call; on one
+  machine this is a PID lookup, no Ray call).
+* **A Ray that dies under the cluster** (the embedded Ray's GCS or raylet, ``watchdog.py``) marks it lost: a call in
+  flight fails within half a second naming the process, the rank processes are killed by PID, and no Ray call is
+  made any more (with a dead GCS they block past the minute after which Ray ends the host process).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 from .actor import _RankActor
@@ -42,9 +49,22 @@ from .imports import fn_ref, require_canonical_root, staging_pythonpath
 from .limits import check_rank_count
 from .ray_setup import ensure_ray, package_versions
 
-__all__ = ["RankCluster", "task_label"]
+__all__ = ["RankCluster", "task_label", "abandon_all"]
 
 log = logging.getLogger(__name__)
+
+#: every cluster of this process that may still hold ranks (starting, running or broken but not yet stopped)
+_LIVE: "weakref.WeakSet[RankCluster]" = weakref.WeakSet()
+
+
+def abandon_all(reason: str, node: Any = None) -> List["RankCluster"]:
+    """Give up the clusters of this process that run on the Ray ``node`` (Ray's ``Node`` object; ``None``: all),
+    because that Ray died (``watchdog.py``): each is marked lost, its rank processes are killed by PID, and it makes
+    no more Ray calls. Returns them."""
+    clusters = [c for c in list(_LIVE) if node is None or c._ray_node is node]
+    for cluster in clusters:
+        cluster._abandon(reason)
+    return clusters
 
 #: the exceptions the ranks raise to refuse an input (computed from shared data, so the group stays usable)
 _REFUSALS = (ValueError, TypeError, NotImplementedError, KeyError)
@@ -72,10 +92,15 @@ class RankCluster:
     def __init__(self, config: ClusterConfig, cancel_check: Optional[Callable[[], None]] = None):
         self.config = config
         self.broken = False
+        self._lost: Optional[str] = None  # why this process's Ray was given up under the cluster (watchdog.py)
         self._actors: List[Any] = []
         self._pg = None
+        self._rendezvous_dir: Optional[str] = None
+        self._ray_node: Any = None
+        self._reported_at: Optional[float] = None  # when every rank had reported its process (time.time())
         self._lock = threading.Lock()
         self._cancel_check = cancel_check
+        _LIVE.add(self)
         t0 = time.perf_counter()
         require_canonical_root()
         # what this machine cannot hold is refused before Ray starts (embedded) or anything is placed
@@ -83,6 +108,7 @@ class RankCluster:
         if cancel_check is not None:
             cancel_check()
         ray = ensure_ray(config)
+        self._ray_node = getattr(ray._private.worker.global_worker, "node", None)  # the Ray it runs on (watchdog.py)
         self.device_kind = self._pick_device(ray)
         self.backend = "nccl" if self.device_kind == "cuda" else "gloo"
         try:
@@ -185,15 +211,20 @@ class RankCluster:
                 [a.describe.remote() for a in self._actors], deadline, "starting the rank actors", cfg.init_timeout_s, cancel
             )
         except RankFailure as exc:
+            if self._lost:
+                raise ClusterSetupError(f"the ranks could not start: {self._lost}") from exc
             raise ClusterSetupError(
                 f"{exc}: every node needs the same PatchRay, torch, diffusers and Ray as this machine (pip install "
                 "them there, or add the package's folder with extra_pythonpath)"
             ) from exc
+        self._reported_at = time.time()
         self._check_versions()
         if cfg.address is None:
             # One machine: rendezvous through a file. A TCPStore's server socket binds every interface
             # (torch offers no bind address), which the embedded cluster must not open.
-            rendezvous = {"file": os.path.join(tempfile.mkdtemp(prefix="patchray-rdzv-"), "store")}
+            _remove_stale_rendezvous()
+            self._rendezvous_dir = tempfile.mkdtemp(prefix=f"{_RDZV_PREFIX}{os.getpid()}-")
+            rendezvous = {"file": os.path.join(self._rendezvous_dir, "store")}
         else:
             host = self.ranks_info[0]["node_ip"]
             port = self._get(
@@ -222,6 +253,8 @@ class RankCluster:
                 return
             if self._cancel_check is not None:
                 self._cancel_check()
+            if self._lost:
+                raise ClusterSetupError(f"the ranks could not be placed: {self._lost}")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"placement not ready within {bound_s:g} s")
 
@@ -266,6 +299,8 @@ class RankCluster:
         grace_deadline = None
         try:
             while pending:
+                if self._lost:
+                    raise self._lost_failure(what)
                 now = time.monotonic()
                 limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
                 if now >= limit:
@@ -315,6 +350,11 @@ class RankCluster:
             raise RankFailure(failure_message(errors, what), involved_ranks(errors), root.cause, all_traces(errors))
         return [results[i] for i in range(len(refs))]
 
+    def _lost_failure(self, what: str) -> RankFailure:
+        """The failure of a call or start that was in flight when this process's Ray was given up."""
+        self._kill()
+        return RankFailure(f"the ranks stopped while {what}: {self._lost}", list(range(self.config.num_ranks)))
+
     def _rank_failure(self, errors: List[RankError], what: str, waiting) -> RankFailure:
         message = failure_message(errors, what, waiting)
         log.error("%s\n%s", message, all_traces(errors))
@@ -351,8 +391,19 @@ class RankCluster:
         """
         import ray
 
+        if self._lost:
+            raise RankFailure(f"the ranks were stopped: {self._lost}", list(range(self.config.num_ranks)))
         if self.broken:
             raise RankFailure("this cluster was stopped after an earlier failure; call get_cluster() for a new one")
+        if self.config.address is None:
+            # a write to the object store of an embedded Ray whose raylet died ends this process (Ray's driver
+            # library does): check its processes first (a waitpid each; watchdog.py gives the lost Ray up)
+            from .watchdog import dead_processes, reason_for
+
+            dead = dead_processes()
+            if dead:
+                self._abandon(reason_for(dead))
+                raise RankFailure(f"the ranks were stopped: {self._lost}", list(range(self.config.num_ranks)))
         with self._lock:
             payload = ray.put((args, kwargs))
             ref_fn = fn_ref(fn)
@@ -374,10 +425,20 @@ class RankCluster:
             "nodes": sorted({r["node_id"] for r in self.ranks_info}),
         }
 
+    def usable(self, timeout_s: Optional[float] = 10.0) -> bool:
+        """Whether every rank is still there to take a call: on one machine (embedded) each rank's process is looked
+        up by PID (no Ray call, microseconds); on a Ray cluster each rank is pinged within ``timeout_s`` (``None``: not
+        pinged, for callers that must not wait)."""
+        if self.broken or self._lost:
+            return False
+        if self.config.address is None:
+            return all(_rank_process(info.get("pid"), self._reported_at) is not None for info in getattr(self, "ranks_info", None) or [])
+        return True if timeout_s is None else self.ping(timeout_s)
+
     def ping(self, timeout_s: float = 10.0) -> bool:
         import ray
 
-        if self.broken:
+        if self.broken or self._lost:
             return False
         try:
             ray.get([a.ping.remote() for a in self._actors], timeout=timeout_s)
@@ -389,14 +450,29 @@ class RankCluster:
         """Drop every rank's cached models and weights (the ranks stay up); per rank, the entries dropped."""
         import ray
 
-        if self.broken or not self._actors:
+        if self.broken or self._lost or not self._actors:
             return []
         return ray.get([a.free_cache.remote() for a in self._actors], timeout=timeout_s)
+
+    def _abandon(self, reason: str) -> None:
+        """This process's Ray died under the cluster: mark it lost, kill its rank processes by PID (they run on this
+        machine; Ray's own workers linger a minute after their raylet), and make no more Ray calls."""
+        self._lost = reason
+        self.broken = True
+        if self.config.address is None:
+            for info in getattr(self, "ranks_info", None) or []:
+                _kill_rank_process(info.get("pid"), self._reported_at)
+        self._kill()
 
     def _kill(self):
         import ray
 
         self.broken = True
+        if self._lost:  # Ray's calls would block on a dead GCS; the rank processes were killed by PID
+            self._actors, self._pg = [], None
+            self._remove_rendezvous()
+            _LIVE.discard(self)
+            return
         for a in self._actors:
             try:
                 ray.kill(a, no_restart=True)
@@ -411,12 +487,21 @@ class RankCluster:
             except Exception:
                 pass
             self._pg = None
+        self._remove_rendezvous()
+        _LIVE.discard(self)
+
+    def _remove_rendezvous(self) -> None:
+        """The embedded cluster's rendezvous folder (a FileStore file): one was left in the temporary folder per
+        cluster start until the soak harness counted them."""
+        folder, self._rendezvous_dir = self._rendezvous_dir, None
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def shutdown(self):
         """Destroy the process group on every rank, then stop the actors."""
         import ray
 
-        if not self.broken and self._actors:
+        if not self.broken and not self._lost and self._actors:
             try:
                 ray.get([a.close.remote() for a in self._actors], timeout=30)
             except Exception:
@@ -462,6 +547,57 @@ class _ProgressPoll:
                 self._forward(tuple(ray.get(ref)))
             except Exception:
                 return
+
+
+#: the embedded cluster's rendezvous folders in the temporary folder: ``patchray-rdzv-<driver PID>-<random>``
+_RDZV_PREFIX = "patchray-rdzv-"
+
+
+def _remove_stale_rendezvous() -> None:
+    """Remove the rendezvous folders of drivers that no longer run (a driver killed with SIGKILL cannot remove its
+    own); a folder whose driver still runs, or named otherwise, is left alone."""
+    import glob
+
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), _RDZV_PREFIX + "*-*")):
+        pid = os.path.basename(folder)[len(_RDZV_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            import psutil  # a dependency of Ray
+
+            running = psutil.pid_exists(int(pid))
+        except Exception:
+            continue
+        if not running:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _rank_process(pid, started_by: Optional[float]):
+    """The rank process ``pid`` on this machine while it runs (``psutil.Process``), else ``None``: gone, a zombie, or
+    the PID reused by a process created after ``started_by`` (the time the ranks had reported, ``time.time()``)."""
+    if not pid:
+        return None
+    try:
+        import psutil  # a dependency of Ray
+
+        proc = psutil.Process(int(pid))
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        if started_by is not None and proc.create_time() > started_by + 1.0:
+            return None
+        return proc
+    except Exception:
+        return None
+
+
+def _kill_rank_process(pid, started_by: Optional[float]) -> None:
+    """SIGKILL a rank's process on this machine by PID (never another process that reused the PID)."""
+    proc = _rank_process(pid, started_by)
+    if proc is not None:
+        try:
+            proc.kill()
+        except Exception:  # gone already
+            pass
 
 
 def _annotate(exc: BaseException, err: RankError) -> None:

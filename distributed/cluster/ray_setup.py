@@ -15,6 +15,9 @@ Design decisions:
   (``ray_constants.ENABLE_RAY_CLUSTER`` off, as Ray does for its single-machine clusters).
 * **Every node runs the same software.** :func:`package_versions` is what each rank reports and the driver
   compares (PatchRay, torch, diffusers, Ray, Python), so a node that differs is named before any work runs.
+* **An embedded Ray that dies is replaced, not inherited.** Its GCS and raylet are watched (``watchdog.py``): a dead
+  one costs the prompt in flight, this process shuts its Ray down (Ray's driver library would otherwise end the
+  process), and :func:`ensure_ray` starts a fresh one for the next call.
 """
 
 from __future__ import annotations
@@ -205,12 +208,21 @@ def ensure_ray(config: ClusterConfig):
     """Start the embedded Ray, or connect to ``config.address``; reuse this process's Ray when it matches."""
     import ray
 
+    from .watchdog import dead_processes, watch
+
     wanted = (config.address, config.gpu_ids)
     if ray.is_initialized():
-        if not _ray_started_with or _ray_started_with[0] == wanted:
+        dead = dead_processes()
+        if dead:
+            # this process's embedded Ray died under it (the watchdog gives it up too, bounded): start a fresh one
+            log.warning("the embedded Ray's %s process(es) exited: starting a fresh Ray", ", ".join(dead))
+            ray.shutdown()
+            forget_ray()
+        elif not _ray_started_with or _ray_started_with[0] == wanted:
             return ray
-        # another cluster was asked for (embedded <-> an address, other pinned GPUs): leave this one first
-        ray.shutdown()
+        else:
+            # another cluster was asked for (embedded <-> an address, other pinned GPUs): leave this one first
+            ray.shutdown()
     if config.address is None:
         _apply_embedded_env()
         # Ray 2.60 announces at every start that token auth is on and how to turn it off; PatchRay keeps it on
@@ -240,5 +252,7 @@ def ensure_ray(config: ClusterConfig):
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved_visible
     _ray_started_with[:] = [wanted]
+    if config.address is None:
+        watch()  # a dead GCS or raylet must cost a prompt, not this process (watchdog.py)
     log.info("Ray ready in %.1f s", time.perf_counter() - t0)
     return ray

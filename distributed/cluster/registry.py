@@ -1,7 +1,7 @@
 """The process-wide rank cluster: one :class:`~.ranks.RankCluster` per process, reused across calls.
 
-:func:`get_cluster` rebuilds it only when its configuration changes or after a fault, so a second call pays no
-start-up; :func:`running_cluster` describes it without starting anything; :func:`free_rank_caches` and
+:func:`get_cluster` rebuilds it only when its configuration changes or after a fault (a rank process that went away
+between calls counts: it would fail the next call), so a second call pays no start-up; :func:`running_cluster` describes it without starting anything; :func:`free_rank_caches` and
 :func:`shutdown_cluster` are bounded, for callers that must not hang (ComfyUI's model unloading, signal handlers).
 """
 
@@ -16,7 +16,7 @@ from .config import ClusterConfig
 from .ranks import RankCluster
 from .ray_setup import forget_ray
 
-__all__ = ["get_cluster", "running_cluster", "shutdown_cluster", "free_rank_caches"]
+__all__ = ["get_cluster", "running_cluster", "shutdown_cluster", "free_rank_caches", "give_up_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,42 @@ def get_cluster(config: Optional[ClusterConfig] = None, cancel_check: Optional[C
         config = dataclasses.replace(config, **overrides)
     with _current_lock:
         if _current is not None and _current.config == config and not _current.broken:
-            return _current
+            if _current.usable():
+                return _current
+            # a rank's process went away between calls (killed, out of memory): the next call would fail on it
+            log.warning("a rank of the cluster is gone since its last call: starting new ranks")
+            _current._kill()
+            _current = None
         if _current is not None:
             _current.shutdown()
             _current = None
         _current = RankCluster(config, cancel_check=cancel_check)
         return _current
+
+
+def give_up_ray(node, wait_s: float) -> None:
+    """After this process's embedded Ray died under it (``watchdog.py``, its clusters already abandoned): forget the
+    process-wide cluster and shut Ray down in this process, so its driver library does not end the process.
+
+    ``node`` is the Ray ``Node`` that died: Ray is shut down only while it is still this process's (a start in
+    progress that already replaced it is left alone). Waits at most ``wait_s`` for a start in progress to leave.
+    """
+    global _current
+    import ray
+
+    locked = _current_lock.acquire(timeout=wait_s)
+    try:
+        if _current is not None and _current.broken:
+            _current = None
+        if ray._private.worker.global_worker.node is node:
+            try:
+                ray.shutdown()
+            except Exception as exc:  # what is left of Ray must not take the host down with it
+                log.warning("shutting down the lost Ray: %s", exc)
+            forget_ray()
+    finally:
+        if locked:
+            _current_lock.release()
 
 
 def running_cluster(config: ClusterConfig) -> Optional[RankCluster]:
@@ -55,7 +85,7 @@ def running_cluster(config: ClusterConfig) -> Optional[RankCluster]:
         cluster = _current
     finally:
         _current_lock.release()
-    if cluster is None or cluster.broken or cluster.config != config:
+    if cluster is None or cluster.broken or cluster.config != config or not cluster.usable(timeout_s=None):
         return None
     return cluster
 
