@@ -20,6 +20,8 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import threading
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -69,6 +71,7 @@ class _RankActor:
         if device_kind == "cpu":
             threads = threads or max(1, (os.cpu_count() or 1) // max(1, world_size))
             torch.set_num_threads(threads)
+        _exit_with_parent()
 
     def _device(self) -> torch.device:
         if self.device_kind != "cuda":
@@ -141,6 +144,8 @@ class _RankActor:
             # call may run before that call starts, and must not see this call's figure
             _LAST_PROGRESS[0], _LAST_PROGRESS[1] = _PROGRESS
             _PROGRESS[0] = _PROGRESS[1] = 0
+            del args, kwargs, packed
+            _return_freed_memory()
 
     def ping(self) -> int:
         return self.rank
@@ -174,6 +179,57 @@ class _RankActor:
             pass
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+_LIBC: List[Any] = []
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap memory a call freed back to the system (glibc's ``malloc_trim``; elsewhere a no-op).
+
+    A call's temporary tensors of a few MB to a few tens of MB are freed into glibc's arenas, which keep them: measured
+    by the soak harness, the resident memory of a CPU rank running ComfyUI prompts climbed from 1.7 GB to 4-5 GB over
+    36 prompts (one sampling model and one VAE cached at a time), stepping up at each new shape of work. The cached
+    models are not freed; what the call released is returned, so a rank's resident memory is what it holds.
+    """
+    if not _LIBC:
+        lib = None
+        if os.name == "posix":
+            try:
+                import ctypes
+
+                candidate = ctypes.CDLL(None)
+                if hasattr(candidate, "malloc_trim"):  # glibc only (not musl, not macOS)
+                    lib = candidate
+            except OSError:
+                lib = None
+        _LIBC.append(lib)
+    if _LIBC[0] is not None:
+        _LIBC[0].malloc_trim(0)
+
+
+#: how often a rank checks that the raylet that started it still runs
+_PARENT_POLL_S = 1.0
+
+
+def _exit_with_parent() -> None:
+    """End this rank's process when the process that started it (Ray's raylet) is gone.
+
+    Ray's own workers notice a dead raylet about a minute later, and until then a rank holds its models (measured by
+    the soak harness: a rank of 1.5 GB outlived a SIGKILLed raylet by 65 s). On POSIX a process whose parent exits is
+    given a new parent, which is what this watches; where that does not happen (Windows) it never fires.
+    """
+    parent = os.getppid()
+    if parent <= 1:
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(_PARENT_POLL_S)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="patchray-parent-watch", daemon=True).start()
 
 
 def _node_ip() -> str:
