@@ -1,7 +1,8 @@
-"""DiT table rows for Qwen-Image, HunyuanVideo (and HunyuanImage 2.1, the same class) and LTX-Video, with the
-rank-side hooks their layouts need beyond the table's sites.
+"""The rank-side hooks of the family table (:mod:`.families`): what a row's sites cannot say about a layout. A row
+names its hooks (``hooks=``); the rank's :class:`~.dit_rank.DitSequence` installs them with the sites and removes
+them after the run. A new family needs a hook here only if its layout is new.
 
-What each family does differently from FLUX.1 / Wan (ComfyUI 0.3.64):
+What the rows with hooks (and Qwen-Image, whose sites suffice) do differently from FLUX.1 / Wan (ComfyUI 0.3.64):
 
 * **Qwen-Image** (``comfy/ldm/qwen_image/model.py``, ``QwenImageTransformer2DModel``): FLUX-like joint attention
   with the text tokens first; RoPE from ``pe_embedder`` (``[B, 1, L, D/2, 2, 2]``, text positions first). Plain
@@ -15,12 +16,12 @@ What each family does differently from FLUX.1 / Wan (ComfyUI 0.3.64):
   forward) or ByT5 glyph tokens (HunyuanImage 2.1, joined after the refiner) keeps its text whole on every rank;
   the mask is then built from the local sequence length (image columns all zero) and the library re-expresses it
   over every rank's keys. Image-to-video "v2 (replace)" modulates the first frame's tokens differently, by token index
-  (``modulation_dims``): :func:`_hunyuan_hooks` moves that boundary to this rank's first-frame tokens.
+  (``modulation_dims``): :func:`hunyuan_hooks` moves that boundary to this rank's first-frame tokens.
 * **LTX-Video** (``comfy/ldm/lightricks/model.py``, ``LTXVModel``): 1x1x1 patches (tokens = latent voxels,
   frame-major); self-attention (``attn1``) and cross-attention (``attn2``) are the same class (``CrossAttention``),
   told apart by path; the RoPE ``(cos, sin)`` ``[B, L, D]`` is computed by a function and passed to every block as
   ``pe=``; with a noise mask (image-to-video, keyframes) the timestep is per token (``[B * L]`` into
-  ``adaln_single``, then ``[B, L, 6D]`` modulation added to the tokens). :func:`_ltxv_hooks` scopes the two
+  ``adaln_single``, then ``[B, L, 6D]`` modulation added to the tokens). :func:`ltxv_hooks` scopes the two
   attentions by path, cuts ``pe`` to this rank's positions at each block, and cuts a per-token timestep where it
   enters ``adaln_single``. Keyframe (guide) latents are frames of the same grid whose coordinates the model
   overwrites before the RoPE is made: sharded like any frame, exact.
@@ -30,26 +31,9 @@ This module imports no ComfyUI (the hooks use only torch module hooks and class 
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List
 
-__all__ = ["more_rows", "FAMILY_NOTES"]
-
-
-def _qwen_patch(dm) -> Tuple[int, int, int]:
-    p = int(dm.patch_size)
-    return (1, p, p)
-
-
-def _hunyuan_patch(dm) -> Tuple[int, int, int]:
-    p = [int(v) for v in dm.patch_size]
-    if len(p) == 2:  # HunyuanImage 2.1: image latents [B, C, H, W]
-        return (1, p[0], p[1])
-    return (p[0], p[1], p[2])
-
-
-def _ltxv_patch(dm) -> Tuple[int, int, int]:
-    pt, ph, pw = (int(v) for v in dm.patchifier.patch_size)
-    return (pt, ph, pw)
+__all__ = ["ltxv_hooks", "hunyuan_hooks"]
 
 
 # --------------------------------------------------------------------------------------------------- hooks
@@ -127,7 +111,7 @@ class _Handle:
         self.remove = fn
 
 
-def _ltxv_hooks(seq) -> List[Any]:
+def ltxv_hooks(seq) -> List[Any]:
     """LTX-Video: attention scopes by path (``attn1`` self, ``attn2`` cross), the block's ``pe`` cut to this rank's
     positions, a per-token timestep cut where it enters ``adaln_single``."""
     dm = seq.dm
@@ -171,7 +155,7 @@ def _ltxv_hooks(seq) -> List[Any]:
     return handles
 
 
-def _hunyuan_hooks(seq) -> List[Any]:
+def hunyuan_hooks(seq) -> List[Any]:
     """HunyuanVideo image-to-video "v2 (replace)": the first frame's tokens take a different modulation, chosen by
     token index (``modulation_dims = [(0, frame_tokens, 0), (frame_tokens, None, 1)]`` over the image tokens the
     block holds). This rank holds its band of every frame, frame-major, so its first frame's tokens are its rows of
@@ -207,73 +191,3 @@ def _hunyuan_hooks(seq) -> List[Any]:
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
     return handles
-
-
-# --------------------------------------------------------------------------------------------------- rows
-
-_CONTROL = "ControlNet residuals (full-sequence tensors added inside the blocks)"
-_QWEN_REF = "reference latents (Qwen-Image Edit): their tokens join the image sequence and would need a band of their own"
-_HY_REF = "a reference latent (HunyuanVideo custom / HunyuanImage refiner reference): its tokens are prepended to the video's"
-
-FAMILY_NOTES = {
-    "Qwen-Image": "text first in a joint attention (FLUX-like)",
-    "HunyuanVideo": "text last, sharded after the token refiner (whole with a text mask); first-frame modulation moved per rank",
-    "LTX-Video": "1x1x1 patches; attn1/attn2 by path; RoPE as a block argument; per-token timestep cut",
-}
-
-
-def more_rows() -> tuple:
-    """The rows of this module (built on call: :mod:`.dit_models` imports this module at its end)."""
-    from .dit_models import NONE, PREFIX, SUFFIX, DitRow, Site
-
-    return (
-        DitRow(
-            family="Qwen-Image",
-            classes=("QwenImageTransformer2DModel",),
-            patch=_qwen_patch,
-            tokens=Site("img_in"),
-            rope=Site("pe_embedder"),
-            gather=Site("proj_out"),
-            attends={"Attention": "joint"},
-            text=PREFIX,
-            heads="transformer_blocks.0.num_attention_heads",
-            call_refusals={"ref_latents": _QWEN_REF, "control": _CONTROL},
-            cond_refusals={"reference_latents": _QWEN_REF},
-            # the text stream after txt_norm and txt_in (ComfyUI's blocks do not lay the text mask over attention)
-            text_tokens=Site("txt_in"),
-            modulation=("transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1"),
-        ),
-        DitRow(
-            family="HunyuanVideo (1.0 t2v, i2v; HunyuanImage 2.1)",
-            classes=("HunyuanVideo",),
-            patch=_hunyuan_patch,
-            tokens=Site("img_in"),
-            rope=Site("pe_embedder"),
-            gather=Site("final_layer"),
-            # the token refiner's self-attention is over the text alone, whole on every rank: it runs locally
-            attends={"DoubleStreamBlock": "joint", "SingleStreamBlock": "joint", "TokenRefinerBlock": "cross"},
-            text=SUFFIX,
-            call_refusals={"ref_latent": _HY_REF, "control": _CONTROL},
-            cond_refusals={"ref_latent": _HY_REF},
-            hooks=_hunyuan_hooks,
-            # the text stream after the token refiner (which runs over the whole text, with its mask)
-            text_tokens=Site("txt_in"),
-            text_whole={
-                "attention_mask": "the text mask is laid over the whole text's key columns in the model's forward",
-                "txt_byt5": "ByT5 glyph tokens (HunyuanImage 2.1) join the text after the token refiner",
-            },
-            modulation=("double_blocks.*.img_mod.lin", "double_blocks.*.txt_mod.lin", "single_blocks.*.modulation.lin"),
-        ),
-        DitRow(
-            family="LTX-Video",
-            classes=("LTXVModel",),
-            patch=_ltxv_patch,
-            tokens=Site("patchify_proj"),
-            rope=None,  # computed by precompute_freqs_cis and passed to each block: _ltxv_hooks cuts it there
-            gather=Site("proj_out"),
-            attends={},  # attn1 (self) and attn2 (cross) share a class: _ltxv_hooks scopes them by path
-            text=NONE,
-            heads="transformer_blocks.0.attn1.heads",
-            hooks=_ltxv_hooks,
-        ),
-    )

@@ -7,7 +7,7 @@ edited or replaced process-wide; everything is installed on the rank's model for
   token grid of the call (and, for joint-attention rows, the text tokens every rank gets a slice of: cut where the
   row's ``text_tokens`` site makes the text stream, the RoPE cut to the rank's text slice and image band, the
   attentions exchanging text and image K/V as one sharded set; the text stream is dropped by the model before the
-  gather site, so only image tokens are gathered); the row of :mod:`.dit_models` says where to cut the image tokens to this rank's band
+  gather site, so only image tokens are gathered); the row of :mod:`.families` says where to cut the image tokens to this rank's band
   (library styles ``ShardTokens``/``GatherTokens`` on the named modules, a pre-hook where the tokens first exist as a
   block's input), where to cut the RoPE table, and where to put the tokens back in order. Every attention call goes
   through ``transformer_options["optimized_attention_override"]`` (ComfyUI calls it around each attention of each
@@ -144,7 +144,7 @@ class _Scopes:
 
 
 class DitSequence:
-    """Sequence parallelism for one sampling run of one ComfyUI DiT (a row of :mod:`.dit_models`).
+    """Sequence parallelism for one sampling run of one ComfyUI DiT (a row of :mod:`.families`).
 
     :meth:`apply` installs the row's token, RoPE and gather sites and the attention scopes on ``dm``; :meth:`remove`
     takes them off (the model is exactly as before). :meth:`wrapper` is the DIFFUSION_MODEL wrapper.
@@ -189,22 +189,11 @@ class DitSequence:
 
     def apply(self) -> None:
         from ...distributed.parallel.plan import apply_plan
+        from .families import sequence_plan, sites_of
 
-        seq = _seq()
         row = self.row
-        text = {"prefix": "before", "suffix": "after"}.get(row.text)
-        plan = {row.gather.module: seq.GatherTokens(dim=1)}
-        if row.rope is not None:
-            plan[row.rope.module] = seq.ShardTokens(dim=2, text=text)
-        if row.tokens.where == "output":
-            plan[row.tokens.module] = seq.ShardTokens(dim=1)
-        if row.text_tokens is not None:
-            plan[row.text_tokens.module] = seq.ShardTokens(dim=1, part="text")  # left whole unless the table shards text
-        for glob in row.modulation:
-            plan[glob] = seq.ShareModulation(rows=self.linear_rows)
-        for site in (row.tokens, row.rope, row.gather, row.text_tokens):
-            if site is None:
-                continue
+        plan = sequence_plan(row, self.linear_rows)
+        for site in sites_of(row):
             try:
                 self.dm.get_submodule(site.module)
             except AttributeError:
@@ -285,7 +274,7 @@ class DitSequence:
             else:
                 n_me = self.state.require_shards().counts[self.ctx.rank]
                 extra = q.shape[2 if bhld else 1] - n_me
-                before, after = (extra, 0) if self.row.text == "prefix" else (0, extra)
+                before, after = (extra, 0) if self.row.text.side == "before" else (0, extra)
                 if kind == "self" and extra:
                     raise ValueError(f"{path}: self-attention over {q.shape[2 if bhld else 1]} tokens, this rank holds {n_me}")
                 out = self.attn(q, k, v, attn_fn, layout="BHLD" if bhld else "BLC", heads=heads, before=before, after=after, mask=mask, key=path,
@@ -308,7 +297,7 @@ class DitSequence:
         if why:
             raise NotImplementedError(why)
         text = text_tokens(self.row, bound.arguments, self.ctx.world_size) if self.shard_text else 0
-        side = "after" if self.row.text == "suffix" else "before"
+        side = self.row.text.side or "before"
         to = dict(bound.arguments.get("transformer_options") or {})
         stream = tuple(to.get("cond_or_uncond", ()))
         if self.stepwise:  # the stream's own stale memory and shard table (its text length may differ)

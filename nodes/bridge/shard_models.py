@@ -1,9 +1,9 @@
 """Weight sharding of ComfyUI's diffusion models: the block table of ComfyUI's classes, and what each rank does.
 
-The library (``distributed/parallel/shard.py``) shards any model per unit with FSDP2 given the units' globs; this
-module holds ComfyUI's knowledge: which modules of ``comfy.ldm``'s classes are the blocks. The rows are data, keyed by
-the class name of ``model.diffusion_model``; parameters outside the blocks (embedders, final layer) stay whole on every
-rank.
+The library (``distributed/parallel/shard.py``) shards any model per unit with FSDP2 given the units' globs; which
+modules of ``comfy.ldm``'s classes are the blocks is the ``blocks`` field of the family table (:mod:`.families`), keyed
+by the class name of ``model.diffusion_model``; parameters outside the blocks (embedders, final layer) stay whole on
+every rank.
 
 The driver decides the ``sharding`` widget (:func:`resolve_sharding`: ``auto`` from the smallest free memory the
 ranks report, escalating none -> blocks -> blocks+offload) before anything ships, and refuses a ``blocks+offload`` run
@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from .families import FAMILIES
+
 __all__ = [
     "SHARDING_NAMES", "SHARDED", "COMFY_BLOCKS", "blocks_for", "apply_sharding", "local_model_bytes", "resolve_sharding",
     "weight_bytes", "BlockBytes", "block_bytes", "check_host_memory", "offload_advice",
@@ -31,20 +33,9 @@ SHARDING_NAMES = ["none", "blocks", "blocks+offload", "auto"]
 SHARDED = ("blocks", "blocks+offload")
 _NODE = "PatchRay"
 
-#: ComfyUI 0.3.64 diffusion-model class -> the globs of its blocks (one FSDP2 unit each, in forward order)
-COMFY_BLOCKS: Dict[str, Tuple[str, ...]] = {
-    "Flux": ("double_blocks.*", "single_blocks.*"),
-    "Chroma": ("double_blocks.*", "single_blocks.*"),
-    "WanModel": ("blocks.*",),
-    "VaceWanModel": ("blocks.*",),
-    "CameraWanModel": ("blocks.*",),
-    "QwenImageTransformer2DModel": ("transformer_blocks.*",),
-    "HunyuanVideo": ("double_blocks.*", "single_blocks.*"),
-    "LTXVModel": ("transformer_blocks.*",),
-    # the layers inside each TimestepEmbedSequential: ComfyUI's UNet iterates a block's layers and calls each one
-    # (``forward_timestep_embed``), never the block's own forward, so a unit's gather hook must sit on the layers
-    "UNetModel": ("input_blocks.*.*", "middle_block.*", "output_blocks.*.*"),
-}
+#: ComfyUI 0.3.64 diffusion-model class -> the globs of its blocks (one FSDP2 unit each, in forward order): the
+#: ``blocks`` of the family table's rows (:mod:`.families`)
+COMFY_BLOCKS: Dict[str, Tuple[str, ...]] = {c: r.blocks for r in FAMILIES if r.blocks for c in r.classes}
 
 
 def blocks_for(dm, sharding: str = "blocks") -> Tuple[str, ...]:

@@ -14,7 +14,7 @@ from torch import nn
 
 from patchray.distributed.parallel.sequence import TokenShards
 from patchray.nodes.bridge import dit_models
-from patchray.nodes.bridge.dit_models_more import _hunyuan_hooks, _ltxv_hooks
+from patchray.nodes.bridge.dit_hooks import hunyuan_hooks as _hunyuan_hooks, ltxv_hooks as _ltxv_hooks
 
 
 @pytest.mark.parametrize("cls, family, text", [("QwenImageTransformer2DModel", "Qwen-Image", "prefix"),
