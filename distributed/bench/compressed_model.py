@@ -50,7 +50,7 @@ def step_ms(compute: float, sync_bytes: float, async_bytes: float, messages: flo
 
 def codec_ms(wire_bytes: float, n: int, bits: int, codec: Optional[dict] = None) -> float:
     """Codec time per step of a rank whose uncompressed exchange puts ``wire_bytes`` on its link ((N - 1) x its own
-    streamed bytes). ``codec``: ``{bits: (encode_ms_per_gb, apply_ms_per_gb)}`` measured by ``codec_bench`` (the
+    streamed bytes). ``codec``: ``{bits: (encode_ms_per_gb, apply_ms_per_gb)}`` measured by ``tools/dev/codec_bench.py`` (the
     rank encodes its own bytes once and applies each of the N - 1 peers' residuals); None: the ASSUMED memory-traffic
     figure (``CODEC_PASSES`` passes over the wire bytes at ``CODEC_GBPS``)."""
     if not bits:
@@ -63,7 +63,7 @@ def codec_ms(wire_bytes: float, n: int, bits: int, codec: Optional[dict] = None)
 
 
 def load_codec(path: str, codec: str = "eager") -> dict:
-    """``{bits: (encode_ms_per_gb, apply_ms_per_gb)}`` of ``codec`` from a ``codec_bench`` JSON: per width, its
+    """``{bits: (encode_ms_per_gb, apply_ms_per_gb)}`` of ``codec`` from a ``tools/dev/codec_bench.py`` JSON: per width, its
     largest chunk (the exchange's chunks are large: 60 slots of K/V each)."""
     best: Dict[int, dict] = {}
     for r in json.load(open(path))["rows"]:
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dit-alone", action="append", default=[],
                     help="KEY:N[:TEXT]=MS per-rank compute per step measured alone (dit_bench; TEXT whole or sharded: "
                          "for that text layout only)")
-    ap.add_argument("--codec", default=None, help="codec_bench JSON: the measured codec cost instead of the ASSUMED one")
+    ap.add_argument("--codec", default=None, help="tools/dev/codec_bench.py JSON: the measured codec cost instead of the ASSUMED one")
     ap.add_argument("--codec-kind", default="compiled", choices=["eager", "compiled", "triton"],
                     help="which codec's rows of --codec to use")
     ap.add_argument("--warmup", type=int, action="append", default=None,

@@ -143,7 +143,7 @@ PUBLISHED: List[dict] = [
 ]
 
 
-_SHARD = ("results/h200/sharding/README.md (PatchRay's shard_memory bench on one H200, ranks sharing it under gloo; "
+_SHARD = ("results/h200/sharding/README.md (PatchRay's tools/dev/shard_memory.py on one H200, ranks sharing it under gloo; "
           "torch.cuda.max_memory_allocated per rank, bf16; the forward ran 2 blocks per stack, whose transient is any "
           "block's)")
 _PASA_MEM = ("PASA-lab 5090 benchmarking (as above): peak GPU memory sampled with nvidia-smi every 0.5 s, in GB of "

@@ -57,7 +57,7 @@ EXACT_MARGIN = 0.10
 #: benchmark's comparison (``bench/compressed_model`` without ``--codec``)
 CODEC_GBPS = 2000.0
 CODEC_PASSES = 5
-#: MEASURED codec cost on an H200 (``bench/codec_bench``, bf16 chunks of 1.3e8 elements, torch 2.11, Triton 3.6,
+#: MEASURED codec cost on an H200 (``tools/dev/codec_bench.py``, bf16 chunks of 1.3e8 elements, torch 2.11, Triton 3.6,
 #: results/h200/codec/): milliseconds per GB of a rank's own uncompressed stream to encode it, and per GB of one
 #: peer's stream to apply it, by code width, for each codec a rank may run (``comm_manager.CODECS``): ``triton``
 #: (two fused kernels, GPU ranks with Triton), ``compiled`` (``torch.compile``), ``eager`` (op by op)

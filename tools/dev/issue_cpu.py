@@ -1,6 +1,6 @@
 """The CPU cost of issuing one DiT call: diffusers' own forward (N = 1) against a PatchRay sequence rank (N = 2).
 
-``python -m patchray.distributed.bench.issue_cpu [--preset flux1_1024] [--hidden 32] [--calls 30] [--out FILE]``
+``python -m tools.dev.issue_cpu [--preset flux1_1024] [--hidden 32] [--calls 30] [--out FILE]``
 
 On an H200 a 1,024x1,024 FLUX.1 sequence rank is launch-bound: its kernels run faster than the CPU issues them from
 Python, so every Python-level call PatchRay adds per block shows in the step time. This benchmark measures that
@@ -59,7 +59,7 @@ _DEPTH = {
 def issue_preset(name: str, hidden: int = 32, rows: int = 8, text: int = 8):
     """The preset ``name`` at its released depth with width ``hidden`` (2 heads), a ``rows x rows`` token grid and
     ``text`` text tokens (FLUX.1 at 1,024x1,024 has 4,096 image and 512 text tokens: the same 8:1)."""
-    from .dit_models import PRESETS
+    from patchray.distributed.bench.dit_models import PRESETS
 
     base = PRESETS[name]
     heads, head_dim = 2, hidden // 2
@@ -109,7 +109,7 @@ def _attention_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
     """The modules the family's plan adapts as sequence attention (where a rank exchanges K/V)."""
     import fnmatch
 
-    from ..sampling.dit import family_of
+    from patchray.distributed.sampling.dit import family_of
 
     globs = [g for g, (kind, _) in family_of(model).layers.items() if kind == "attention"]
     return [m for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in globs)]
@@ -118,9 +118,9 @@ def _attention_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
 def measure_rank(ctx, preset_name: str, hidden: int, rows: int, text: int, calls: int, warmup: int,
                  parallel: bool, mode: str = "gathered") -> dict:
     """One rank's figures (see the module docstring); ``parallel=False``: diffusers' own forward."""
-    from ..comm import barrier, intercept
-    from .dit_models import build_random, make_inputs
-    from .turns import take_turns
+    from patchray.distributed.comm import barrier, intercept
+    from patchray.distributed.bench.dit_models import build_random, make_inputs
+    from patchray.distributed.bench.turns import take_turns
 
     torch.set_num_threads(1)
     preset = issue_preset(preset_name, hidden, rows, text)
@@ -128,7 +128,7 @@ def measure_rank(ctx, preset_name: str, hidden: int, rows: int, text: int, calls
     inputs = make_inputs(preset, "tiny", torch.device("cpu"), torch.float32, seed=1)[0]
     handle = None
     if parallel:
-        from ..sampling.dit import parallelize_dit
+        from patchray.distributed.sampling.dit import parallelize_dit
 
         handle = parallelize_dit(model, ctx, mode=mode)
 
@@ -219,7 +219,7 @@ def measure_rank(ctx, preset_name: str, hidden: int, rows: int, text: int, calls
 def run(preset: str = "flux1_1024", hidden: int = 32, rows: int = 8, text: int = 8, calls: int = 30,
         warmup: int = 3, mode: str = "gathered") -> dict:
     """N = 1 (diffusers' forward) then N = 2 (PatchRay); returns the record (outputs compared, not kept)."""
-    from ..spawn import run_ranks
+    from patchray.distributed.spawn import run_ranks
 
     args = (preset, hidden, rows, text, calls, warmup)
     one = run_ranks(measure_rank, 1, *args, parallel=False)[0]

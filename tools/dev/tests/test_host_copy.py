@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from patchray.distributed.bench import host_copy
+from tools.dev import host_copy
 
 
 def test_cases_are_checked_before_ray_starts():

@@ -1,4 +1,4 @@
-"""``python -m patchray.distributed.bench.codec_bench``: the measured cost of the compressed exchange's codec.
+"""``python -m tools.dev.codec_bench``: the measured cost of the compressed exchange's codec.
 
 A compressed preset quantises every streamed K/V or halo chunk of a rank against its reference
 (:func:`~patchray.distributed.sampling.comm_manager.encode_residual`, once per chunk) and adds every peer's decoded
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ..sampling.comm_manager import CODECS, GROUP, apply_residual, encode_residual
+from patchray.distributed.sampling.comm_manager import CODECS, GROUP, apply_residual, encode_residual
 
 __all__ = ["time_codec", "main"]
 

@@ -8,7 +8,7 @@ communication time below gives the modelled step latency.
 
 Usage::
 
-    python -m patchray.distributed.bench.dit_cost --out results/dit-cost/dit_cost.json
+    python -m tools.dev.dit_cost --out results/dit-cost/dit_cost.json
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import json
 import sys
 from typing import List, Optional, Sequence
 
-from ..sampling.dit import FULL_SIZE_SHAPES, step_cost
-from ..sampling.split import split_cost
-from ..topology.links import LINK_PROFILES, model_latency_ms
+from patchray.distributed.sampling.dit import FULL_SIZE_SHAPES, step_cost
+from patchray.distributed.sampling.split import split_cost
+from patchray.distributed.topology.links import LINK_PROFILES, model_latency_ms
 
 __all__ = ["cost_table", "main"]
 
@@ -75,7 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{r['wire_mb_per_step']:9.1f} MB {r['messages_per_step']:4d} msgs  comm ms (modelled): {links}")
     if args.out:
         doc = {
-            "command": "python -m patchray.distributed.bench.dit_cost --out " + args.out,
+            "command": "python -m tools.dev.dit_cost --out " + args.out,
             "note": "modelled from shapes (sampling.dit.step_cost, sampling.split.split_cost) and link profiles; "
                     "communication only, per rank per sampling step with CFG (two model evaluations), bf16",
             "profiles": {p: LINK_PROFILES[p]._asdict() for p in PROFILES},

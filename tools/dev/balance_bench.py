@@ -1,6 +1,6 @@
 """Speed-weighted bands against equal bands, on ranks of unequal speed: the wall-clock figure and its check.
 
-``python -m patchray.distributed.bench.balance_bench --threads 2 1 --out results/balance``
+``python -m tools.dev.balance_bench --threads 2 1 --out results/balance``
 
 Design decisions:
 
@@ -68,11 +68,11 @@ def balance_rank(ctx, family: str, size: str, height: int, width: int, rounds: i
 
 
 def _balance_rank(ctx, family, size, height, width, rounds, timeout_s, share_core) -> dict:
-    from ..comm import all_gather_object, barrier, bounded_barrier
-    from ..parallel.bands import row_bands
-    from ..topology.throughput import rank_speeds_task, speed_weights
-    from ..vae.families import build_vae, latent_shape
-    from ..vae.row import row_decode
+    from patchray.distributed.comm import all_gather_object, barrier, bounded_barrier
+    from patchray.distributed.parallel.bands import row_bands
+    from patchray.distributed.topology.throughput import rank_speeds_task, speed_weights
+    from patchray.distributed.vae.families import build_vae, latent_shape
+    from patchray.distributed.vae.row import row_decode
 
     speeds = rank_speeds_task(ctx)
     weights = speed_weights(speeds)
@@ -139,7 +139,7 @@ def _summary(rank0: dict, args) -> dict:
                 "equal and speed rounds interleaved; CPU ranks on one machine of unequal speed (thread counts, "
                 "niceness, or busy processes sharing a rank's core)",
         "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
-        "command": "python -m patchray.distributed.bench.balance_bench " + " ".join(args.argv),
+        "command": "python -m tools.dev.balance_bench " + " ".join(args.argv),
     }
 
 
@@ -178,7 +178,7 @@ def _chart(summary: dict, path: str) -> None:
 def run_balance(args) -> dict:
     import importlib
 
-    from ..spawn import run_ranks
+    from patchray.distributed.spawn import run_ranks
 
     # OpenMP threads that wait for a descheduled partner should sleep, not spin: on a shared machine a spinning
     # thread burns its own rank's share of the cores (set before the ranks start; recorded in the JSON)
@@ -198,7 +198,7 @@ def run_balance(args) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m patchray.distributed.bench.balance_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.dev.balance_bench", description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, nargs="+", default=[2, 1], help="compute threads of each CPU rank (one per rank)")
     p.add_argument("--nice", type=int, nargs="+", default=None,
                    help="niceness increment of each rank process (one per rank): unequal speed on a machine busy with "

@@ -1,9 +1,9 @@
-"""``python -m patchray.distributed.bench.alone_check``: validate turn-taking (one rank's compute measured alone) where a real answer exists.
+"""``python -m tools.dev.alone_check``: validate turn-taking (one rank's compute measured alone) where a real answer exists.
 
 On CPU ranks with real gloo communication, each round runs the same row decode twice on the same N rank processes:
 
 * **measured**: the ranks decode at once (after a barrier), the latency is the slowest rank's wall time;
-* **modelled**: the ranks take turns (:func:`.turns.take_turns`): each stage's compute is timed with the core to
+* **modelled**: the ranks take turns (:func:`patchray.distributed.bench.turns.take_turns`): each stage's compute is timed with the core to
   itself and each collective is timed with every rank inside it; the modelled latency is the sum over stages of
   the slowest rank's compute plus the sum over collectives of the slowest rank's measured collective time.
 
@@ -50,10 +50,10 @@ def _pin(rank: int) -> List[int]:
 
 def check_rank(ctx, plan: dict) -> dict:
     """One rank of the check: warm-up, then interleaved concurrent and turn-taking rounds, then the reference."""
-    from ..comm import all_reduce, barrier
-    from ..vae.families import build_vae, latent_shape
-    from ..vae.row import row_decode
-    from .turns import take_turns
+    from patchray.distributed.comm import all_reduce, barrier
+    from patchray.distributed.vae.families import build_vae, latent_shape
+    from patchray.distributed.vae.row import row_decode
+    from patchray.distributed.bench.turns import take_turns
 
     torch.set_num_threads(1)
     pinned = _pin(ctx.rank) if plan["pin"] else []
@@ -102,7 +102,7 @@ def _core_stage_ms(alone: Sequence[dict], cores: Sequence[Optional[int]]) -> flo
 
 
 def summarise(results: List[dict], plan: dict) -> dict:
-    from .linkmodel import model_alone, stage_compute_ms
+    from patchray.distributed.bench.linkmodel import model_alone, stage_compute_ms
 
     n = len(results)
     med = statistics.median
@@ -175,8 +175,8 @@ def summarise(results: List[dict], plan: dict) -> dict:
 def run_check(ranks: Sequence[int], family: str = "kl", height: int = 256, width: int = 256, size: str = "full",
               rounds: int = 5, warmup: int = 1, reference_rounds: int = 1, pin: bool = True,
               concurrent: bool = True) -> dict:
-    from ..spawn import run_ranks
-    from . import provenance
+    from patchray.distributed.spawn import run_ranks
+    from patchray.distributed.bench import provenance
 
     started = time.time()
     checks = []
@@ -251,7 +251,7 @@ def format_table(report: dict) -> str:
 
 
 def alone_check_main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m patchray.distributed.bench.alone_check", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.dev.alone_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--family", default="kl")
     ap.add_argument("--height", type=int, default=256)

@@ -25,8 +25,8 @@ that staging, the shipping figures do not depend on it) and each rank's allocato
 
 Usage::
 
-    python -m patchray.distributed.bench.host_copy --cases parts:blocks --out results/cpu-sharding/host_copy.json
-    python -m patchray.distributed.bench.host_copy --device cuda --model flux1 --ranks 4 --cases parts:blocks --out ...
+    python -m tools.dev.host_copy --cases parts:blocks --out results/cpu-sharding/host_copy.json
+    python -m tools.dev.host_copy --device cuda --model flux1 --ranks 4 --cases parts:blocks --out ...
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ import time
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+
+#: the repository root: the rank processes import this instrument as ``tools.dev.host_copy`` (Ray sends its rank
+#: functions by name), so it goes on their import path
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 __all__ = ["main", "measure", "MODELS", "SHARDINGS", "TRANSPORTS"]
 
@@ -73,7 +77,7 @@ MODELS: Dict[str, HostCopyModel] = {
 
 
 def _preset(name: str):
-    from . import dit_models
+    from patchray.distributed.bench import dit_models
 
     m = MODELS[name]
     if m.preset == "wan-small":
@@ -170,7 +174,7 @@ def _warm(ctx, model: str, memory_fraction: float):
     when sharding, the forward's kernels), as in the node."""
     import diffusers  # noqa: F401
 
-    from . import dit_models
+    from patchray.distributed.bench import dit_models
 
     if model not in _REFERENCE:
         _REFERENCE[model] = dit_models.constructor_tensors(_preset(model), MODELS[model].size)
@@ -192,9 +196,9 @@ def _begin_model(ctx, payload):
     """Rank side of the parts transport: the skeleton on the meta device, blocks sharded there (each rank allocates
     its shards on its device) or the whole model allocated where the node puts it (``none``:
     ``sampling.ship.whole_model_device``; ``none-host``: the host), the constructor tensors set."""
-    from . import dit_models
-    from ..parallel.shard import shard_model
-    from ..sampling.ship import materialize_meta, whole_model_device
+    from patchray.distributed.bench import dit_models
+    from patchray.distributed.parallel.shard import shard_model
+    from patchray.distributed.sampling.ship import materialize_meta, whole_model_device
 
     name = payload["model"]
     spec = MODELS[name]
@@ -229,8 +233,8 @@ def _build(ctx, payload):
     device, the weights from the payload, the blocks sharded or not."""
     import diffusers
 
-    from ..parallel.shard import find_units, shard_model
-    from ..sampling.weights import from_arrays
+    from patchray.distributed.parallel.shard import find_units, shard_model
+    from patchray.distributed.sampling.weights import from_arrays
 
     with torch.device("meta"):
         model = diffusers.WanTransformer3DModel(**payload["config"]).to(torch.bfloat16)
@@ -257,7 +261,7 @@ def _build(ctx, payload):
 def _run_model(model, model_name: str, device: torch.device, dtype: str, run_blocks: int) -> float:
     """The norm of one forward of ``model`` on the bench's input (through the first ``run_blocks`` blocks of each
     stack and the head when > 0)."""
-    from . import dit_models
+    from patchray.distributed.bench import dit_models
 
     inputs = dit_models.make_inputs(_preset(model_name), MODELS[model_name].size, device, getattr(torch, dtype))[0]
     stacks = [g[:-2] for g in MODELS[model_name].blocks]
@@ -278,8 +282,8 @@ def _forward(ctx, model_name: str, dtype: str, run_blocks: int = 0):
     """One forward on the rank's model (``run_blocks`` > 0: the first blocks of each stack only; the blocks of a
     stack are identical, and a whole FLUX.1 forward on ranks sharing a GPU under gloo pushes the whole 24 GB through
     gloo's host staging on every rank); the output's norm."""
-    from ..cluster import rank_cache
-    from ..sampling.remote import _MODEL
+    from patchray.distributed.cluster import rank_cache
+    from patchray.distributed.sampling.remote import _MODEL
 
     model, _ = rank_cache()[_MODEL][1]
     return _run_model(model, model_name, ctx.device, dtype, run_blocks)
@@ -303,9 +307,9 @@ def _pinned_peak(device: torch.device) -> Optional[int]:
 def _rank_report(ctx):
     """``(weight bytes this rank holds, on the host, GPU peak allocated, GPU peak reserved, pinned host peak)``;
     clears the GPU peak."""
-    from .. import comm
-    from ..cluster import rank_cache
-    from ..sampling.remote import _MODEL
+    from patchray.distributed import comm
+    from patchray.distributed.cluster import rank_cache
+    from patchray.distributed.sampling.remote import _MODEL
 
     model, _ = rank_cache()[_MODEL][1]
     local = [comm.local_shard(p) for p in model.parameters()]
@@ -326,15 +330,15 @@ def _shared_gpu_cluster(ranks: int, object_store_mb: Optional[int]):
     """``ranks`` GPU ranks on this machine's GPU 0, for measurement (see the module docstring)."""
     import ray
 
-    from ..cluster import ClusterConfig
-    from ..cluster.ranks import RankCluster
-    from ..cluster.ray_setup import _apply_embedded_env, ray_init_kwargs
+    from patchray.distributed.cluster import ClusterConfig
+    from patchray.distributed.cluster.ranks import RankCluster
+    from patchray.distributed.cluster.ray_setup import _apply_embedded_env, ray_init_kwargs
 
     # the machine check counts physical GPUs (one per rank), so the configuration says cpu and the device is picked
     # below; Ray is started here, declaring one GPU per rank, and RankCluster reuses it. Ray refuses more GPUs than
     # CUDA_VISIBLE_DEVICES lists, and gives each GPU actor the entry of its slot: listing GPU 0 once per rank while Ray
     # starts makes every rank's CUDA_VISIBLE_DEVICES "0" (the driver's own setting is restored before it uses CUDA).
-    config = ClusterConfig(num_ranks=ranks, device="cpu", object_store_mb=object_store_mb)
+    config = ClusterConfig(num_ranks=ranks, device="cpu", object_store_mb=object_store_mb, extra_pythonpath=(_REPO_ROOT,))
     _apply_embedded_env()
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpu = (saved or "0").split(",")[0]
@@ -362,7 +366,7 @@ def _driver_model(name: str, dtype: torch.dtype, build_device: torch.device) -> 
     """The model ComfyUI would hold: random weights (``dit_models.build_random``, every tensor in ``dtype``: FSDP2
     shards a block of one dtype), in host memory. Drawn on
     ``build_device`` (a GPU draws 24 GB in seconds) and copied to the host a tensor at a time."""
-    from . import dit_models
+    from patchray.distributed.bench import dit_models
 
     model = dit_models.build_random(_preset(name), MODELS[name].size, build_device, dtype, keep_fp32=False)
     if build_device.type != "cpu":
@@ -378,12 +382,12 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
     """Run ``cases`` (``(transport, sharding)`` pairs, or ``(transport, sharding, model)`` to override ``model``) one
     after the other in one cluster; one record each
     (``on_record(record)`` is called as each case ends, so a run cut short keeps the cases it finished)."""
-    from . import dit_models
-    from ..cluster import ClusterConfig, get_cluster, shutdown_cluster
-    from ..parallel.shard import find_units
-    from ..sampling.remote import ship_model
-    from ..sampling.ship import ship_model_in_parts
-    from ..sampling.weights import to_arrays
+    from patchray.distributed.bench import dit_models
+    from patchray.distributed.cluster import ClusterConfig, get_cluster, shutdown_cluster
+    from patchray.distributed.parallel.shard import find_units
+    from patchray.distributed.sampling.remote import ship_model
+    from patchray.distributed.sampling.ship import ship_model_in_parts
+    from patchray.distributed.sampling.weights import to_arrays
 
     cases = [tuple(c) if len(c) > 2 else (c[0], c[1], model) for c in cases]
     for transport, sharding, case_model in cases:
@@ -405,7 +409,7 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
         torch.cuda.init()  # the driver's CUDA context (ComfyUI's, on a GPU machine) belongs to the baseline
         torch.ones(1, device=build if build.type == "cuda" else "cuda").sum().item()
     else:
-        cluster = get_cluster(ClusterConfig(num_ranks=ranks, device="cpu", object_store_mb=object_store_mb))
+        cluster = get_cluster(ClusterConfig(num_ranks=ranks, device="cpu", object_store_mb=object_store_mb, extra_pythonpath=(_REPO_ROOT,)))
     log(f"host_copy: {ranks} {device} ranks ready in {time.perf_counter() - t_start:.1f} s")
     out = []
     try:
@@ -512,7 +516,7 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m patchray.distributed.bench.host_copy", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.dev.host_copy", description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--cases", default="torch:none,numpy:none,numpy:blocks", help="TRANSPORT:SHARDING,...")
     ap.add_argument("--model", default="wan-small", choices=sorted(MODELS))
@@ -534,7 +538,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(a.out) as f:
             earlier = json.load(f)["records"]
     spec = MODELS[a.model]
-    header = {"command": "python -m patchray.distributed.bench.host_copy " + " ".join(argv if argv is not None else sys.argv[1:]),
+    header = {"command": "python -m tools.dev.host_copy " + " ".join(argv if argv is not None else sys.argv[1:]),
               "config": CONFIG if spec.preset == "wan-small" else getattr(_preset(a.model), spec.size),
               "torch": torch.__version__}
     records = list(earlier)

@@ -23,8 +23,8 @@ Design decisions:
 
 Usage::
 
-    python -m patchray.distributed.bench.shard_memory --device cuda --out results/h200/sharding
-    python -m patchray.distributed.bench.shard_memory --tiny --device cpu --out /tmp/shard   # a CPU check
+    python -m tools.dev.shard_memory --device cuda --out results/h200/sharding
+    python -m tools.dev.shard_memory --tiny --device cpu --out /tmp/shard   # a CPU check
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..context import ParallelContext
-from ..sampling.dit import FULL_SIZE_SHAPES, step_cost
-from ..topology.links import get_profile, transfer_ms
-from ..topology.shard_advice import offloaded_step_ms, sharded_step_ms
+from patchray.distributed.context import ParallelContext
+from patchray.distributed.sampling.dit import FULL_SIZE_SHAPES, step_cost
+from patchray.distributed.topology.links import get_profile, transfer_ms
+from patchray.distributed.topology.shard_advice import offloaded_step_ms, sharded_step_ms
 
 __all__ = ["MODELS", "run", "model_rows", "main"]
 
@@ -101,7 +101,7 @@ def _build(spec: dict, device: torch.device, dtype: torch.dtype, ctx: ParallelCo
     """The model on the meta device, then each rank allocates what it holds and draws it (per-name seeds)."""
     import diffusers
 
-    from ..parallel.shard import shard_model
+    from patchray.distributed.parallel.shard import shard_model
 
     cls = getattr(diffusers, spec["cls"])
     with torch.device("meta"):
@@ -111,10 +111,10 @@ def _build(spec: dict, device: torch.device, dtype: torch.dtype, ctx: ParallelCo
     offload = sharding == "blocks+offload"
 
     def materialize(m):
-        from .. import comm
+        from patchray.distributed import comm
 
         if offload:  # FSDP2's CPU offload wants the shards on the host; the rest on the device
-            from ..sampling.ship import materialize_meta
+            from patchray.distributed.sampling.ship import materialize_meta
 
             materialize_meta(m, device, torch.device("cpu"))
         else:
@@ -181,7 +181,7 @@ def _sync(device):
 
 def _case(ctx: ParallelContext, name: str, spec: dict, sharding: str, run_blocks: int, dtype,
           gpu_per_rank: bool = False) -> dict:
-    from ..sampling.dit import parallelize_dit
+    from patchray.distributed.sampling.dit import parallelize_dit
 
     device = ctx.device
     n = ctx.world_size
@@ -196,7 +196,7 @@ def _case(ctx: ParallelContext, name: str, spec: dict, sharding: str, run_blocks
     t0 = time.perf_counter()
     model, handle = _build(spec, device, dtype, ctx, sharding)
     rec["build_s"] = time.perf_counter() - t0
-    from .. import comm
+    from patchray.distributed import comm
 
     rec["resident_weight_bytes"] = sum(comm.local_shard(p).numel() * comm.local_shard(p).element_size() for p in model.parameters())
     rec["host_weight_bytes"] = sum(comm.local_shard(p).numel() * comm.local_shard(p).element_size() for p in model.parameters()
@@ -255,7 +255,7 @@ def _fraction(n: int, gpu_per_rank: bool) -> float:
 
 def _bench_rank(ctx: ParallelContext, cases: List[tuple], tiny: bool, run_blocks: int, dtype_name: str,
                 gpu_per_rank: bool = False) -> List[dict]:
-    from .. import comm
+    from patchray.distributed import comm
 
     dtype = getattr(torch, dtype_name)
     table = TINY if tiny else MODELS
@@ -316,7 +316,7 @@ def model_rows(records: List[dict], profiles: Sequence[str] = ("nvlink", "pcie4_
 
 def run(models: Sequence[str], ranks: Sequence[int], shardings: Sequence[str], *, device: str, tiny: bool,
         run_blocks: int, dtype: str = "bfloat16", timeout_s: float = 900.0, gpu_per_rank: bool = False) -> dict:
-    from ..spawn import run_ranks
+    from patchray.distributed.spawn import run_ranks
 
     # blocks first (the figures the goal is about), then the one-card reference, then every rank holding everything
     cases = [(m, n, "blocks") for m in models for n in ranks if "blocks" in shardings]
@@ -397,7 +397,7 @@ def _assemble(folder: str, out: str) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m patchray.distributed.bench.shard_memory", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.dev.shard_memory", description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="wan21_14b,flux1_12b")
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--sharding", default="none,blocks", help="comma-separated: none, blocks, blocks+offload")
@@ -414,7 +414,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _assemble(a.assemble, a.out)
     result = run(a.models.split(","), [int(x) for x in a.ranks.split(",")], a.sharding.split(","), device=a.device,
                  tiny=a.tiny, run_blocks=a.run_blocks, dtype=a.dtype, timeout_s=a.timeout, gpu_per_rank=a.gpu_per_rank)
-    result["command"] = "python -m patchray.distributed.bench.shard_memory " + " ".join(sys.argv[1:] if argv is None else argv)
+    result["command"] = "python -m tools.dev.shard_memory " + " ".join(sys.argv[1:] if argv is None else argv)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "shard_memory.json"), "w") as f:
         json.dump(result, f, indent=1)

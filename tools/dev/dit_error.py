@@ -1,4 +1,4 @@
-"""``python -m patchray.distributed.bench.dit_error``: final-latent error and bytes per step of the DiT sampling presets.
+"""``python -m tools.dev.dit_error``: final-latent error and bytes per step of the DiT sampling presets.
 
 For one world size N, every rank builds the same random-weight diffusers DiT (FLUX.1, Qwen-Image or Wan 2.1 layout:
 full width or tiny, ``--layers`` blocks), runs a rectified-flow Euler loop (``--steps``, sigmas shifted as FLUX/Wan schedulers shift
@@ -105,9 +105,9 @@ def sigmas(steps: int, shift: float = 3.0) -> List[float]:
 
 
 def _rank(ctx, plan: dict) -> dict:
-    from ..sampling.config import preset
-    from ..sampling.dit import parallelize_dit
-    from .turns import settle
+    from patchray.distributed.sampling.config import preset
+    from patchray.distributed.sampling.dit import parallelize_dit
+    from patchray.distributed.bench.turns import settle
 
     dev = ctx.device
     dtype = getattr(torch, plan["dtype"])
@@ -174,7 +174,7 @@ def run_dit_error(family: str, ranks: int, *, layers: int = 2, size: str = "full
     of ``"whole"``/``"sharded"`` (``None``: ``parallelize_dit``'s default for each preset); ``cases``: instead of the
     cross product, these ``preset/wW/text`` keys (and full_sync); ``gpu_per_rank``: rank r on ``cuda:r`` (NCCL unless
     ``backend`` says otherwise), the placement whose step times are multi-GPU step times."""
-    from ..spawn import run_ranks
+    from patchray.distributed.spawn import run_ranks
 
     warmups = [int(warmup)] if isinstance(warmup, int) else [int(w) for w in warmup]
     plan = dict(family=family, layers=layers, size=size, steps=steps, warmup=warmups[0], warmups=warmups, shift=shift,
