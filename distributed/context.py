@@ -7,7 +7,7 @@ in one frozen value that is passed in explicitly.
 
 The context also carries the group's **band weights** (``None``: equal bands), one figure per rank (its measured
 throughput, ``topology.throughput``): every band table of the group (VAE row bands, UNet row bands, DiT token
-shards, ``parallel/bands.py``) is derived from them, so every rank of a group derives the same speed-weighted
+shards, ``distributed/bands.py``) is derived from them, so every rank of a group derives the same speed-weighted
 table from the same shared value, with no collective at the layer.
 """
 
@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
+
+from .bands import quantize_weights
 
 __all__ = ["ParallelContext"]
 
@@ -65,8 +67,6 @@ class ParallelContext:
         if not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", torch.device(self.device))
         if self.band_weights is not None:
-            from .parallel.bands import quantize_weights
-
             weights = tuple(float(w) for w in self.band_weights) if all(
                 isinstance(w, (int, float)) and not isinstance(w, bool) for w in self.band_weights) else tuple(self.band_weights)
             quantize_weights(weights, self.world_size)  # one positive finite figure per member, else ValueError

@@ -10,7 +10,7 @@ models; topology measures the cluster's links; the adapters consult link profile
 sampling engines apply the adapters on the cluster. A module may import its own layer or any layer below it, never
 one above::
 
-    0  core               distributed/__init__, comm*, context, accounting, spawn
+    0  core               distributed/__init__, comm*, context, bands, accounting, spawn
     1  cluster            distributed/cluster
     2  topology           distributed/topology
     3  parallel           distributed/parallel (the adapters)
@@ -45,7 +45,8 @@ DIST_NAME = "patchray"
 #: (layer, name, module prefixes); the longest matching prefix decides
 LAYERS: Tuple[Tuple[int, str, Tuple[str, ...]], ...] = (
     (0, "core", ("distributed", "distributed.comm", "distributed.comm_fsdp", "distributed.comm_intercept",
-                 "distributed.comm_p2p", "distributed.context", "distributed.accounting", "distributed.spawn")),
+                 "distributed.comm_p2p", "distributed.context", "distributed.bands", "distributed.accounting",
+                 "distributed.spawn")),
     (1, "cluster", ("distributed.cluster",)),
     (2, "topology", ("distributed.topology",)),
     (3, "parallel", ("distributed.parallel",)),

@@ -22,7 +22,7 @@ UNet, ``distributed/sampling/denoiser.py:unet_plan``.
 """
 
 from .attention import GatheredAttention, GatheredAttnBlock, GatheredCausalAttnBlock, GatheredFrameAttention, RecordVideoLayout
-from .bands import band_heights, row_bands, token_shards
+from ..bands import band_heights, row_bands, token_shards
 from .conv import HaloConv, HaloPadThenConv, HaloPaddedCausalConv, HaloWanCausalConv, conv_rows, halo_plan
 from .exchange import DISPLACED, EXACT, STALE, ExactExchange, PeerExchange, StaleExchange, StepState
 from .groupnorm import (

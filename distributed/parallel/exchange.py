@@ -37,7 +37,7 @@ import torch
 
 from ..comm import all_gather_padded, exchange_halo
 from ..context import ParallelContext
-from .bands import band_heights, bounds_of, scaled_extents
+from ..bands import band_heights, bounds_of, scaled_extents
 from .plan import RowState
 
 __all__ = [

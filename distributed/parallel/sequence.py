@@ -8,7 +8,7 @@ runs on the rank's share only; attention is the one place that needs the other r
 
 Design decisions:
 
-* **Bands of rows, shared with the rest of PatchRay.** The split is :func:`~.bands.row_bands` over token rows
+* **Bands of rows, shared with the rest of PatchRay.** The split is :func:`~patchray.distributed.bands.row_bands` over token rows
   (uneven bands allowed: the first ``rows % N`` ranks one row taller; explicit ``row_sizes`` for speed-weighted
   bands). A video's tokens are frame-major (``t * rows * cols + row * cols + col``), so a rank's band is *not* a
   contiguous piece of the flattened sequence: :class:`TokenShards` holds each rank's token **index**, and

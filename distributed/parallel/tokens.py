@@ -4,7 +4,7 @@ rank's tokens and put back in exact global order.
 A rank owns a band of token rows (rows of the latent after patchify) in every frame, so a video's rank-local tokens
 are not a contiguous piece of the frame-major sequence: :class:`TokenShards` holds each rank's token **index**, and
 sharding, gathering and positional embeddings all go through that one index. Bands come from
-:func:`~.bands.row_bands` (or explicit row sizes), the same table as the VAE's and the UNet's row bands.
+:func:`~patchray.distributed.bands.row_bands` (or explicit row sizes), the same table as the VAE's and the UNet's row bands.
 
 A joint-attention sequence may also carry a **sharded 1-D text segment** (``text_sizes``: contiguous slices of the
 text tokens, the first ``T % N`` ranks one token more; a rank may hold none when ``T < N``). The table then has
@@ -24,7 +24,7 @@ import torch
 
 from ..comm import all_gather_padded
 from ..context import ParallelContext
-from .bands import bounds_of, row_bands
+from ..bands import bounds_of, row_bands
 
 __all__ = ["TokenShards", "shard_tokens", "gather_tokens", "shard_positions", "split_replicated", "text_split", "PARTS"]
 
@@ -94,7 +94,7 @@ class TokenShards:
     @classmethod
     def split(cls, frames: int, rows: int, cols: int, world_size: int, row_sizes: Optional[Sequence[int]] = None,
               weights: Optional[Sequence[float]] = None, text: int = 0, text_side: str = "before") -> "TokenShards":
-        """The shard table for ``world_size`` ranks: equal bands (:func:`~.bands.row_bands`), bands proportional to
+        """The shard table for ``world_size`` ranks: equal bands (:func:`~patchray.distributed.bands.row_bands`), bands proportional to
         ``weights`` (the group's band weights), or ``row_sizes``; with ``text > 0`` the joint sequence's ``text``
         tokens are sharded too (:func:`text_split`, on ``text_side`` of the image tokens).
 

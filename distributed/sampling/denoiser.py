@@ -40,7 +40,7 @@ import torch.nn as nn
 from ..comm import all_gather_padded
 from ..context import ParallelContext
 from ..parallel.attention import GatheredAttention
-from ..parallel.bands import band_heights
+from ..bands import band_heights
 from ..parallel.conv import HaloConv
 from ..parallel.exchange import DISPLACED, EXACT, STALE, PeerExchange, StepState, compressed
 from ..parallel.groupnorm import CorrectedStats, SeparateStats, ShardedGroupNorm, StaleStats, SyncStats

@@ -37,7 +37,7 @@ import torch
 from .. import comm
 from ..comm import all_gather_padded
 from ..context import ParallelContext
-from ..parallel.bands import bounds_of, split_extent
+from ..bands import bounds_of, split_extent
 
 __all__ = [
     "SplitPlan",

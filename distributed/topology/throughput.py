@@ -11,7 +11,7 @@ Design decisions:
   from other processes only slows a run down, so the best run is the closest to the rank's own capability).
 * **Agreed once, collectively.** :func:`agree_rank_speeds` gathers every rank's figure with one
   ``all_gather_object``, so every rank holds the same tuple and derives the same band table from it
-  (``parallel/bands.py`` quantises the weights to integers first). Nothing is exchanged at the layers.
+  (``distributed/bands.py`` quantises the weights to integers first). Nothing is exchanged at the layers.
 * **Measured once per cluster, like the probe.** :func:`cached_rank_speeds` keeps the agreed figures per cluster
   key in this process (the lead: ComfyUI's process); a rebuilt cluster of another configuration measures again.
   :func:`speed_weights` rounds the figures to 1% of the fastest so repeated measurements give the same table.

@@ -26,7 +26,7 @@ from ..comm import gather_to
 from ..context import ParallelContext
 from ..parallel.attention import GatheredAttention, GatheredAttnBlock, GatheredCausalAttnBlock, GatheredFrameAttention, RecordVideoLayout
 from ..parallel.conv import HaloConv, HaloPadThenConv, HaloPaddedCausalConv, HaloWanCausalConv
-from ..parallel.bands import row_bands
+from ..bands import row_bands
 from ..parallel.groupnorm import ShardedGroupNorm
 from ..parallel.resnet import HaloResnetBlock
 from ..parallel.plan import Applied, ClaimedOnly, RowLocal, RowState, apply_plan, undo_all
@@ -223,7 +223,7 @@ assert set(ROW_PLANS) == set(FAMILIES), "every family needs a row plan"
 
 
 # --------------------------------------------------------------------------------------------------
-# validation (the band table itself, row_bands, is parallel/bands.py's; re-exported here)
+# validation (the band table itself, row_bands, is distributed/bands.py's; re-exported here)
 
 
 def _latent_channels(vae) -> int:
@@ -236,7 +236,7 @@ def _latent_channels(vae) -> int:
 
 def validate_latent(vae, z: torch.Tensor, world_size: int, weights=None) -> List[Tuple[int, int]]:
     """Check ``z`` against ``vae`` and the rank count (shared data only); return the latent bands (proportional to
-    ``weights`` when given, see ``parallel/bands.py``)."""
+    ``weights`` when given, see ``distributed/bands.py``)."""
     family = family_of(vae)
     spec = get_family(family)
     want_dim = 5 if spec.is_video else 4

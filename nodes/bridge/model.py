@@ -78,9 +78,9 @@ def check_rows(mp, latent: torch.Tensor, num_ranks: int) -> None:
     """Refuse, before anything is shipped, a latent whose rows cannot give every rank a band of the UNet.
 
     The bands are multiples of the UNet's row downsampling (the product of its row-strided convolutions' strides),
-    the rule the ranks' adapters apply (``distributed.parallel.bands.band_heights``), so the verdict is theirs.
+    the rule the ranks' adapters apply (``distributed.bands.band_heights``), so the verdict is theirs.
     """
-    from ...distributed.parallel.bands import band_heights as split_rows
+    from ...distributed.bands import band_heights as split_rows
 
     align = 1
     for m in mp.model.diffusion_model.modules():

@@ -14,7 +14,7 @@ import torch
 
 from patchray.distributed.cluster import ClusterConfig
 from patchray.distributed.context import ParallelContext
-from patchray.distributed.parallel.bands import band_heights, quantize_weights, row_bands, token_shards, weighted_split
+from patchray.distributed.bands import band_heights, quantize_weights, row_bands, token_shards, weighted_split
 from patchray.distributed.parallel.sequence import TokenShards
 from patchray.distributed.spawn import run_ranks
 from patchray.distributed.topology.throughput import check_balance, speed_weights

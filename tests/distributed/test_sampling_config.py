@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from patchray.distributed.parallel.bands import band_heights as split_rows
+from patchray.distributed.bands import band_heights as split_rows
 from patchray.distributed.sampling.config import (
     DEPRECATED_PRESETS,
     PRESETS,

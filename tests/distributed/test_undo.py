@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from patchray.distributed.context import ParallelContext
-from patchray.distributed.parallel.bands import band_heights, row_bands, token_shards
+from patchray.distributed.bands import band_heights, row_bands, token_shards
 from patchray.distributed.parallel.conv import HaloConv
 from patchray.distributed.parallel.groupnorm import ShardedGroupNorm
 from patchray.distributed.parallel.plan import RowLocal, RowState, apply_plan, is_adapted, replace_forward, style_for, undo_all

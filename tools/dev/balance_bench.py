@@ -69,7 +69,7 @@ def balance_rank(ctx, family: str, size: str, height: int, width: int, rounds: i
 
 def _balance_rank(ctx, family, size, height, width, rounds, timeout_s, share_core) -> dict:
     from patchray.distributed.comm import all_gather_object, barrier, bounded_barrier
-    from patchray.distributed.parallel.bands import row_bands
+    from patchray.distributed.bands import row_bands
     from patchray.distributed.topology.throughput import rank_speeds_task, speed_weights
     from patchray.distributed.vae.families import build_vae, latent_shape
     from patchray.distributed.vae.row import row_decode

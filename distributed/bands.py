@@ -2,6 +2,9 @@
 
 Design decisions:
 
+* **Below every layer that splits.** The parallel context validates its band weights with it, and the adapters,
+  the VAE planner and the sampling split all derive their tables from it; it needs nothing but arithmetic, so it
+  sits beside the context at the bottom of the package, where every one of them may import it.
 * **One splitter for every shard kind.** A VAE's latent rows, a UNet's latent rows (in units of its total
   downsampling, so every level's bands stay whole rows) and a DiT's token sequence are all split the same way:
   contiguous shards, the first ``units % world_size`` ranks one unit longer. :func:`split_extent` is that rule;
