@@ -12,16 +12,15 @@ from .advice import (
     OtilChoice,
     advise,
     bottleneck_link,
-    cached_probe,
     choose_decode_mode,
     choose_otil_preset,
-    clear_probe_cache,
     link_profiles,
     recommended_settings,
+    report_with_advice,
 )
 from .cli import probe_main
 from .parse import TopoMatrix, parse_gpu_listing, parse_p2p_matrix, parse_saved_outputs, parse_topo_matrix
-from .probe import probe_topology, report_from_saved
+from .probe import cached_probe, clear_probe_cache, probe_topology, report_from_saved
 from .throughput import BALANCE_MODES, cluster_band_weights, measure_rank_speed, rank_speeds_task, speed_weights
 from .render import heatmap_image, render_heatmap, summary_text
 from .report import TopologyReport
@@ -54,5 +53,6 @@ __all__ = [
     "recommended_settings",
     "render_heatmap",
     "report_from_saved",
+    "report_with_advice",
     "summary_text",
 ]

@@ -12,16 +12,15 @@ Design decisions:
 * **Bandwidth classes come from the named link profiles** (:mod:`.links`, ``LINK_PROFILES``, which the
   benchmark's link model uses too): a link is described as the nearest named profile, so the decode mode and the
   OTIL preset chosen here match what the benchmark's modelled latencies show for that profile.
-* **Auto modes ask once per cluster.** :func:`cached_probe` keeps one report per cluster key, so ComfyUI's
-  auto decode/sampling modes do not re-measure on every prompt.
+* **The report holds facts; the advice is derived.** :class:`~.report.TopologyReport` knows nothing of this
+  module; :func:`report_with_advice` is the probe's JSON document (the report's dict with the advice filled in).
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Hashable, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from .links import (
     LinkEstimate,
@@ -46,8 +45,7 @@ __all__ = [
     "choose_decode_mode",
     "choose_otil_preset",
     "recommended_settings",
-    "cached_probe",
-    "clear_probe_cache",
+    "report_with_advice",
 ]
 
 # Thresholds (GB/s) used when the caller gives no per-workload byte counts. Row decode exchanges halos and
@@ -449,42 +447,12 @@ def recommended_settings(report: TopologyReport, devices: Optional[Sequence[int]
     }
 
 
-# --------------------------------------------------------------------------------------------------
-# cache for the auto modes
-
-_CACHE: dict = {}
-_CACHE_LOCK = threading.Lock()
-
-
-def cached_probe(key: Hashable, probe: Optional[Callable[[], TopologyReport]] = None, *, refresh: bool = False,
-                 **probe_kwargs) -> TopologyReport:
-    """The topology report for a cluster, probed once per ``key`` and process.
-
-    Args:
-        key: identifies the cluster, e.g. ``(address, tuple(devices))``; the lead's cluster passes its config.
-        probe (`callable`, *optional*): builds the report; default ``probe_topology(**probe_kwargs)``.
-        refresh (`bool`): probe again even if cached (after the hardware or driver changed).
+def report_with_advice(report: TopologyReport) -> dict:
+    """The probe's JSON document: ``report.to_dict()`` with its ``"advice"`` list filled from :func:`advise`.
 
     Example::
 
-        >>> report = cached_probe(("embedded", (0, 1)), devices=[0, 1])
-        >>> choose_decode_mode(report).mode
+        >>> doc = report_with_advice(probe_topology())
+        >>> [a["title"] for a in doc["advice"]]
     """
-    with _CACHE_LOCK:
-        if not refresh and key in _CACHE:
-            return _CACHE[key]
-    if probe is None:
-        from .probe import probe_topology
-
-        report = probe_topology(**probe_kwargs)
-    else:
-        report = probe()
-    with _CACHE_LOCK:
-        _CACHE[key] = report
-    return report
-
-
-def clear_probe_cache() -> None:
-    """Forget every cached report."""
-    with _CACHE_LOCK:
-        _CACHE.clear()
+    return report.to_dict(advice=advise(report))

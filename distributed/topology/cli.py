@@ -160,7 +160,7 @@ def probe_main(argv: Optional[List[str]] = None) -> int:
                     report.notes.append(f"other nodes not probed: {exc}")
 
     advice = advise(report)
-    data = report.to_dict()
+    data = report.to_dict(advice=advice)
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "topology.json")
     png_path = os.path.join(args.out, "topology.png")

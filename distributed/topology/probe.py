@@ -12,6 +12,8 @@ Design decisions:
 * **GPU identity is the PCI bus id.** ``nvidia-smi``/NVML number GPUs in PCI order, CUDA by default "fastest
   first" and after ``CUDA_VISIBLE_DEVICES``; pairs are reported with nvidia-smi indices and each GPU carries its
   ``cuda_index``, matched by bus id, never by position.
+* **Auto modes probe once per cluster.** :func:`cached_probe` keeps one report per cluster key, so ComfyUI's
+  auto decode/sampling modes do not re-measure on every prompt.
 * **NCCL runs in fresh processes** (``nccl_worker.py``, driven by :mod:`.measure`), once with P2P allowed and
   once with ``NCCL_P2P_DISABLE=1``, because NCCL reads its environment once per process.
 """
@@ -23,7 +25,8 @@ import os
 import shutil
 import socket
 import subprocess
-from typing import Optional, Sequence
+import threading
+from typing import Callable, Hashable, Optional, Sequence
 
 from .measure import measure_allreduce, measure_copy, measure_nccl, measure_pairs
 from .parse import GpuListing, TopoMatrix, parse_gpu_listing, parse_p2p_matrix, parse_saved_outputs, parse_topo_matrix
@@ -31,6 +34,8 @@ from .report import GpuInfo, NicInfo, NodeTopology, PairInfo, TopologyReport
 
 __all__ = [
     "probe_topology",
+    "cached_probe",
+    "clear_probe_cache",
     "build_node",
     "report_from_saved",
     "measure_allreduce",
@@ -434,3 +439,39 @@ def node_probe_on_rank(ctx, first_rank_by_host: dict) -> Optional[dict]:
 
 
 node_probe_on_rank.patchray_task = "probing the GPUs"
+
+
+# --------------------------------------------------------------------------------------------------
+# cache for the auto modes
+
+_CACHE: dict = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def cached_probe(key: Hashable, probe: Optional[Callable[[], TopologyReport]] = None, *, refresh: bool = False,
+                 **probe_kwargs) -> TopologyReport:
+    """The topology report for a cluster, probed once per ``key`` and process.
+
+    Args:
+        key: identifies the cluster, e.g. ``(address, tuple(devices))``; the lead's cluster passes its config.
+        probe (`callable`, *optional*): builds the report; default ``probe_topology(**probe_kwargs)``.
+        refresh (`bool`): probe again even if cached (after the hardware or driver changed).
+
+    Example::
+
+        >>> report = cached_probe(("embedded", (0, 1)), devices=[0, 1])
+        >>> choose_decode_mode(report).mode
+    """
+    with _CACHE_LOCK:
+        if not refresh and key in _CACHE:
+            return _CACHE[key]
+    report = probe_topology(**probe_kwargs) if probe is None else probe()
+    with _CACHE_LOCK:
+        _CACHE[key] = report
+    return report
+
+
+def clear_probe_cache() -> None:
+    """Forget every cached report."""
+    with _CACHE_LOCK:
+        _CACHE.clear()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from .parse import LinkClass, link_class, nvlink_count
 
@@ -186,7 +186,7 @@ class TopologyReport:
     Example::
 
         >>> report = probe_topology()
-        >>> d = report.to_dict()          # JSON-ready, d["schema"] == 1
+        >>> d = report.to_dict()          # JSON-ready, d["schema"] == 1 (advice.report_with_advice adds advice)
         >>> print(summary_text(report))
     """
 
@@ -213,8 +213,13 @@ class TopologyReport:
     def gpu_count(self) -> int:
         return sum(len(n.gpus) for n in self.nodes)
 
-    def to_dict(self, include_advice: bool = True) -> dict:
-        """JSON-ready dict with the stable schema (``"schema": 1``); every key is always present."""
+    def to_dict(self, advice: Sequence = ()) -> dict:
+        """JSON-ready dict with the stable schema (``"schema": 1``); every key is always present.
+
+        Args:
+            advice: the ``Advice`` items to write under ``"advice"`` (default none). The report holds facts only;
+                ``advice.report_with_advice`` derives them and calls this, so this module needs no advice.
+        """
         nodes = []
         for node in self.nodes:
             d = asdict(node)
@@ -239,12 +244,8 @@ class TopologyReport:
             "nodes": nodes,
             "inter_node": [asdict(link) for link in self.inter_node],
             "cluster": self.cluster,
-            "advice": [],
+            "advice": [a.to_dict() for a in advice],
         }
-        if include_advice:
-            from .advice import advise
-
-            out["advice"] = [a.to_dict() for a in advise(self)]
         return out
 
     @classmethod

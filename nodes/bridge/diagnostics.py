@@ -120,7 +120,7 @@ def plan_preview(family: str, width: int, height: int, frames: int, ranks: int, 
 
 def probe(measure: bool, cluster_config=None, cancel_check: Optional[Callable[[], None]] = None) -> Report:
     """The topology probe (and the rank cluster's check when a cluster is given) as a heatmap, text and a dict."""
-    from ...distributed.topology import probe_topology, render_heatmap, summary_text
+    from ...distributed.topology import probe_topology, render_heatmap, report_with_advice, summary_text
 
     report = probe_topology(measure=bool(measure))
     if cluster_config is not None:
@@ -128,7 +128,7 @@ def probe(measure: bool, cluster_config=None, cancel_check: Optional[Callable[[]
 
         with rank_errors_for_user():
             report.cluster = check_cluster(cluster_config, cancel_check=cancel_check)  # the report's slot for the rank cluster check
-    data = report.to_dict()
+    data = report_with_advice(report)
     fd, path = tempfile.mkstemp(prefix="patchray_topology_", suffix=".png")
     os.close(fd)
     try:

@@ -8,16 +8,14 @@ import pytest
 from patchray.distributed.topology.advice import (
     advise,
     bottleneck_link,
-    cached_probe,
     choose_decode_mode,
     choose_otil_preset,
-    clear_probe_cache,
     link_profiles,
     nearest_profile,
 )
 from patchray.distributed.topology.cli import _inter_node_links
 from patchray.distributed.topology.links import LinkProfile
-from patchray.distributed.topology.probe import build_node, report_from_saved
+from patchray.distributed.topology.probe import build_node, cached_probe, clear_probe_cache, report_from_saved
 from patchray.distributed.topology.report import (
     GpuInfo,
     InterNodeLink,

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from patchray.distributed.topology.advice import advise, report_with_advice
 from patchray.distributed.topology.cli import probe_main
 from patchray.distributed.topology.measure import _worker_env, measure_allreduce
 from patchray.distributed.topology.probe import _nvml_collect, build_node, probe_topology, report_from_saved
@@ -64,14 +65,22 @@ def check_schema(d):
 @pytest.mark.parametrize("machine", MACHINES)
 def test_schema_stable_and_typed_for_every_machine(machine):
     rep = saved(machine)
-    d = rep.to_dict()
+    d = report_with_advice(rep)
     check_schema(d)
     # a round trip through JSON rebuilds the same report
     back = TopologyReport.from_dict(json.loads(json.dumps(d)))
-    assert back.to_dict() == d
+    assert report_with_advice(back) == d
     text = summary_text(rep)
     n = len(rep.gpus)
     assert f"{n} GPU(s)" in text and all(f"GPU{g.index}" in text for g in rep.gpus)
+
+
+def test_the_report_holds_facts_and_the_document_adds_the_advice():
+    rep = saved("consumer_2x3090_no_p2p")
+    assert rep.to_dict()["advice"] == []
+    doc = report_with_advice(rep)
+    assert doc["advice"] == [a.to_dict() for a in advise(rep)] and doc["advice"]
+    assert {k: v for k, v in doc.items() if k != "advice"} == {k: v for k, v in rep.to_dict().items() if k != "advice"}
 
 
 def test_schema_with_measurements_and_a_newer_schema_is_refused():
@@ -79,7 +88,7 @@ def test_schema_with_measurements_and_a_newer_schema_is_refused():
     p = rep.pairs[0]
     p.can_access_peer, p.copy_gbps, p.copy_gbps_reverse, p.copy_latency_us = False, 11.5, 10.25, 18.0
     rep.local.nccl = NcclBandwidth([0, 1], 1 << 26, 9.5, 9.75)
-    d = rep.to_dict()
+    d = report_with_advice(rep)
     check_schema(d)
     pd = d["nodes"][0]["pairs"][0]
     assert (pd["p2p_ok"], pd["copy_gbps"], pd["link_class"]) == (False, 11.5, "host_bridge")
@@ -104,7 +113,7 @@ def test_heatmap_png_written(machine, tmp_path):
 
 def test_probe_on_this_machine(tmp_path):
     rep = probe_topology(measure=True)
-    d = rep.to_dict()
+    d = report_with_advice(rep)
     check_schema(d)
     assert d["nodes"][0]["source"] == "live"
     if HAS_GPU_DRIVER:
@@ -272,14 +281,14 @@ def test_heatmap_and_summary_for_two_nodes(tmp_path):
     assert w > one_w  # one panel per node, side by side
     text = summary_text(rep)
     assert f"Link {a.host} <-> {b.host}: 1.2 GB/s" in text and "probed on a Ray node" in text
-    check_schema(rep.to_dict())
+    check_schema(report_with_advice(rep))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_live_probe_measures_every_pair_on_gpus():
     rep = probe_topology(measure=True, copy_bytes=16 << 20, nccl_bytes=16 << 20)
-    check_schema(rep.to_dict())
+    check_schema(report_with_advice(rep))
     node = rep.local
     seen = [g for g in node.gpus if g.cuda_index is not None]
     assert len(seen) == torch.cuda.device_count()
