@@ -9,21 +9,27 @@ Design decisions:
   rank actor's own class could not be found there. Whoever loads the package under another name maps that
   name onto ``patchray`` before importing the library (the pack's node layer does).
 * **The ranks can import ``patchray`` even when it is not pip-installed** (a checkout loaded by path): a folder
-  holding only a ``patchray`` link to this package goes on the ranks' import path (:func:`staging_pythonpath`).
-  Only that one name is exposed; putting the package's parent folder on the path would expose its siblings.
+  holding only a ``patchray`` link to this package (:func:`staging_dir`) goes on the ranks' import path
+  (:func:`staging_pythonpath`). Only that one name is exposed; putting the package's parent folder on the path
+  would expose its siblings (and shadow ComfyUI's own ``nodes`` module).
+* **One staging helper for the driver and the ranks.** The node layer's import shim puts the same folder on
+  ComfyUI's own ``sys.path`` before ``patchray`` can be imported at all, so it loads this file by its path: the
+  module level uses the standard library only, and the staging functions need nothing else.
 * **Library functions travel by name** (``patchray.x:y``, :func:`fn_ref` / :func:`resolve_fn`); any other
   callable is pickled by Ray as usual.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
 import tempfile
 from typing import Any, Callable
 
-__all__ = ["CANONICAL", "DRIVER_ROOT", "PACK_DIR", "fn_ref", "resolve_fn", "require_canonical_root", "staging_pythonpath"]
+__all__ = ["CANONICAL", "DRIVER_ROOT", "PACK_DIR", "fn_ref", "resolve_fn", "require_canonical_root", "is_this_pack", "staging_dir",
+           "staging_pythonpath"]
 
 #: the name this package has on the ranks
 CANONICAL = "patchray"
@@ -46,28 +52,40 @@ def require_canonical_root() -> None:
         )
 
 
-def staging_pythonpath() -> str:
-    """A folder that makes ``import patchray`` find this package, or ``""`` when it is installed as ``patchray``."""
-    spec = importlib.util.find_spec(CANONICAL)
-    if spec is not None and spec.origin and os.path.dirname(os.path.abspath(spec.origin)) == PACK_DIR:
-        return ""  # installed (editable or not): the ranks find it in the same site-packages
+def is_this_pack(spec) -> bool:
+    """Whether a module spec found for ``patchray`` is this package's folder (through any link to it)."""
+    return bool(spec and spec.origin and os.path.dirname(os.path.realpath(spec.origin)) == os.path.realpath(PACK_DIR))
+
+
+def _staging_root() -> str:
     # one folder per checkout: two ComfyUI installs (or test runs) of one user must not re-point each other's link
     # while their ranks start
-    import hashlib
-
     pack = hashlib.sha1(os.path.realpath(PACK_DIR).encode()).hexdigest()[:12]
-    root = os.path.join(tempfile.gettempdir(), f"patchray-import-{os.getuid() if hasattr(os, 'getuid') else 0}-{pack}")
+    return os.path.join(tempfile.gettempdir(), f"patchray-import-{os.getuid() if hasattr(os, 'getuid') else 0}-{pack}")
+
+
+def staging_dir() -> str:
+    """The folder holding only a ``patchray`` link to this package, made (or re-pointed) if needed."""
+    root = _staging_root()
     os.makedirs(root, exist_ok=True)
     link = os.path.join(root, CANONICAL)
     if not (os.path.islink(link) and os.path.realpath(link) == os.path.realpath(PACK_DIR)):
         tmp = f"{link}.{os.getpid()}"
         try:
             os.symlink(PACK_DIR, tmp)
-            os.replace(tmp, link)
+            os.replace(tmp, link)  # atomic: a rank starting meanwhile sees the old link or the new one
         finally:
             if os.path.lexists(tmp):
                 os.unlink(tmp)
     return root
+
+
+def staging_pythonpath() -> str:
+    """A folder that makes ``import patchray`` find this package, or ``""`` when it is installed as ``patchray``."""
+    spec = importlib.util.find_spec(CANONICAL)
+    if is_this_pack(spec) and os.path.dirname(os.path.dirname(os.path.abspath(spec.origin))) != _staging_root():
+        return ""  # installed (editable or not): the ranks find it in the same site-packages
+    return staging_dir()
 
 
 def fn_ref(fn: Callable) -> Any:

@@ -8,9 +8,11 @@ What :func:`use_canonical_library` guarantees, once ``<pack>.nodes`` is imported
 before any node module is imported):
 
 1. ``import patchray`` in this process resolves to this pack's folder: either the installed package already is this
-   folder, or a folder holding only a ``patchray`` link to the pack (``$TMPDIR/patchray-import-<uid>-<checkout hash>``) is put first
-   on ``sys.path`` and on ``os.environ["PYTHONPATH"]``, which the rank processes inherit. Only that one name is
-   exposed: the pack's parent folder on the path would shadow ComfyUI's own ``nodes`` module.
+   folder, or the library's staging folder (``distributed/cluster/imports.py``: a folder holding only a ``patchray``
+   link to the pack) is put first on ``sys.path`` and on ``os.environ["PYTHONPATH"]``, which the rank processes
+   inherit. Only that one name is exposed: the pack's parent folder on the path would shadow ComfyUI's own ``nodes``
+   module. That helper is loaded by its file path: ``patchray`` cannot be imported yet, and importing it relatively
+   would load ``distributed/`` under the path name this shim exists to avoid.
 2. Every module ``<pack>.distributed[.x]`` is the module object ``patchray.distributed[.x]`` (a meta-path finder
    maps the names; the module is executed once, under the canonical name). So every class and function of
    ``distributed/`` the nodes reach has ``__module__`` ``patchray.distributed...`` and Ray pickles it by a name the
@@ -23,18 +25,28 @@ before any node module is imported):
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.abc
 import importlib.util
 import os
 import sys
-import tempfile
 
 __all__ = ["use_canonical_library", "CANONICAL"]
 
-CANONICAL = "patchray"
 _PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # nodes/bridge/shim.py
+
+
+def _load_staging():
+    """``distributed/cluster/imports.py`` under a private name (stdlib only at module level; see the docstring)."""
+    path = os.path.join(_PACK_DIR, "distributed", "cluster", "imports.py")
+    spec = importlib.util.spec_from_file_location("_patchray_import_staging", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_STAGING = _load_staging()
+CANONICAL = _STAGING.CANONICAL
 
 
 class _CanonicalFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -56,37 +68,17 @@ class _CanonicalFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass  # already executed under its canonical name
 
 
-def _same_pack(spec) -> bool:
-    return bool(spec and spec.origin and os.path.dirname(os.path.realpath(spec.origin)) == _PACK_DIR)
-
-
-def _staging_dir() -> str:
-    # one folder per checkout (as distributed/cluster/imports.py): two ComfyUI installs of one user must not re-point
-    # each other's link while their ranks start
-    import hashlib
-
-    pack = hashlib.sha1(os.path.realpath(_PACK_DIR).encode()).hexdigest()[:12]
-    root = os.path.join(tempfile.gettempdir(), f"patchray-import-{os.getuid() if hasattr(os, 'getuid') else 0}-{pack}")
-    os.makedirs(root, exist_ok=True)
-    link = os.path.join(root, CANONICAL)
-    if not (os.path.islink(link) and os.path.realpath(link) == os.path.realpath(_PACK_DIR)):
-        tmp = f"{link}.{os.getpid()}"
-        os.symlink(_PACK_DIR, tmp)
-        os.replace(tmp, link)
-    return root
-
-
 def use_canonical_library(pack_name: str) -> None:
     """Route ``<pack_name>.distributed`` to ``patchray.distributed`` (no-op when the pack *is* ``patchray``)."""
     if pack_name == CANONICAL:
         return
-    if not _same_pack(importlib.util.find_spec(CANONICAL)):
-        root = _staging_dir()
+    if not _STAGING.is_this_pack(importlib.util.find_spec(CANONICAL)):
+        root = _STAGING.staging_dir()
         sys.path.insert(0, root)
         # the rank processes inherit this (the cluster passes the driver's PYTHONPATH on to them)
         os.environ["PYTHONPATH"] = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
         importlib.invalidate_caches()
-        if not _same_pack(importlib.util.find_spec(CANONICAL)):
+        if not _STAGING.is_this_pack(importlib.util.find_spec(CANONICAL)):
             raise ImportError(f"another '{CANONICAL}' package shadows this pack ({_PACK_DIR}); uninstall it")
     if not any(isinstance(f, _CanonicalFinder) and f.pack_name == pack_name for f in sys.meta_path):
         sys.meta_path.insert(0, _CanonicalFinder(pack_name))

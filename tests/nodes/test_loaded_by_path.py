@@ -37,3 +37,20 @@ def test_nodes_use_the_canonical_library_and_start_ranks(tmp_path):
     finally:
         for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
             del sys.modules[key]
+
+
+def test_the_shim_and_the_cluster_stage_one_folder():
+    """The node layer's shim (run before ``patchray`` is importable) and the cluster (the ranks' import path) use one
+    staging helper: the same folder, holding only a ``patchray`` link to this pack."""
+    import importlib.machinery
+    import os
+
+    from patchray.distributed.cluster import imports
+    from patchray.nodes.bridge import shim
+
+    root = imports.staging_dir()
+    assert shim._STAGING.staging_dir() == root
+    assert os.listdir(root) == ["patchray"]
+    assert os.path.realpath(os.path.join(root, "patchray")) == os.path.realpath(ROOT)
+    assert imports.is_this_pack(importlib.machinery.PathFinder.find_spec("patchray", [root]))
+    assert not imports.is_this_pack(None)
