@@ -12,9 +12,10 @@ Design decisions:
   block's shards into one flat all-gather and swaps the gathered tensors in as plain parameters for the forward
   (so code that reads ``module.weight``, ComfyUI's per-layer casting included, runs unchanged). ``comm`` wraps it
   (the only caller of ``torch.distributed``) and routes its all-gather through a counted, gloo-safe call.
-* **The plan is data.** :data:`SHARD_FAMILIES` lists, per model class name, the globs of the modules that become
-  one sharded unit each (a transformer block, a UNet block); the host application's classes (ComfyUI's) are rows
-  the bridge passes as ``blocks=``. The shallowest module matching a glob is the unit (``blocks.*`` takes
+* **The plan is data.** The caller passes the globs of the modules that become one sharded unit each (a transformer
+  block, a UNet block), read from its family table: the diffusers classes' rows are ``blocks`` of
+  ``sampling/dit_families.py`` (``SHARD_FAMILIES``, ``shard_blocks_for``); a host application's classes are rows
+  of its own bridge. This module holds no table. The shallowest module matching a glob is the unit (``blocks.*`` takes
   ``blocks.3``, not ``blocks.3.attn1``). Parameters outside the units (embedders, final layer: 1-3 % of a DiT)
   stay whole on every rank, and the model's own class is left as it is (hosts look models up by class name).
 * **fp8 stays fp8.** No dtype policy is set: each parameter keeps its dtype in memory and on the wire. FSDP2
@@ -44,7 +45,7 @@ import torch.nn as nn
 from .. import comm
 from ..context import ParallelContext
 
-__all__ = ["ShardFamily", "SHARD_FAMILIES", "shard_blocks_for", "find_units", "shard_model", "ShardHandle", "block_bytes"]
+__all__ = ["ShardFamily", "shard_blocks_of", "find_units", "shard_model", "ShardHandle", "block_bytes"]
 
 
 class ShardFamily(NamedTuple):
@@ -61,20 +62,9 @@ class ShardFamily(NamedTuple):
     blocks: Tuple[str, ...]
 
 
-#: diffusers' DiT classes and UNet: one unit per transformer block (per UNet block)
-SHARD_FAMILIES: Tuple[ShardFamily, ...] = (
-    ShardFamily("flux", ("FluxTransformer2DModel",), ("transformer_blocks.*", "single_transformer_blocks.*")),
-    ShardFamily("qwen-image", ("QwenImageTransformer2DModel",), ("transformer_blocks.*",)),
-    ShardFamily("wan", ("WanTransformer3DModel",), ("blocks.*",)),
-    ShardFamily("hunyuan-video", ("HunyuanVideoTransformer3DModel",),
-                ("context_embedder.token_refiner.refiner_blocks.*", "transformer_blocks.*", "single_transformer_blocks.*")),
-    ShardFamily("ltx-video", ("LTXVideoTransformer3DModel",), ("transformer_blocks.*",)),
-    ShardFamily("sd-unet", ("UNet2DConditionModel",), ("down_blocks.*", "mid_block", "up_blocks.*")),
-)
-
-
-def shard_blocks_for(model: nn.Module, families: Sequence[ShardFamily] = SHARD_FAMILIES) -> Tuple[str, ...]:
-    """The block globs of ``model``'s class; ``NotImplementedError`` naming the class when no row has it."""
+def shard_blocks_of(model: nn.Module, families: Sequence[ShardFamily]) -> Tuple[str, ...]:
+    """The block globs of ``model``'s class in ``families`` (a family table's rows: the diffusers classes'
+    ``sampling.dit_families.SHARD_FAMILIES``); ``NotImplementedError`` naming the class when no row has it."""
     name = comm.base_class(model).__name__
     for fam in families:
         if name in fam.classes:
@@ -149,7 +139,7 @@ class ShardHandle:
 def shard_model(
     model: nn.Module,
     ctx: ParallelContext,
-    blocks: Optional[Sequence[str]] = None,
+    blocks: Sequence[str],
     *,
     prefetch: int = 1,
     offload: bool = False,
@@ -161,7 +151,8 @@ def shard_model(
         model: the model, its parameters on ``ctx.device`` (or on the host with ``offload``), every rank holding the
             same weights (each rank keeps its 1/N and drops the rest).
         ctx: the ranks (the sequence-parallel group when composed with :func:`~patchray.distributed.sampling.dit.parallelize_dit`).
-        blocks: globs of the units; default: the row of :data:`SHARD_FAMILIES` for the model's class.
+        blocks: globs of the units: a family table's row for the model's class (the diffusers classes':
+            ``sampling.dit_families.shard_blocks_for(model)``).
         prefetch: how many next blocks' gathers start when a block's forward begins (0: none; 1 is FSDP2's usual).
         offload: keep the shards in host memory (FSDP2's ``CPUOffloadPolicy``): before a block's all-gather each rank
             copies its shard to ``ctx.device``. FSDP2 requires the shards on the host when it sets up, so with ``init``
@@ -175,11 +166,11 @@ def shard_model(
         :class:`ShardHandle`.
 
     Raises:
-        NotImplementedError: no block table for the class, globs that match no module, or a model already sharded.
+        NotImplementedError: globs that match no module, or a model already sharded.
         ValueError: a negative ``prefetch``.
 
     Example:
-        >>> handle = shard_model(transformer, ctx)  # doctest: +SKIP
+        >>> handle = shard_model(transformer, ctx, shard_blocks_for(transformer))  # doctest: +SKIP
         >>> handle.local_bytes() < handle.sharded_bytes  # doctest: +SKIP
         True
     """
@@ -187,7 +178,10 @@ def shard_model(
         raise ValueError(f"prefetch must be >= 0 (got {prefetch})")
     if any(comm.is_sharded(m) for m in model.modules()):
         raise NotImplementedError(f"{comm.base_class(model).__name__} is already sharded; load its weights again to shard it anew")
-    globs = tuple(blocks) if blocks is not None else shard_blocks_for(model)
+    if blocks is None:
+        raise TypeError("blocks: the globs of the units are required (the diffusers classes': "
+                        "sampling.dit_families.shard_blocks_for(model))")
+    globs = tuple(blocks)
     units = find_units(model, globs)
     if not units:
         # a glob may match nothing in one configuration (a FLUX variant without single-stream blocks); none matching

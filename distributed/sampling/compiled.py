@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .dit_families import family_of
+from .dit_families import attention_globs, family_of
 
 __all__ = ["COMPILE_MODES", "ATTENTION_SCOPES", "CompiledBlocks", "compile_blocks", "block_attention_paths"]
 
@@ -53,10 +53,9 @@ ATTENTION_SCOPES = ("compiled", "eager")
 
 def block_attention_paths(model: nn.Module) -> List[Tuple[str, str]]:
     """``(block list attribute, attention attribute)`` pairs of the model's family table (``"X.*.Y"`` attention rows)."""
-    family = family_of(model)
     out = []
-    for pattern, (kind, _opts) in family.layers.items():
-        if kind != "attention" or ".*." not in pattern:
+    for pattern in attention_globs(family_of(model)):
+        if ".*." not in pattern:
             continue
         blocks, attn = pattern.split(".*.", 1)
         out.append((blocks, attn))

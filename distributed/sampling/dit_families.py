@@ -1,6 +1,11 @@
-"""The family table of sequence-parallel DiTs: one row (data) per diffusers transformer class, and its plan.
+"""The family table of diffusers' DiT classes: one row (data) per transformer class, for sequence parallelism and
+weight sharding alike.
 
-A row says where the image tokens are cut to the rank's band (the patch embedding's output), where the text tokens
+A row's ``layers`` are the library's Styles (``parallel/seq_styles.py``), keyed by module glob: the plan itself,
+with only the attention mode and K/V strategy filled in per run (:func:`dit_plan`). A row's ``blocks`` are the
+modules weight sharding makes one unit each (``parallel/shard.py`` takes them as data: :data:`SHARD_FAMILIES`).
+A host application's own classes have their own table in its bridge, made of the same Styles; this one knows no
+host. A row says where the image tokens are cut to the rank's band (the patch embedding's output), where the text tokens
 are cut to the rank's slice (the text stream's embedding, for joint-attention families), where the positional
 embedding is (sliced by the same shard table), which attention modules are self/joint attention (and on which side
 their text tokens sit), and where the image tokens are gathered back (the output projection, where a token is
@@ -15,6 +20,7 @@ tokens reach ``proj_out``), so nothing of the text is ever gathered.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -25,8 +31,10 @@ from ..parallel.exchange import EXACT, PeerExchange
 from ..parallel.plan import Style
 from ..parallel.seq_modulation import ShareModulation
 from ..parallel.sequence import GatherTokens, SequenceAttentionStyle, ShardGridRows, ShardTokens, shard_tokens
+from ..parallel.shard import ShardFamily, shard_blocks_of
 
-__all__ = ["DiTFamily", "DIT_FAMILIES", "family_of", "dit_plan", "cp_plan_points", "check_plan_matches"]
+__all__ = ["DiTFamily", "DIT_FAMILIES", "family_of", "dit_plan", "attention_globs", "cp_plan_points", "check_plan_matches",
+           "SHARD_FAMILIES", "UNET_BLOCKS", "shard_blocks_for"]
 
 
 class DiTFamily(NamedTuple):
@@ -35,11 +43,11 @@ class DiTFamily(NamedTuple):
     Args:
         name: short family name (README, errors).
         cls: the diffusers class name.
-        layers: ``glob -> (kind, options)``: ``"shard"`` (:class:`ShardTokens`), ``"shard_rows"``
-            (:class:`ShardGridRows`), ``"attention"`` (:class:`SequenceAttentionStyle`; ``text`` side), ``"gather"``
-            (:class:`GatherTokens`), ``"modulation"`` (:class:`~..parallel.seq_modulation.ShareModulation`: the
-            blocks' adaLN ``Linear`` layers, which all read the one per-call embedding: computed once across the
-            ranks).
+        layers: ``glob -> Style``: :class:`ShardTokens` (a token or text stream, a positional embedding),
+            :class:`ShardGridRows` (a patch embedding's grid before it is flattened), :class:`SequenceAttentionStyle`
+            (its ``text`` side; the mode and K/V strategy are filled in by :func:`dit_plan`), :class:`GatherTokens`,
+            :class:`~..parallel.seq_modulation.ShareModulation` (the blocks' adaLN ``Linear`` layers, which all read
+            the one per-call embedding: computed once across the ranks).
         grid: ``grid(model, call)`` -> ``(frames, rows, cols)`` token grid, from the bound forward arguments.
         per_token: root arguments that carry one value per image token when they have ``ndim`` dims:
             ``name -> (ndim, dim)``; they are sharded like the tokens.
@@ -51,11 +59,13 @@ class DiTFamily(NamedTuple):
         empty_text_ok: a rank may hold no text token (``T < N``); when False such a call keeps the text whole.
         prepare: ``prepare(call, shards, rank)`` -> the call's arguments as the model needs them with sharded text
             (Qwen-Image's mask dropped or cut to the rank's slice), or ``None``.
+        blocks: ``fnmatch`` globs of the modules that are one weight-sharding unit each, in forward order
+            (``parallel/shard.py``; the shallowest match is a unit).
     """
 
     name: str
     cls: str
-    layers: Dict[str, Tuple[str, dict]]
+    layers: Dict[str, Style]
     grid: Callable[[nn.Module, Dict[str, Any]], Tuple[int, int, int]]
     per_token: Dict[str, Tuple[int, int]]
     refuse: Callable[[nn.Module, Optional[Dict[str, Any]]], Optional[str]]
@@ -63,6 +73,7 @@ class DiTFamily(NamedTuple):
     text_side: str = "before"
     empty_text_ok: bool = True
     prepare: Optional[Callable[[Dict[str, Any]], Optional[Dict[str, Any]]]] = None
+    blocks: Tuple[str, ...] = ()
 
 
 def _patched_grid(model, call, t_key, s_key):
@@ -179,33 +190,34 @@ DIT_FAMILIES: Dict[str, DiTFamily] = {
             "flux",
             "FluxTransformer2DModel",
             {
-                "x_embedder": ("shard", {"dim": 1}),
-                "context_embedder": ("shard", {"dim": 1, "part": "text"}),  # the text stream [B, T, D]
-                "pos_embed": ("shard", {"dim": 0, "text": "before"}),  # (cos, sin) over [text; image] ids
-                "transformer_blocks.*.attn": ("attention", {"text": "before"}),
-                "single_transformer_blocks.*.attn": ("attention", {"text": "before"}),
-                "transformer_blocks.*.norm1.linear": ("modulation", {}),
-                "transformer_blocks.*.norm1_context.linear": ("modulation", {}),
-                "single_transformer_blocks.*.norm.linear": ("modulation", {}),
-                "proj_out": ("gather", {"dim": 1}),
+                "x_embedder": ShardTokens(dim=1),
+                "context_embedder": ShardTokens(dim=1, part="text"),  # the text stream [B, T, D]
+                "pos_embed": ShardTokens(dim=0, text="before"),  # (cos, sin) over [text; image] ids
+                "transformer_blocks.*.attn": SequenceAttentionStyle(text="before"),
+                "single_transformer_blocks.*.attn": SequenceAttentionStyle(text="before"),
+                "transformer_blocks.*.norm1.linear": ShareModulation(),
+                "transformer_blocks.*.norm1_context.linear": ShareModulation(),
+                "single_transformer_blocks.*.norm.linear": ShareModulation(),
+                "proj_out": GatherTokens(dim=1),
             },
             _flux_grid,
             {},
             _flux_refuse,
             text=_text_of("encoder_hidden_states", None),
+            blocks=("transformer_blocks.*", "single_transformer_blocks.*"),
         ),
         DiTFamily(
             "qwen-image",
             "QwenImageTransformer2DModel",
             {
-                "img_in": ("shard", {"dim": 1}),
-                "txt_in": ("shard", {"dim": 1, "part": "text"}),  # the text stream after its norm and projection
+                "img_in": ShardTokens(dim=1),
+                "txt_in": ShardTokens(dim=1, part="text"),  # the text stream after its norm and projection
                 # (image freqs, text freqs); the text freqs are made for the whole text, then cut to the slice
-                "pos_embed": ("shard", {"dim": 0, "items": (0,), "text_items": (1,), "text_length_arg": "max_txt_seq_len"}),
-                "transformer_blocks.*.attn": ("attention", {"text": "before"}),
-                "transformer_blocks.*.img_mod.1": ("modulation", {}),
-                "transformer_blocks.*.txt_mod.1": ("modulation", {}),
-                "proj_out": ("gather", {"dim": 1}),
+                "pos_embed": ShardTokens(dim=0, items=(0,), text_items=(1,), text_length_arg="max_txt_seq_len"),
+                "transformer_blocks.*.attn": SequenceAttentionStyle(text="before"),
+                "transformer_blocks.*.img_mod.1": ShareModulation(),
+                "transformer_blocks.*.txt_mod.1": ShareModulation(),
+                "proj_out": GatherTokens(dim=1),
             },
             _qwen_grid,
             {},
@@ -214,34 +226,36 @@ DIT_FAMILIES: Dict[str, DiTFamily] = {
             # its text RoPE reshapes the text query with a -1 dimension: undefined for an empty slice
             empty_text_ok=False,
             prepare=_qwen_prepare,
+            blocks=("transformer_blocks.*",),
         ),
         DiTFamily(
             "wan",
             "WanTransformer3DModel",
             {
-                "rope": ("shard", {"dim": 1}),  # (cos, sin) [1, L, 1, D]
-                "patch_embedding": ("shard_rows", {"row_dim": 3}),  # [B, C, T, H, W] before flattening
-                "blocks.*.attn1": ("attention", {"text": None}),
-                "proj_out": ("gather", {"dim": 1}),
+                "rope": ShardTokens(dim=1),  # (cos, sin) [1, L, 1, D]
+                "patch_embedding": ShardGridRows(row_dim=3),  # [B, C, T, H, W] before flattening
+                "blocks.*.attn1": SequenceAttentionStyle(text=None),
+                "proj_out": GatherTokens(dim=1),
             },
             lambda m, c: _patched_grid(m, c, None, "patch_size"),
             {"timestep": (2, 1)},  # Wan 2.2 TI2V: one timestep per token
             _wan_refuse,
+            blocks=("blocks.*",),
         ),
         DiTFamily(
             "hunyuan-video",
             "HunyuanVideoTransformer3DModel",
             {
-                "x_embedder": ("shard", {"dim": 1}),
+                "x_embedder": ShardTokens(dim=1),
                 # the text stream after the token refiner (self-attention over the text alone, run whole)
-                "context_embedder": ("shard", {"dim": 1, "part": "text"}),
-                "rope": ("shard", {"dim": 0}),  # (cos, sin) [L, D] over the image tokens only
-                "transformer_blocks.*.attn": ("attention", {"text": "after"}),
-                "single_transformer_blocks.*.attn": ("attention", {"text": "after"}),
-                "transformer_blocks.*.norm1.linear": ("modulation", {}),
-                "transformer_blocks.*.norm1_context.linear": ("modulation", {}),
-                "single_transformer_blocks.*.norm.linear": ("modulation", {}),
-                "proj_out": ("gather", {"dim": 1}),
+                "context_embedder": ShardTokens(dim=1, part="text"),
+                "rope": ShardTokens(dim=0),  # (cos, sin) [L, D] over the image tokens only
+                "transformer_blocks.*.attn": SequenceAttentionStyle(text="after"),
+                "single_transformer_blocks.*.attn": SequenceAttentionStyle(text="after"),
+                "transformer_blocks.*.norm1.linear": ShareModulation(),
+                "transformer_blocks.*.norm1_context.linear": ShareModulation(),
+                "single_transformer_blocks.*.norm.linear": ShareModulation(),
+                "proj_out": GatherTokens(dim=1),
             },
             lambda m, c: _patched_grid(m, c, "patch_size_t", "patch_size"),
             {},
@@ -251,19 +265,21 @@ DIT_FAMILIES: Dict[str, DiTFamily] = {
             text_side="after",
             # its blocks split [image, text] with ``x[:, :-text_len]``: an empty slice would take every token
             empty_text_ok=False,
+            blocks=("context_embedder.token_refiner.refiner_blocks.*", "transformer_blocks.*", "single_transformer_blocks.*"),
         ),
         DiTFamily(
             "ltx-video",
             "LTXVideoTransformer3DModel",
             {
-                "proj_in": ("shard", {"dim": 1}),
-                "rope": ("shard", {"dim": 1}),  # (cos, sin) [B, L, D]
-                "transformer_blocks.*.attn1": ("attention", {"text": None}),
-                "proj_out": ("gather", {"dim": 1}),
+                "proj_in": ShardTokens(dim=1),
+                "rope": ShardTokens(dim=1),  # (cos, sin) [B, L, D]
+                "transformer_blocks.*.attn1": SequenceAttentionStyle(text=None),
+                "proj_out": GatherTokens(dim=1),
             },
             _ltx_grid,
             {"timestep": (2, 1)},  # per-token timesteps (conditioning frames)
             _ltx_refuse,
+            blocks=("transformer_blocks.*",),
         ),
     )
 }
@@ -293,22 +309,33 @@ def dit_plan(family: DiTFamily, *, mode: str = "auto", kv: PeerExchange = EXACT,
     """The family's plan (``glob -> Style``) with the attention mode and K/V strategy filled in (``modulation``
     False: the modulation layers are left out, every rank computes them whole)."""
     plan: Dict[str, Style] = {}
-    for glob, (kind, opts) in family.layers.items():
-        if kind == "modulation" and not modulation:
+    for glob, style in family.layers.items():
+        if isinstance(style, ShareModulation) and not modulation:
             continue
-        if kind == "shard":
-            plan[glob] = ShardTokens(**opts)
-        elif kind == "shard_rows":
-            plan[glob] = ShardGridRows(**opts)
-        elif kind == "gather":
-            plan[glob] = GatherTokens(**opts)
-        elif kind == "attention":
-            plan[glob] = SequenceAttentionStyle(mode=mode, kv=kv, link=link, **opts)
-        elif kind == "modulation":
-            plan[glob] = ShareModulation(**opts)
-        else:  # backstop, not the guard: the table is ours
-            raise ValueError(f"unknown layer kind {kind!r} in family {family.name}")
+        if isinstance(style, SequenceAttentionStyle):
+            style = dataclasses.replace(style, mode=mode, kv=kv, link=link)
+        plan[glob] = style
     return plan
+
+
+def attention_globs(family: DiTFamily) -> List[str]:
+    """The globs of the family's self/joint attention modules."""
+    return [g for g, style in family.layers.items() if isinstance(style, SequenceAttentionStyle)]
+
+
+#: diffusers' SD UNet: weight sharding only (one unit per UNet block); its sequence parallelism is the row bands of
+#: ``sampling/sdxl.py``, not a token layout
+UNET_BLOCKS = ShardFamily("sd-unet", ("UNet2DConditionModel",), ("down_blocks.*", "mid_block", "up_blocks.*"))
+
+#: the weight-sharding rows of the diffusers classes: every family's ``blocks``, and the SD UNet's
+SHARD_FAMILIES: Tuple[ShardFamily, ...] = tuple(
+    ShardFamily(f.name, (f.cls,), f.blocks) for f in DIT_FAMILIES.values() if f.blocks) + (UNET_BLOCKS,)
+
+
+def shard_blocks_for(model: nn.Module) -> Tuple[str, ...]:
+    """The weight-sharding block globs of diffusers model ``model`` (:data:`SHARD_FAMILIES`), for
+    ``parallel.shard.shard_model``; ``NotImplementedError`` naming the class when no row has it."""
+    return shard_blocks_of(model, SHARD_FAMILIES)
 
 
 def cp_plan_points(model: nn.Module) -> Dict[str, List[str]]:

@@ -293,12 +293,13 @@ def test_an_uncovered_class_is_refused_with_its_name_and_what_is_needed():
 
 
 def test_the_plans_gather_where_diffusers_cp_plan_gathers():
+    from patchray.distributed.parallel.seq_styles import GatherTokens
     from patchray.distributed.sampling.dit import DIT_FAMILIES, cp_plan_points
 
     for fam in FAMILIES:
         model, _ = build(fam)
         row = DIT_FAMILIES[type(model).__name__]
-        gathers = [g for g, (kind, _) in row.layers.items() if kind == "gather"]
+        gathers = [g for g, style in row.layers.items() if isinstance(style, GatherTokens)]
         cp = cp_plan_points(model)
         if cp["gather"]:  # HunyuanVideo carries no _cp_plan in diffusers 0.42
             assert gathers == cp["gather"], (fam, gathers, cp)

@@ -79,6 +79,7 @@ def _shard_expectations(handle, n):
 
 def _task(ctx, families, modes, fp8=False, ulysses=()):
     from patchray.distributed.parallel.shard import block_bytes, shard_model
+    from patchray.distributed.sampling.dit_families import shard_blocks_for
     from patchray.distributed.sampling.dit import parallelize_dit
 
     n = ctx.world_size
@@ -90,7 +91,7 @@ def _task(ctx, families, modes, fp8=False, ulysses=()):
             with torch.no_grad():
                 ref = model(**inputs, return_dict=False)[0]
             whole = sum(p.numel() * p.element_size() for p in model.parameters())
-            handle = shard_model(model, ctx)
+            handle = shard_model(model, ctx, shard_blocks_for(model))
             unit_bytes = handle.sharded_bytes
             seq = parallelize_dit(model, ctx, mode=mode)
             handle.tally.reset()
@@ -129,6 +130,7 @@ def _offload_task(ctx):
     the copy to the device is a no-op transfer, but the offload path runs: FSDP2 checks the shards are on the host,
     keeps them there, and gathers from them."""
     from patchray.distributed.parallel.shard import shard_model
+    from patchray.distributed.sampling.dit_families import shard_blocks_for
     from patchray.distributed.sampling.dit import parallelize_dit
     from patchray.distributed.sampling.ship import fill_tensors, materialize_meta, parts_by_bytes
 
@@ -137,7 +139,7 @@ def _offload_task(ctx):
     with torch.no_grad():
         ref = model(**inputs, return_dict=False)[0]
     state = model.state_dict()
-    handle = shard_model(model, ctx, offload=True)
+    handle = shard_model(model, ctx, shard_blocks_for(model), offload=True)
     seq = parallelize_dit(model, ctx, mode="gathered")
     handle.tally.reset()
     with torch.no_grad():
@@ -151,7 +153,7 @@ def _offload_task(ctx):
     # the node's rank path: a meta skeleton, shards allocated on the host, the rest on the device, weights in parts
     with torch.device("meta"):
         skeleton = type(model)(**model.config)
-    sk = shard_model(skeleton, ctx, offload=True, init=lambda m: materialize_meta(m, ctx.device, torch.device("cpu")))
+    sk = shard_model(skeleton, ctx, shard_blocks_for(skeleton), offload=True, init=lambda m: materialize_meta(m, ctx.device, torch.device("cpu")))
     for group in parts_by_bytes(((k, v.numel() * v.element_size()) for k, v in state.items()), 20_000):
         fill_tensors(skeleton, {k: state[k] for k in group}, ctx)
     with torch.no_grad():
@@ -172,6 +174,7 @@ def _parts_task(ctx):
     """The weights arriving part by part into a model built and sharded on the meta device (sampling/ship.py's rank
     side): each rank keeps only its rows, and the forward equals the stock one."""
     from patchray.distributed.parallel.shard import shard_model
+    from patchray.distributed.sampling.dit_families import shard_blocks_for
     from patchray.distributed.sampling.ship import fill_tensors, materialize_meta, parts_by_bytes
 
     torch.manual_seed(0)
@@ -181,7 +184,7 @@ def _parts_task(ctx):
     state = model.state_dict()
     with torch.device("meta"):
         skeleton = type(model)(**model.config)
-    handle = shard_model(skeleton, ctx, init=lambda m: materialize_meta(m, ctx.device))
+    handle = shard_model(skeleton, ctx, shard_blocks_for(skeleton), init=lambda m: materialize_meta(m, ctx.device))
     kept = 0
     for group in parts_by_bytes(((k, v.numel() * v.element_size()) for k, v in state.items()), 20_000):
         kept += fill_tensors(skeleton, {k: state[k] for k in group}, ctx)
@@ -193,6 +196,7 @@ def _parts_task(ctx):
 
 def _fp8_task(ctx):
     from patchray.distributed.parallel.shard import shard_model
+    from patchray.distributed.sampling.dit_families import shard_blocks_for
 
     torch.manual_seed(0)
     net = _Fp8Net()
@@ -270,15 +274,18 @@ def test_fp8_weights_stay_fp8_in_the_shard_and_on_the_wire():
 def test_refusals():
     from patchray.distributed.context import ParallelContext
     from patchray.distributed.parallel.shard import find_units, shard_model
+    from patchray.distributed.sampling.dit_families import shard_blocks_for
 
     model, _ = build("wan")
     assert [p for p, _ in find_units(model, ["blocks.*"])] == ["blocks.0", "blocks.1"]  # the shallowest matches
     with pytest.raises(NotImplementedError, match="no block table for Linear"):
-        shard_model(torch.nn.Linear(2, 2), ParallelContext.single())
+        shard_blocks_for(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="blocks"):
+        shard_model(torch.nn.Linear(2, 2), ParallelContext.single(), None)
     with pytest.raises(NotImplementedError, match="matches"):
         shard_model(model, ParallelContext.single(), ["nope.*"])
     with pytest.raises(ValueError, match="prefetch"):
-        shard_model(model, ParallelContext.single(), prefetch=-1)
+        shard_model(model, ParallelContext.single(), ["blocks.*"], prefetch=-1)
 
 
 def test_blocks_offload_equals_the_unsharded_forward_on_cpu_ranks():
