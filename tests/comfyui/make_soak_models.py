@@ -43,7 +43,7 @@ def main(comfy_dir, models_dir):
             save_file({k: v.detach().to(torch.float16).contiguous() for k, v in sd.items()}, path)
 
     vae_dir = os.path.join(models_dir, "vae")
-    # the VAEs as make_models.main builds them (same seeds, same configs)
+    # the VAEs as make_models.main builds them (same random generators, same configs)
     kl = dict(down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
               block_out_channels=[128, 256, 512, 512], layers_per_block=2)
     if not os.path.exists(os.path.join(vae_dir, "sdxl_vae.safetensors")):
@@ -57,7 +57,7 @@ def main(comfy_dir, models_dir):
         save(_init(wan, 3).state_dict(), os.path.join(vae_dir, "wan_2.1_vae.safetensors"))
 
     ckpt = os.path.join(models_dir, "checkpoints", "sd_xl_base_1.0.safetensors")
-    if not os.path.exists(ckpt):  # make_models.main's checkpoint (seeds 4 and 5)
+    if not os.path.exists(ckpt):  # make_models.main's checkpoint (generators 4 and 5)
         unet = UNetModel(image_size=32, in_channels=4, model_channels=320, out_channels=4, num_res_blocks=1, channel_mult=(1,),
                          num_heads=8, use_spatial_transformer=True, transformer_depth=[1], transformer_depth_output=[1, 1],
                          transformer_depth_middle=1, context_dim=768, use_linear_in_transformer=False,
@@ -68,7 +68,7 @@ def main(comfy_dir, models_dir):
         save(sd, ckpt)
 
     wan_dit = os.path.join(models_dir, "diffusion_models", "wan2.1_t2v_1.3B_fp16.safetensors")
-    if not os.path.exists(wan_dit):  # make_models.make_dit_models' Wan 2.1 (seed 21)
+    if not os.path.exists(wan_dit):  # make_models.make_dit_models' Wan 2.1 (generator 21)
         model = comfy.ldm.wan.model.WanModel(model_type="t2v", dim=256, ffn_dim=512, num_heads=2, num_layers=1, in_dim=16,
                                              out_dim=16, text_dim=4096, device="meta", operations=comfy.ops.disable_weight_init)
         os.makedirs(os.path.dirname(wan_dit), exist_ok=True)

@@ -2,15 +2,15 @@
 
 Opt-in (needs a ComfyUI checkout; CPU ranks, tiny random-weight models, so it runs on a 2-core machine)::
 
-    source /work/comfy_env.sh   # COMFYUI_DIR, COMFYUI_PYTHON
-    $COMFYUI_PYTHON tests/comfyui/soak.py --prompts 300 --seed 1 --out results/soak/report.json
+    # COMFYUI_DIR: a ComfyUI checkout; COMFYUI_PYTHON: the Python that runs it (tests/comfyui/README.md)
+    $COMFYUI_PYTHON tests/comfyui/soak.py --prompts 300 --rng 1 --out soak-report.json --summary results/soak/summary.json
 
 It starts the server itself (``test_comfyui_server.serve``: ``main.py --cpu`` with a private ``--base-directory`` whose
 custom_nodes hold the pack, the suite's test-only nodes and ``soak_nodes.py``; the models of
-``make_soak_models.py``), runs the seeded schedule of ``soak_cases.py`` (mix prompts beside their stock twins, pairs
+``make_soak_models.py``), runs the schedule of ``soak_cases.py`` (mix prompts beside their stock twins, pairs
 queued at once by two clients, and every fault kind), and writes a JSON report and a short text summary beside it.
 
-What it holds every case to (the issue's "must hold" list):
+What it holds every case to (the requirement's "must hold" list):
 
 * a mix prompt completes, and each PatchRay output equals its stock twin within the case's bound;
 * a fault's prompt ends within ``--error-bound`` seconds of the fault (or of being queued, for refusals) as the case
@@ -485,13 +485,14 @@ def _normal(text: str) -> str:
 class Soak:
     def __init__(self, args):
         self.args = args
-        self.rng = random.Random(args.seed + 1)
+        self.rng = random.Random(args.rng + 1)
         self.t0 = time.monotonic()
         self.log_file = open(args.log, "a") if args.log else None
         self.records: List[dict] = []
         self.memory: List[dict] = []
         self.probes: List[dict] = []
         self.stops: List[dict] = []
+        self.censuses: List[dict] = []
         self.crashes: List[dict] = []
         self.state: Dict = {"ranks": None}
         self.stopping = False  # set by SIGTERM/SIGUSR1: finish the case in flight, stop the server, write the report
@@ -767,6 +768,17 @@ class Soak:
                                 "session_processes": len(session_processes(leader))})
         self.server.remember()
 
+    def census(self, index: int) -> None:
+        """What each rank holds now (the test-only census node; it runs nothing when no cluster runs)."""
+        api = {"1": {"class_type": "PatchRaySoakRankCensus", "inputs": {"tag": f"after case {index}"}}}
+        status, body, _ = self.queue(api)
+        if status != 200:
+            return
+        entry = self.wait_end(body["prompt_id"], 300)
+        with contextlib.suppress(Exception):
+            out = entry["outputs"]["1"]["census"][0]
+            self.censuses.append({"index": index, "server": self.server.starts, "ranks": out["ranks"], "driver": out["driver"]})
+
     def probe(self, index: int) -> None:
         """Ray's object store at idle (the raylet writes its state every 10 s: read after that long)."""
         time.sleep(10.5)
@@ -784,11 +796,11 @@ class Soak:
         from test_comfyui_server import COMFYUI_DIR, PYTHON
 
         if not COMFYUI_DIR:
-            raise SystemExit("set COMFYUI_DIR (and COMFYUI_PYTHON) to a ComfyUI checkout: source /work/comfy_env.sh")
+            raise SystemExit("set COMFYUI_DIR (and COMFYUI_PYTHON) to a ComfyUI checkout (tests/comfyui/README.md)")
         self.log(f"base {self.base}, TMPDIR {tmpdir}")
         _setup_base(self.base, COMFYUI_DIR, PYTHON, self.log)
         kinds = tuple(args.kinds.split(",")) if args.kinds else FAULT_KINDS
-        cases = schedule(args.prompts, args.seed, kinds=kinds, min_each=args.min_each, fault_share=args.fault_share,
+        cases = schedule(args.prompts, args.rng, kinds=kinds, min_each=args.min_each, fault_share=args.fault_share,
                          block=args.block, quiet=args.quiet)
         self.server = Server(self.base, tmpdir, self.log)
         self.server.snapshot_shm()
@@ -830,6 +842,8 @@ class Soak:
                 if last.get("kind") == "mix":
                     self.state["ranks"] = last["settings"].get("ranks")
                 self.sample_memory(last["index"])
+                if args.census_every and (last["index"] + 1) % args.census_every == 0:
+                    self.census(last["index"])
                 if (last["index"] + 1) % args.probe_every == 0:
                     self.probe(last["index"])
                     self.checkpoint(cases)
@@ -904,7 +918,7 @@ class Soak:
             "cases_planned": len(cases),
             "stopped_early": self.stopping,
             "machine": _machine(),
-            "seed": self.args.seed,
+            "rng": self.args.rng,
             "wall_seconds": round(time.monotonic() - self.t0, 1),
             "error_bound_s": self.args.error_bound,
             "leftover_bound_s": self.args.leftover_bound,
@@ -930,6 +944,7 @@ class Soak:
                                 "raylet_mb": round(m["raylet"] / 2**20, 1), "gcs_mb": round(m["gcs_server"] / 2**20, 1)}
                                for m in self.memory],
             "stops": self.stops,
+            "rank_census": self.censuses,
             "failures": [{k: r.get(k) for k in ("index", "kind", "outcome", "why", "message", "settings", "fault_phase")} for r in recs if not r["ok"]],
             "records": recs,
         }
@@ -1080,7 +1095,7 @@ def summary_text(report: dict) -> str:
     f, m = report["faults"], report["memory"]
     lines = [
         f"PatchRay soak: {report['cases']} cases, {report['prompts_run']} prompts through the HTTP API in {report['wall_seconds'] / 60:.1f} min "
-        f"(seed {report['seed']}; {report['machine'].get('cpus')} CPUs, {report['machine'].get('memory_gib')} GiB; ComfyUI "
+        f"(--rng {report['rng']}; {report['machine'].get('cpus')} CPUs, {report['machine'].get('memory_gib')} GiB; ComfyUI "
         f"{report['machine'].get('comfyui')}; PatchRay {report['machine'].get('patchray_commit')})",
         f"mix prompts: {report['mix_prompts']['passed']}/{report['mix_prompts']['run']} equal to their stock twins "
         f"(worst: {report['mix_prompts']['worst']}); {report['mix_prompts']['concurrent_pairs']} pairs queued by two clients at once",
@@ -1106,11 +1121,74 @@ def summary_text(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compact(report: dict) -> dict:
+    """The report without its per-case records, for ``results/soak/``: the figures, the must-hold verdicts, the
+    failures (if any) and ComfyUI's and the ranks' resident memory per case (MB). Machine-independent: no paths."""
+    keep = ("command", "cases_planned", "stopped_early", "rng", "wall_seconds", "error_bound_s", "leftover_bound_s", "cases",
+            "prompts_run", "mix_prompts", "faults", "max_seconds_to_error", "seconds_to_error_by_kind", "messages",
+            "memory", "holds", "failures")
+    out = {k: report[k] for k in keep if k in report}
+    words, argv = report.get("command", "").split(), []
+    for i, w in enumerate(words):  # where this run's files went is not part of what it did
+        if w in ("--out", "--log", "--base") or (i and words[i - 1] in ("--out", "--log", "--base")):
+            continue
+        argv.append(w)
+    out["command"] = " ".join(argv)
+    out["machine"] = {k: v for k, v in report.get("machine", {}).items() if k in ("cpus", "memory_gib", "cpu_model", "torch", "comfyui",
+                                                                              "patchray_commit", "python")}
+    out["server_crashes"] = len(report.get("server_crashes", []))
+    out["stops"] = [{k: s.get(k) for k in ("index", "how", "after_crash", "final", "exit_status", "seconds_until_clean", "processes_left",
+                                          "ports_left", "dev_shm_left", "dev_shm_seen_held", "rendezvous_folders_left",
+                                          "rendezvous_folders_after_kill9") if k in s} for s in report.get("stops", [])]
+    out["rss_mb_per_case"] = [{"index": m["index"], "server": m["server"], "comfyui": m["comfyui_mb"],
+                               "ranks": sorted(m["ranks_mb"].values(), reverse=True)} for m in report.get("memory_samples", [])]
+    return out
+
+
+def chart(report: dict, path: Path) -> None:
+    """ComfyUI's and each rank's resident memory over the cases (server restarts and faults marked), as a small PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = report.get("memory_samples", [])
+    if not samples:
+        return
+    fig, ax = plt.subplots(figsize=(9, 3.6), dpi=80)
+    by_server = collections.defaultdict(list)
+    for m in samples:
+        by_server[m["server"]].append(m)
+    for n, (server, ss) in enumerate(sorted(by_server.items())):
+        ax.plot([m["index"] for m in ss], [m["comfyui_mb"] for m in ss], color="tab:blue", lw=1.2, label="ComfyUI" if n == 0 else None)
+        if n:
+            ax.axvline(ss[0]["index"], color="grey", ls=":", lw=0.8)
+    lives = collections.defaultdict(list)
+    for m in samples:
+        for pid, mb in m["ranks_mb"].items():
+            lives[(m["server"], pid)].append((m["index"], mb))
+    for n, pts in enumerate(lives.values()):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:orange", lw=0.8, alpha=0.7, label="a rank (one line per process)" if n == 0 else None)
+    for r in report.get("records", []):
+        if r["kind"] != "mix":
+            ax.axvline(r["index"], color="tab:red", lw=0.3, alpha=0.4)
+    ax.set_xlabel("case (red: a fault; dotted: ComfyUI started again)")
+    ax.set_ylabel("resident memory (MB)")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(f"PatchRay soak: {report['cases']} cases, {report['prompts_run']} prompts, CPU ranks", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=60, help="cases to run (mix prompts, pairs and faults)")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rng", type=int, default=1, help="the start of the random draws: the schedule and the fault timing")
     p.add_argument("--out", default="soak-report.json", help="the JSON report; the summary goes beside it (.txt)")
+    p.add_argument("--summary", default=None, help="also write the report without its records (compact()) here, with its .txt "
+                   "summary and an RSS chart (.png) beside it")
     p.add_argument("--log", default=None, help="a progress log to append to")
     p.add_argument("--base", default=None, help="the server's base directory (default: a fresh temporary one)")
     p.add_argument("--keep-base", action="store_true", help="keep the base directory (outputs, server logs)")
@@ -1123,6 +1201,7 @@ def main(argv=None) -> int:
     p.add_argument("--fault-share", type=float, default=0.3)
     p.add_argument("--block", type=int, default=30, help="cases per block: each block opens with --quiet fault-free cases")
     p.add_argument("--quiet", type=int, default=12, help="fault-free mix prompts on one rank count at the start of each block")
+    p.add_argument("--census-every", type=int, default=0, help="every N cases, what each rank holds (tensors, heap, objects); 0: never")
     p.add_argument("--kinds", default="", help="comma-separated fault kinds to inject (default: all of soak_cases.FAULT_KINDS)")
     p.add_argument("--final-stop", choices=("term", "int", "kill9"), default="term")
     args = p.parse_args(argv)
@@ -1134,6 +1213,13 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(report, indent=1, default=str))
     text = summary_text(report)
     out.with_suffix(".txt").write_text(text)
+    if args.summary:
+        summary = Path(args.summary)
+        summary.parent.mkdir(parents=True, exist_ok=True)
+        summary.write_text(json.dumps(compact(report), indent=1, default=str))
+        summary.with_suffix(".txt").write_text(text)
+        with contextlib.suppress(ImportError):
+            chart(report, summary.with_name("rss.png"))
     print(text)
     return 0 if all(v is True or not isinstance(v, bool) for v in report["holds"].values()) else 1
 

@@ -1,4 +1,4 @@
-"""The soak harness's prompts: a seeded mix of PatchRay graphs with their stock twins, and the faults to inject.
+"""The soak harness's prompts: a reproducible random mix of PatchRay graphs with their stock twins, and the faults to inject.
 
 Every mix prompt runs a PatchRay path and the stock path it stands for in one prompt, on the same inputs, and saves
 both results (latents with SaveLatent, images as float32 with the test-only PatchRayTestSaveImageTensor), so the
@@ -449,7 +449,7 @@ def _malformed_case(kind: str, index: int, rng: random.Random, ranks: int) -> Ca
                 ours_decode=ours_decode)
 
 
-def schedule(prompts: int, seed: int, kinds=FAULT_KINDS, min_each: int = 1, fault_share: float = 0.3, pair_share: float = 0.1,
+def schedule(prompts: int, rng_start: int, kinds=FAULT_KINDS, min_each: int = 1, fault_share: float = 0.3, pair_share: float = 0.1,
              block: int = 30, quiet: int = 12) -> List[Case]:
     """``prompts`` cases: mix prompts, pairs of mix prompts queued at once by two clients, and faults (every kind in
     ``kinds`` at least ``min_each`` times, about ``fault_share`` of the cases in all).
@@ -457,7 +457,7 @@ def schedule(prompts: int, seed: int, kinds=FAULT_KINDS, min_each: int = 1, faul
     In every ``block`` of cases the first ``quiet`` are mix prompts on one rank count (the ranks live through them:
     their memory is measured over a life of ``quiet`` prompts, models switching); the faults fall in the rest, never
     two in a row and never last, so the case after each fault is a mix prompt that must work."""
-    rng = random.Random(seed)
+    rng = random.Random(rng_start)
     free = [i for i in range(1, prompts - 1) if i % block >= quiet]
     slots_max = len(free[::2])
     n_faults = max(len(kinds) * min_each, round(fault_share * prompts))

@@ -1,7 +1,7 @@
 """Opt-in: a short soak of a real ComfyUI server (``soak.py``): 60 cases of PatchRay prompts beside their stock twins,
-with every fault kind of ``soak_cases.FAULT_KINDS`` once, and the issue's "must hold" list asserted.
+with every fault kind of ``soak_cases.FAULT_KINDS`` once, and the requirement's "must hold" list asserted.
 
-    source /work/comfy_env.sh && $COMFYUI_PYTHON -m pytest tests/comfyui/test_soak.py -q -s
+    COMFYUI_DIR=... COMFYUI_PYTHON=... $COMFYUI_PYTHON -m pytest tests/comfyui/test_soak.py -q -s
 
 About 30-45 minutes on a 2-core machine (the server restarts twice, most faults stop the ranks and the next prompt
 starts them again). The full run (300 cases) is ``soak.py``'s command line; its report is in ``results/soak/``.
@@ -35,7 +35,7 @@ def test_a_short_soak_holds(tmp_path):
     import soak
 
     out = tmp_path / "soak.json"
-    soak.main(["--prompts", "60", "--seed", "7", "--block", "60", "--quiet", "14", "--out", str(out), "--base", str(tmp_path / "base"),
+    soak.main(["--prompts", "60", "--rng", "7", "--block", "60", "--quiet", "14", "--out", str(out), "--base", str(tmp_path / "base"),
                "--log", str(tmp_path / "soak.log")])
     report = json.loads(out.read_text())
     print(out.with_suffix(".txt").read_text())
