@@ -7,6 +7,9 @@ its GCS during a run, and a per-rank memory cap, each followed by a run that mus
 should (errors of the right kind, naming the cause, within the bound), the driver's and the ranks' resident memory
 stay flat over the steady rounds, and after the process stops its ranks and Ray (as ComfyUI's SIGTERM does) and
 exits, nothing of its session is left: no process, no listening port, no /dev/shm entry, no rendezvous folder.
+
+With ``PATCHRAY_SOAK_MIX_FIGURES=<file>`` the test also writes the run's figures there (cases, faults by kind, time to
+error, memory of the driver and the ranks over the steady rounds): ``results/soak/ci.json`` was written so.
 """
 
 import json
@@ -39,6 +42,22 @@ def _run_child(tmp: str):
     return proc, lines, err
 
 
+def _figures(report: dict, cases: list, seconds: float) -> dict:
+    mem = report["memory"]
+    driver = [m["driver"] / 2**20 for m in mem[1:]]
+    ranks = {pid: [m["ranks"][pid] / 2**20 for m in mem[1:] if m["ranks"].get(pid)] for pid in mem[1]["ranks"]}
+    return {
+        "test": "tests/nodes/test_soak_mix.py", "seconds": round(seconds, 1), "cases": len(cases),
+        "passed": sum(1 for c in cases if c["ok"]),
+        "faults": {c["kind"]: c["outcome"] for c in cases if c["kind"] not in ("round", "last_round") and not c["kind"].startswith("after")},
+        "max_seconds_to_error": max((c.get("seconds_to_error", 0) for c in cases), default=0), "error_bound_s": report["error_bound_s"],
+        "messages": sorted({c["message"][:200] for c in cases if c.get("message")}),
+        "steady_rounds": len(mem), "driver_rss_mb": [round(d, 1) for d in driver],
+        "driver_growth_mb": round(driver[-1] - driver[0], 1),
+        "rank_growth_mb": [round(v[-1] - v[0], 1) for v in ranks.values()], "flat_bound_mb": FLAT_MB,
+    }
+
+
 def _left(session: int, pids, ports):
     alive = []
     for p in psutil.process_iter():
@@ -58,6 +77,7 @@ def _left(session: int, pids, ports):
 def test_a_short_soak_on_real_ranks_ends_clean():
     tmp = tempfile.mkdtemp(prefix="prsoak-", dir="/tmp")  # short: Ray's socket paths live below it
     try:
+        t0 = time.monotonic()
         proc, lines, err = _run_child(tmp)
         reports = [ln["report"] for ln in lines if "report" in ln]
         cases = [ln["case"] for ln in lines if "case" in ln]
@@ -97,5 +117,8 @@ def test_a_short_soak_on_real_ranks_ends_clean():
         shm = [n for n in report["dev_shm_held"] if os.path.exists("/dev/shm/" + n)]
         assert not shm, f"/dev/shm entries left: {shm}"
         assert not [n for n in os.listdir(tmp) if n.startswith("patchray-rdzv-")], os.listdir(tmp)
+        if os.environ.get("PATCHRAY_SOAK_MIX_FIGURES"):
+            with open(os.environ["PATCHRAY_SOAK_MIX_FIGURES"], "w") as f:
+                json.dump(_figures(report, cases, time.monotonic() - t0), f, indent=1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
