@@ -17,8 +17,8 @@ Design decisions:
   in the compute dtype (``GGMLLayer.get_weight``), exactly as stock. A LoRA on the pack's unquantized (F32/F16)
   tensors ships patched, the way ComfyUI's and the pack's patcher write it (``model.patch_weight``).
 * **The pack is never imported here.** Its tensors and layers are recognised by what they carry (``tensor_type`` and
-  ``tensor_shape``; ``ggml_save_to_state_dict``); its classes reach the ranks by value (``parallel_model
-  ._travel_by_value``: the pack is loaded under its folder's path, a name no rank can import), so a rank needs the
+  ``tensor_shape``; ``ggml_save_to_state_dict``); its classes reach the ranks by value (``travel
+  .travel_by_value``: the pack is loaded under its folder's path, a name no rank can import), so a rank needs the
   ``gguf`` package (the pack's dependency), not the pack.
 * **No weight sharding.** FSDP2 gathers a parameter as a plain tensor: a gathered GGML weight would lose its
   quantization type, and the layer would read raw bytes as weights. ``sharding=blocks`` is refused by name before
@@ -157,7 +157,7 @@ def _to_device(item, device):
 
 def travel_by_value(what: str, payload) -> None:
     """Make ``payload`` (a GGUF model's skeleton and patches) travel to the ranks: the pack's classes by value
-    (``parallel_model._travel_by_value``), with ``torch.ops`` pickled by reference.
+    (``travel.travel_by_value``), with ``torch.ops`` pickled by reference.
 
     Why the latter: Ray's pickler, writing a function by value, also writes the submodules of the modules it uses
     whose names the code mentions (``torch`` and ``comfy.ops.cast_to`` in the pack's layers: ``torch.ops``).
@@ -169,9 +169,9 @@ def travel_by_value(what: str, payload) -> None:
     ops_type = type(torch.ops)
     if ops_type not in copyreg.dispatch_table:
         copyreg.pickle(ops_type, _module_by_name)
-    from .parallel_model import _travel_by_value
+    from . import travel
 
-    _travel_by_value(what, payload)
+    travel.travel_by_value(what, payload)
 
 
 def _module_by_name(module):

@@ -31,13 +31,10 @@ Design decisions:
 
 from __future__ import annotations
 
-import io as _io
 import logging
 import math
 import operator
 import os
-import pickle
-import sys
 import time
 from typing import Callable, NamedTuple, Optional
 
@@ -50,6 +47,7 @@ from . import validate
 from .errors import rank_errors_for_user
 from .sampling_options import SamplingOptions
 from .shim import CANONICAL
+from .travel import travel_by_value
 
 __all__ = [
     "OUTER_KEY", "Hooks", "patch_model", "parallel_options", "sample_guided", "rank_inputs", "guider_scale", "portable_guider",
@@ -174,68 +172,6 @@ def guider_scale(guider) -> float:
     return 2.0
 
 
-def _custom_node_roots() -> list:
-    """The folders ComfyUI loads custom nodes from (empty outside ComfyUI)."""
-    try:
-        import folder_paths
-
-        return [os.path.realpath(p) for p in folder_paths.get_folder_paths("custom_nodes")]
-    except Exception:  # outside ComfyUI: nothing counts as another pack's code
-        return []
-
-
-class _Modules(pickle.Unpickler):
-    """Reads a pickle back, recording every module it imports a name from."""
-
-    def __init__(self, data: bytes):
-        super().__init__(_io.BytesIO(data))
-        self.modules = set()
-
-    def find_class(self, module, name):
-        self.modules.add(module)
-        return super().find_class(module, name)
-
-
-def _travel_by_value(what: str, obj) -> None:
-    """Make ``obj`` travel to the ranks, or refuse it by name: code the ranks cannot import by its module's name (other
-    custom-node packs; ComfyUI's comfy_extras, which ComfyUI loads under their file paths) is registered with Ray's
-    pickler to travel by value; anything that does not pickle is refused."""
-    from ray import cloudpickle
-
-    ours = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
-    roots = _custom_node_roots()
-    for _ in range(3):  # registering a pack may reveal the packs its code refers to
-        try:
-            data = cloudpickle.dumps(obj)
-            reader = _Modules(data)
-            reader.load()
-        except Exception as exc:
-            raise NotImplementedError(
-                f"PatchRay Parallel Model: {what} cannot travel to the ranks ({type(exc).__name__}: {exc}); sample "
-                "this graph without the Parallel Model node, or remove the node that added it") from None
-        foreign = set()
-        for name in reader.modules:
-            module = sys.modules.get(name)
-            if module is None:
-                continue
-            if not all(part.isidentifier() for part in name.split(".")):
-                # ComfyUI loads comfy_extras and custom-node packs under their paths (or folder names such as
-                # "ComfyUI-Foo"): no rank can import a module by that name
-                foreign.add(name)
-                continue
-            root = name.split(".")[0]
-            path = os.path.realpath(getattr(sys.modules.get(root), "__file__", "") or "")
-            if path and any(path.startswith(r + os.sep) for r in roots) and not path.startswith(ours + os.sep):
-                foreign.add(root)
-        new = [m for m in foreign if not cloudpickle.cloudpickle._is_registered_pickle_by_value(sys.modules[m])]
-        if not new:
-            return
-        for m in new:
-            log.info("PatchRay Parallel Model: %s uses code of %s, which the ranks cannot import by name: it travels "
-                     "by value", what, m)
-            cloudpickle.register_pickle_by_value(sys.modules[m])
-
-
 # ------------------------------------------------------------------------------------------- the run
 
 
@@ -247,7 +183,7 @@ def _conditioning(conds) -> list:
 def rank_inputs(guider, noise, latent_image, sampler, sigmas, denoise_mask, seed, layout, kind: str, attention: str) -> dict:
     """What one sampling run sends its ranks (``ksampler_rank.sample``'s ``inputs``): the guider without its model, the
     sampler object, the schedule's tensors on the host, the MODEL's model options and object patches, and the layout.
-    Refuses, by name, what cannot travel (:func:`portable_guider`, :func:`_travel_by_value`)."""
+    Refuses, by name, what cannot travel (:func:`portable_guider`, :func:`.travel.travel_by_value`)."""
     mp = guider.model_patcher
     guider_cls, guider_state = portable_guider(guider)
     fn = getattr(sampler, "sampler_function", None)
@@ -258,9 +194,9 @@ def rank_inputs(guider, noise, latent_image, sampler, sigmas, denoise_mask, seed
         "model_options": bridge_model.portable_options(mp), "object_patches": dict(mp.object_patches),
         "layout": layout._asdict() if layout is not None else None, "kind": kind, "attention": attention,
     }
-    _travel_by_value(f"the guider {guider_cls.__name__}", inputs["guider"])
-    _travel_by_value(f"the sampler {type(sampler).__name__} ({getattr(fn, '__name__', '?')})", sampler)
-    _travel_by_value("the MODEL's model options and object patches", (inputs["model_options"], inputs["object_patches"]))
+    travel_by_value(f"the guider {guider_cls.__name__}", inputs["guider"])
+    travel_by_value(f"the sampler {type(sampler).__name__} ({getattr(fn, '__name__', '?')})", sampler)
+    travel_by_value("the MODEL's model options and object patches", (inputs["model_options"], inputs["object_patches"]))
     return inputs
 
 

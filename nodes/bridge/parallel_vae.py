@@ -41,9 +41,9 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from . import vae as bridge_vae
-from .vae import Result
+from .vae import Result, plain_vae
 
-__all__ = ["NODE", "Hooks", "ParallelSettings", "ParallelVAE", "parallel_vae", "plain_vae"]
+__all__ = ["NODE", "Hooks", "ParallelSettings", "ParallelVAE", "parallel_vae"]
 
 log = logging.getLogger(__name__)
 
@@ -191,11 +191,6 @@ def _parallel_class(base: type) -> type:
     """``base`` with :class:`ParallelVAE`'s methods in front: one class per VAE class, made on first use."""
     name = f"PatchRayParallel{base.__name__}"
     return type(name, (ParallelVAE, base), {"__module__": __name__, "__qualname__": name, "__doc__": ParallelVAE.__doc__})
-
-
-def plain_vae(vae):
-    """The VAE a Parallel VAE was made from; any other object unchanged."""
-    return vae._patchray.source if isinstance(vae, ParallelVAE) else vae
 
 
 def parallel_vae(vae, cluster_config, mode: str = "auto", precision: str = "auto", gn_sync: bool = False, plan=None,

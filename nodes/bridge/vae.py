@@ -35,7 +35,7 @@ from . import validate
 from .errors import rank_errors_for_user
 
 __all__ = ["Result", "Settings", "decode", "encode", "decode_latent", "encode_pixels", "check_settings", "covered_vaes",
-           "fallback_note"]
+           "fallback_note", "plain_vae"]
 
 log = logging.getLogger(__name__)
 
@@ -453,7 +453,7 @@ def decode(
     """
     _check_balance(_DECODE, balance)
     z = cv.latent_tensor(samples)
-    vae = _plain(vae)
+    vae = plain_vae(vae)
     result = decode_latent(z, vae, cluster_config, mode, precision, gn_sync, plan, cancel_check=cancel_check,
                            progress=progress, balance=balance)
     return Result(cv.combine_batches(result.value), result.note)
@@ -518,7 +518,7 @@ def decode_latent(
     if mode in ("auto", "row") and config.num_ranks > 1:
         # row mode rebuilds ComfyUI's VAE from its weights: checked against ComfyUI's own decode once per VAE layout,
         # ComfyUI version and PatchRay version (a mismatch decodes as stock, never a wrong image)
-        ok, check_note = _verify_row(spec, raw, vae, config, dtype, _plain(vae).decode, cancel_check, node)
+        ok, check_note = _verify_row(spec, raw, vae, config, dtype, plain_vae(vae).decode, cancel_check, node)
         if not ok:
             log.warning("%s: %s", node, check_note)
             return Result((stock or vae.decode)(raw), check_note)
@@ -609,12 +609,12 @@ def _verify_row(spec, raw: torch.Tensor, vae, config, dtype: torch.dtype, stock:
                   f"equals ComfyUI's own, relative error {error:.1e} <= {bound:.0e}; checked now in {verdict.seconds:.2f} s")
 
 
-def _plain(vae):
+def plain_vae(vae):
     """The VAE a PatchRay Parallel VAE was made from (the object itself for any other): its spec is cached, and its
-    own decode is ComfyUI's."""
-    from .parallel_vae import plain_vae
-
-    return plain_vae(vae)
+    own decode is ComfyUI's. A Parallel VAE (``parallel_vae``, built on this module) carries its settings, the source
+    VAE among them, as ``_patchray``; reading that attribute keeps this module free of the one above it."""
+    settings = getattr(vae, "_patchray", None)
+    return vae if settings is None else settings.source
 
 
 def _check_encode_memory(vae, pixels, x: torch.Tensor, dtype: torch.dtype, config, spec=None, node: str = _ENCODE) -> None:
@@ -699,7 +699,7 @@ def encode(
     :func:`encode_pixels` with the stock VAE Encode's own steps around it: its first three channels in (ComfyUI's
     own encode, for a VAE PatchRay cannot shard, gets them sliced as the stock node does), the LATENT dict out.
     """
-    vae = _plain(vae)
+    vae = plain_vae(vae)
     result = encode_pixels(pixels, vae, cluster_config, precision, cancel_check=cancel_check, progress=progress,
                            balance=balance, stock=lambda p: cv.stock_encode(vae, p))
     return Result({"samples": result.value}, result.note)

@@ -17,6 +17,7 @@ import torch
 
 from patchray.distributed.cluster import ClusterConfig
 from patchray.nodes.bridge import parallel_model as pm
+from patchray.nodes.bridge import travel
 from patchray.nodes.bridge.sampling_options import SamplingOptions
 
 # The Distributed KSampler's cluster inputs, in order, written out by hand: the Parallel Model takes them after "model"
@@ -94,7 +95,7 @@ def test_a_guider_is_sent_without_its_model_and_one_holding_another_model_is_ref
 
 def test_what_does_not_pickle_is_refused_by_name_before_any_rank_starts():
     with pytest.raises(NotImplementedError, match="the sampler Locked cannot travel to the ranks"):
-        pm._travel_by_value("the sampler Locked", SimpleNamespace(lock=threading.Lock()))
+        travel.travel_by_value("the sampler Locked", SimpleNamespace(lock=threading.Lock()))
 
 
 def test_code_of_another_custom_node_pack_travels_by_value(tmp_path, monkeypatch):
@@ -113,12 +114,12 @@ def test_code_of_another_custom_node_pack_travels_by_value(tmp_path, monkeypatch
             return x + 1
     '''))
     monkeypatch.syspath_prepend(str(roots))
-    monkeypatch.setattr(pm, "_custom_node_roots", lambda: [str(roots)])
+    monkeypatch.setattr(travel, "_custom_node_roots", lambda: [str(roots)])
     import third_party_sampler
 
     try:
         sampler = SimpleNamespace(sampler_function=third_party_sampler.sample_twice, extra_options={})
-        pm._travel_by_value("the sampler KSAMPLER", sampler)
+        travel.travel_by_value("the sampler KSAMPLER", sampler)
         assert cloudpickle.cloudpickle._is_registered_pickle_by_value(third_party_sampler)
         data = cloudpickle.dumps(sampler)
         code = ("import pickle, sys; s = pickle.loads(sys.stdin.buffer.read()); "
@@ -146,7 +147,7 @@ def test_a_class_of_a_module_loaded_under_its_path_travels_by_value(tmp_path):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     try:
-        pm._travel_by_value("the guider Guider_Basic", (module.Guider_Basic, {"cfg": 1.0}))
+        travel.travel_by_value("the guider Guider_Basic", (module.Guider_Basic, {"cfg": 1.0}))
         data = cloudpickle.dumps((module.Guider_Basic, {"cfg": 1.0}))
         code = "import pickle, sys; cls, state = pickle.loads(sys.stdin.buffer.read()); print(cls().predict(5), state['cfg'])"
         out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, timeout=120)

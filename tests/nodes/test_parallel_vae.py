@@ -263,7 +263,7 @@ def test_a_vae_class_without_tiled_methods_still_decodes_tiled_on_the_ranks(clus
 
 
 def test_a_parallel_vae_given_again_is_made_from_the_vae_it_came_from(cluster, kl):
-    from patchray.nodes.bridge.parallel_vae import plain_vae
+    from patchray.nodes.bridge.vae import plain_vae
 
     first = _parallel(kl, cluster, mode="row").args[0]
     second = _parallel(first, cluster, mode="auto").args[0]

@@ -101,13 +101,15 @@ def _imports(path: Path):
 
 # The only node-pack modules that import ComfyUI, and why: the node modules' shim (schema API, progress bar, cancel,
 # folders), and in the bridge the MODEL conversion (reads ComfyUI's ModelPatcher, applies its weight patches) and
-# the rank-side sampler (runs ComfyUI's own sampler inside the rank processes), and the lifecycle hooks (wrap
+# the rank-side sampler (runs ComfyUI's own sampler inside the rank processes), what travels to the ranks by value
+# (reads ComfyUI's custom-node folders), and the lifecycle hooks (wrap
 # ComfyUI's unload_all_models so "Free model" frees the ranks too).
 COMFY_TOUCHING = {
     "bridge/lifecycle.py": {"comfy"},
     "_comfy.py": {"comfy_api", "comfy", "folder_paths", "server"},
     "bridge/model.py": {"comfy"},
-    "bridge/parallel_model.py": {"comfy", "folder_paths"},
+    "bridge/parallel_model.py": {"comfy"},
+    "bridge/travel.py": {"folder_paths"},
     "bridge/ksampler.py": {"nodes"},
     "bridge/sampler_bench.py": {"nodes"},
     "bridge/ksampler_rank.py": {"comfy"},
