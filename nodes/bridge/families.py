@@ -76,6 +76,9 @@ class ModelFamily(NamedTuple):
     Args:
         family: the name users know (in messages and the README's model table).
         classes: ComfyUI diffusion-model class names (``type(model.diffusion_model).__name__``) this row serves.
+        counterpart: the diffusers class of the same architecture (its row in the library's table,
+            ``distributed/sampling/dit_families.py``): CI checks the two rows agree (modes, text side) and resolves
+            the library's row on it; ``""``: none.
         blocks: ``fnmatch`` globs of the modules that are one weight-sharding unit each (FSDP2), in forward order;
             ``()``: the class cannot be sharded by blocks.
         refusal: for a class without a sequence layout (``tokens`` is ``None``, ``row_bands`` False): why, in the
@@ -112,6 +115,7 @@ class ModelFamily(NamedTuple):
 
     family: str
     classes: Tuple[str, ...]
+    counterpart: str = ""
     blocks: Tuple[str, ...] = ()
     refusal: str = ""
     streams: Mapping[str, str] = {}
@@ -213,6 +217,7 @@ _WAN_ATTENDS = {"WanSelfAttention": Attends.SELF, "WanT2VCrossAttention": Attend
 _FLUX = ModelFamily(
     family="FLUX.1 (dev, schnell)",
     classes=("Flux",),
+    counterpart="FluxTransformer2DModel",
     blocks=_FLUX_BLOCKS,
     streams={"ref_latents": "FLUX Kontext reference images (refused: " + _FLUX_REF + ")"},
     patch=_square_patch,
@@ -230,6 +235,7 @@ _FLUX = ModelFamily(
 _WAN = ModelFamily(
     family="Wan 2.1 / 2.2 (14B, 1.3B, 5B; text-to-video, image-to-video)",
     classes=("WanModel",),
+    counterpart="WanTransformer3DModel",
     blocks=("blocks.*",),
     streams={"clip_fea": "CLIP image features (image-to-video): cross-attention keys, whole on every rank",
              "reference_latent": "Wan Fun reference (refused: " + _WAN_REF + ")"},
@@ -247,12 +253,14 @@ _WAN = ModelFamily(
 
 FAMILIES: Tuple[ModelFamily, ...] = (
     _FLUX,
-    # Chroma's blocks take precomputed modulations (its approximator), no per-block layer
-    _FLUX._replace(family="Chroma", classes=("Chroma",), modulation=()),
+    # Chroma's blocks take precomputed modulations (its approximator), no per-block layer; it ignores reference
+    # latents (no stream), which FLUX's refusals still refuse
+    _FLUX._replace(family="Chroma", classes=("Chroma",), counterpart="", modulation=(), streams={}),
     _WAN,
     ModelFamily(
         family="Qwen-Image",
         classes=("QwenImageTransformer2DModel",),
+        counterpart="QwenImageTransformer2DModel",
         blocks=("transformer_blocks.*",),
         streams={"ref_latents": "Qwen-Image Edit reference images (refused: " + _QWEN_REF + ")"},
         patch=_square_patch,
@@ -271,6 +279,7 @@ FAMILIES: Tuple[ModelFamily, ...] = (
     ModelFamily(
         family="HunyuanVideo (1.0 t2v, i2v; HunyuanImage 2.1)",
         classes=("HunyuanVideo",),
+        counterpart="HunyuanVideoTransformer3DModel",
         blocks=_FLUX_BLOCKS,
         streams={"txt_byt5": "ByT5 glyph tokens (HunyuanImage 2.1): joined to the text, which then stays whole",
                  "ref_latent": "a reference latent (refused: " + _HY_REF + ")"},
@@ -296,6 +305,7 @@ FAMILIES: Tuple[ModelFamily, ...] = (
     ModelFamily(
         family="LTX-Video",
         classes=("LTXVModel",),
+        counterpart="LTXVideoTransformer3DModel",
         blocks=("transformer_blocks.*",),
         patch=_ltxv_patch,
         tokens=Site("patchify_proj"),
@@ -349,6 +359,7 @@ FAMILIES: Tuple[ModelFamily, ...] = (
     ModelFamily(
         family="SD 1.x / 2.x / SDXL UNet",
         classes=("UNetModel",),
+        counterpart="UNet2DConditionModel",
         # the layers inside each TimestepEmbedSequential: ComfyUI's UNet iterates a block's layers and calls each one
         # (``forward_timestep_embed``), never the block's own forward, so a unit's gather hook must sit on the layers
         blocks=("input_blocks.*.*", "middle_block.*", "output_blocks.*.*"),
