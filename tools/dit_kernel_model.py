@@ -23,9 +23,7 @@ attention kernels), the last part ends ``(N-1) max(0, t_c - t_p)`` after the att
 the two modes run the same attention parts and the same merge, only the transport differs. The exchanges' own use
 of the GPU's SMs (NCCL's kernels, a few percent of the attention's speed) is not modelled.
 
-    python3 results/h200/dit/kernel_model.py REPORT.json PROFILE_DIR [--ring-from-overlapped] [--out table.json]
-
-    python3 results/h200/dit/kernel_model.py REPORT.json PROFILE_DIR [--out table.json]
+    python tools/dit_kernel_model.py REPORT.json PROFILE_DIR [--ring-from-overlapped] [--out table.json]
 """
 
 import argparse
