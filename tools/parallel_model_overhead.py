@@ -11,6 +11,13 @@ not measured here; with one rank no collective runs.
 
     python tools/parallel_model_overhead.py --comfy /path/to/ComfyUI --model flux --out flux.json
     python tools/parallel_model_overhead.py --comfy /path/to/ComfyUI --model wan14b --frames 33 --out wan.json
+
+With ``--ranks N`` (N > 1) it runs N spawned ranks instead (gloo; on one GPU they share it), each building the same
+seeded model: the runtime exactness check as a rank runs it before the first sequence-parallel step (seconds, each
+rank's peak memory), and then sequence-parallel sampling steps of the full-size input (s/step, peak memory). Ranks
+sharing one GPU run one after another's kernels, so these seconds bound a rank's cost from above.
+
+    python tools/parallel_model_overhead.py --comfy /path/to/ComfyUI --model flux --ranks 2 --steps 2 --out flux_n2.json
 """
 
 from __future__ import annotations
@@ -57,6 +64,117 @@ def build(kind: str, tiny: bool, device: torch.device, dtype: torch.dtype):
     return mp, width, cfg.get("vec_in_dim")
 
 
+def _inputs(kind, tiny, height, width, frames, steps, width_cond, pooled):
+    """The seeded latent, conditionings and KSampler inputs of one run (the same on every rank)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "comfyui"))
+    from rank_harness import sampling_inputs
+
+    g = torch.Generator().manual_seed(3)
+    h = height or (1024 if kind == "flux" else 480)
+    w = width or (1024 if kind == "flux" else 832)
+    if tiny:
+        h, w = 64, 64
+    if kind == "flux":
+        latent = torch.zeros(1, 16, h // 8, w // 8)
+        extra = {"pooled_output": torch.randn(1, pooled, generator=g)}
+        cond = lambda: [[torch.randn(1, 256, width_cond, generator=g), dict(extra, guidance=3.5)]]  # noqa: E731
+        cfg_scale = 1.0  # FLUX dev: guidance distilled, one conditioning per step
+    else:
+        latent = torch.zeros(1, 16, (frames - 1) // 4 + 1, h // 8, w // 8)
+        cond = lambda: [[torch.randn(1, 512, width_cond, generator=g), {}]]  # noqa: E731
+        cfg_scale = 5.0
+    return latent, cfg_scale, sampling_inputs(latent, None, cond(), cond(), "euler", cfg_scale, steps=steps)
+
+
+def _rank(ctx, opts):
+    """One of N ranks: the exactness check, then sequence-parallel sampling steps; this rank's figures."""
+    from patchray.distributed.sampling.config import preset
+    from patchray.distributed.sampling.remote import RankSession
+    from patchray.nodes.bridge import ksampler_rank as kr
+    from patchray.nodes.bridge import parallel_model as pm
+    from patchray.nodes.bridge.dit_layout import plan_layout
+
+    kr.prepare(ctx, opts["comfy"])
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "comfyui"))
+    from rank_harness import rank_run_inputs
+
+    import comfy.model_management as mm
+
+    cuda = ctx.device.type == "cuda"
+    device = mm.get_torch_device()
+    dtype = torch.bfloat16 if cuda or opts["bf16"] else torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    mp, width, pooled = build(opts["model"], opts["tiny"], device, dtype)
+    latent, cfg_scale, inputs = _inputs(opts["model"], opts["tiny"], opts["height"], opts["width"], opts["frames"],
+                                        opts["steps"], width, pooled)
+    pm._travel_by_value = lambda *a, **k: None  # pickling for Ray is not what this measures (no Ray here)
+    layout = plan_layout("sequence", ctx.world_size, cfg_scale, 1, sequence_refusal=None)
+    run = rank_run_inputs(mp, dict(inputs), layout, "dit", "auto")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    from patchray.distributed import comm
+    from patchray.nodes.bridge import dit_models
+    from patchray.nodes.bridge.dit_models import find_row
+
+    dm = mp.model.diffusion_model
+    comm.barrier(ctx)
+    sync()
+    t0 = time.perf_counter()
+    check = kr.verify_sequence(ctx, ctx, mp.clone(), find_row(type(dm).__name__), dm, dict(run))
+    sync()
+    record = {"rank": ctx.rank, "layout": layout.mode, "seq_ranks": layout.seq_ranks,
+              "exactness_check": dict(check, wall_seconds=time.perf_counter() - t0),
+              "weights_gib": sum(p.numel() * p.element_size() for p in dm.parameters()) / 2**30, "s_per_step": []}
+    row = find_row(type(dm).__name__)
+    flipped = {dit_models.PREFIX: dit_models.SUFFIX, dit_models.SUFFIX: dit_models.PREFIX}.get(getattr(row, "text", None))
+    if flipped is not None:  # the same check on a wrong row (text on the other side of the image): must refuse
+        from patchray.distributed.sampling.exactness import ExactnessMismatch
+
+        try:
+            record["flipped_row"] = kr.verify_sequence(ctx, ctx, mp.clone(), row._replace(text=flipped), dm, dict(run))
+        except ExactnessMismatch as exc:
+            record["flipped_row"] = {"refused": str(exc)}
+    for _ in range(opts["repeats"] + 1):  # the first run warms up
+        session = RankSession(ctx, "model", preset("full_sync", split_batch=False))
+        session.begin()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        comm.barrier(ctx)
+        sync()
+        t0 = time.perf_counter()
+        out = session.finalize(kr.sample(ctx, mp, session, dict(run)))
+        sync()
+        record["s_per_step"].append((time.perf_counter() - t0) / opts["steps"])
+        session.close()
+    record["s_per_step"] = record["s_per_step"][1:]
+    record["peak_gib_sampling"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    record["latent"] = list(latent.shape)
+    record["out_finite"] = bool(torch.isfinite(out.float()).all())
+    return record
+
+
+def _main_ranks(args) -> int:
+    from patchray.distributed.spawn import run_ranks
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    opts = {"comfy": os.path.abspath(args.comfy), "model": args.model, "tiny": args.tiny, "height": args.height,
+            "width": args.width, "frames": args.frames, "steps": args.steps, "repeats": args.repeats,
+            "bf16": args.bf16}
+    per_rank = run_ranks(_rank, args.ranks, opts, backend="gloo", device="cuda" if cuda else "cpu", timeout_s=1800.0)
+    record = {"model": args.model, "tiny": args.tiny, "ranks": args.ranks, "steps": args.steps,
+              "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+              "ranks_share_one_gpu": cuda, "per_rank": per_rank}
+    text = json.dumps(record, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--comfy", required=True, help="the ComfyUI folder")
@@ -67,8 +185,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="a small model (checks the script on CPU)")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights on CPU too (on a GPU they always are)")
+    p.add_argument("--ranks", type=int, default=1, help="N > 1: the check and sequence-parallel steps on N ranks")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
+    if args.ranks > 1:
+        return _main_ranks(args)
     sys.path.append(os.path.abspath(args.comfy))
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda:

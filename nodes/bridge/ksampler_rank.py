@@ -1,6 +1,7 @@
 """ComfyUI's own sampler on each rank, with each model call (UNet or DiT) routed through the patch-parallel session.
 
-Runs in the rank processes (sent by name, ``patchray.nodes.bridge.ksampler_rank:...``), never in ComfyUI's process.
+Runs in the rank processes, never in ComfyUI's process: the driver passes these functions themselves, and the cluster
+sends them by their canonical name (``patchray.nodes.bridge.ksampler_rank:...``, ``cluster.fn_ref``).
 ComfyUI is imported only after :func:`prepare` has put its folder on the import path, with ``--cpu`` semantics on
 CPU ranks (ComfyUI's device logic assumes CUDA otherwise). GPU ranks see one GPU (Ray's ``CUDA_VISIBLE_DEVICES``),
 which ComfyUI's model management then uses as its device.
@@ -19,6 +20,7 @@ only, the model the wrapper is handed answers ``memory_required`` with the agree
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from typing import Callable
@@ -144,9 +146,9 @@ def host_memory(ctx) -> tuple:
     import psutil
 
     from ...distributed.cluster import rank_cache
-    from ...distributed.sampling.remote import _MODEL
+    from ...distributed.sampling.ship import MODEL_SLOT
 
-    entry = rank_cache().get(_MODEL)
+    entry = rank_cache().get(MODEL_SLOT)
     held = host_bytes(getattr(entry[1], "model", entry[1])) if entry is not None else 0
     vm = psutil.virtual_memory()
     return socket.gethostname(), float(vm.available + held), float(vm.total)
@@ -341,12 +343,47 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
             fn()
 
 
+@contextlib.contextmanager
+def fp32_compute(base):
+    """Run the ComfyUI model ``base`` in fp32 within the block: its inputs and conditionings are cast to fp32
+    (``manual_cast_dtype``, as ComfyUI's ``apply_model`` reads it) and every ComfyUI layer casts its weights to its
+    input's dtype as it runs (``comfy_cast_weights``, the protocol ComfyUI's own partial loading uses), so the stored
+    weights (bf16, fp8, sharded) are neither copied nor changed. Both are restored on exit."""
+    layers = [m for m in base.diffusion_model.modules() if hasattr(m, "comfy_cast_weights")]
+    saved = [m.__dict__.get("comfy_cast_weights", _UNSET) for m in layers]
+    cast = base.__dict__.get("manual_cast_dtype", _UNSET)
+    try:
+        for m in layers:
+            m.comfy_cast_weights = True
+        base.manual_cast_dtype = torch.float32
+        yield
+    finally:
+        for m, value in zip(layers, saved):
+            if value is _UNSET:
+                m.__dict__.pop("comfy_cast_weights", None)
+            else:
+                m.comfy_cast_weights = value
+        if cast is _UNSET:
+            base.__dict__.pop("manual_cast_dtype", None)
+        else:
+            base.manual_cast_dtype = cast
+
+
+_UNSET = object()
+
+
 def verify_sequence(ctx, seq_ctx, model, row, dm, inputs: dict) -> dict:
     """The runtime exactness check of a DiT row (``distributed/sampling/exactness.py``): one sampling step of a small
     crop of this run's latent (the smallest token grid that gives every sequence rank two token rows; the run's own
     conditionings, mask and seed), once with the whole model on every rank and once split by the row, compared.
-    Every rank agrees on the largest error; above the compute dtype's bound all ranks raise ``ExactnessMismatch``.
-    Returns what the driver records: the error, the bound, the seconds and this rank's peak memory of the check."""
+    Every rank agrees on the largest error; above the bound all ranks raise ``ExactnessMismatch``.
+
+    Both calls compute in fp32 (:func:`fp32_compute`: each layer's weights cast up as it runs, stored weights
+    untouched), whatever the model's dtype: in bf16 a deep model's rounding alone reaches the size of a wrong layout's
+    error (Wan 2.1 14B with random weights: 4.6e-2 between two exact bf16 orders), while in fp32 an exact split stays
+    near 1e-6 and a wrong one above 1e-2. A model whose layers cannot compute in fp32 is checked in its own dtype
+    against that dtype's bound. Returns what the driver records: the error, the bound, the dtype compared, the seconds
+    and this rank's peak memory of the check."""
     import time
 
     import comfy.model_management as mm
@@ -380,18 +417,32 @@ def verify_sequence(ctx, seq_ctx, model, row, dm, inputs: dict) -> dict:
             return guider.sample(cut(noise), cut(latent), sampler, sigmas[:2], denoise_mask=inputs.get("denoise_mask"),
                                  callback=None, disable_pbar=True, seed=inputs.get("seed"))
 
-    whole = one_step(model.clone(), ctx)
-    probe = dit_rank.sequence_parallel(seq_ctx, row, dm, attention=inputs.get("attention", "auto"), config=None,
-                                       linear_rows=comfy_linear_rows)
-    try:
-        split_model = model.clone()
-        split_model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, probe.wrapper)
-        split = one_step(split_model, seq_ctx)
-    finally:
-        probe.remove()
-    err = agreed_error(ctx, relative_error(whole, split))
+    def both(agree_ctx):
+        whole = one_step(model.clone(), agree_ctx)
+        probe = dit_rank.sequence_parallel(seq_ctx, row, dm, attention=inputs.get("attention", "auto"), config=None,
+                                           linear_rows=comfy_linear_rows)
+        try:
+            split_model = model.clone()
+            split_model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, probe.wrapper)
+            split = one_step(split_model, seq_ctx)
+        finally:
+            probe.remove()
+        return whole, split
+
     base = model.model
-    dtype = getattr(base, "manual_cast_dtype", None) or base.get_dtype()
+    dtype = torch.float32
+    failed = None
+    try:
+        with fp32_compute(base):
+            whole, split = both(ctx)
+    except (RuntimeError, TypeError) as exc:  # a layer outside ComfyUI's cast protocol met an fp32 input
+        failed = exc
+    from ...distributed.sampling.exactness import agreed_flag
+
+    if agreed_flag(ctx, failed is not None):  # any rank failed: every rank checks in the model's own dtype
+        dtype = getattr(base, "manual_cast_dtype", None) or base.get_dtype()
+        whole, split = both(ctx)
+    err = agreed_error(ctx, relative_error(whole, split))
     bound = bound_for(dtype)
     seconds = time.perf_counter() - start
     if not err <= bound:
@@ -399,7 +450,7 @@ def verify_sequence(ctx, seq_ctx, model, row, dm, inputs: dict) -> dict:
             f"PatchRay's exactness check: sequence parallelism on {type(dm).__name__} computes a different step than the "
             f"whole model (relative error {err:.2e} > bound {bound:.0e} for {str(dtype).replace('torch.', '')}): PatchRay's "
             f"table does not match this ComfyUI's {type(dm).__name__}")
-    return {"error": err, "bound": bound, "seconds": seconds,
+    return {"error": err, "bound": bound, "dtype": str(dtype).replace("torch.", ""), "seconds": seconds,
             "peak_bytes": int(torch.cuda.max_memory_allocated(ctx.device)) if cuda else 0,
             "grid": [int(d) for d in cut(latent).shape]}
 

@@ -21,9 +21,15 @@ from rank_harness import each_case, rank_main, rank_run_inputs
 CASES = {"flux": ("flux", "dit_ranks"), "chroma": ("chroma", "dit_ranks"), "wan21": ("wan21", "dit_ranks"),
          "wan21i2v": ("wan21i2v", "dit_ranks"), "qwen": ("qwen", "dit_ranks_more"), "hunyuan": ("hunyuan", "dit_ranks_more"),
          "hyimage": ("hyimage", "dit_ranks_more"), "ltxv": ("ltxv", "dit_ranks_more")}
+#: the same models with bf16 weights (what a GPU user loads): the check must still compute in fp32 and catch the row
+BF16 = {"flux_bf16": "flux", "hunyuan_bf16": "hunyuan"}
+CASES.update({name: (name, CASES[kind][1]) for name, kind in BF16.items()})
 
 
 def _build(kind):
+    if kind in BF16:
+        mp, make_inputs = _build(BF16[kind])
+        return _to_bf16(mp), make_inputs
     import dit_ranks
     import dit_ranks_more
 
@@ -33,6 +39,14 @@ def _build(kind):
         return mp, (lambda g: (dit_ranks._inputs(kind, cond, shape, "euler", 1, "sequence", "gathered", 4.0)))
     mp, cond, shape, mask = dit_ranks_more._model(kind)
     return mp, (lambda g: dit_ranks_more._inputs(kind, cond, shape, mask, "euler", 1, "sequence", "gathered", 4.0))
+
+
+def _to_bf16(mp):
+    """``mp`` with its diffusion model's weights in bf16, as ComfyUI loads a bf16 checkpoint (``get_dtype`` follows)."""
+    dm = mp.model.diffusion_model
+    dm.to(torch.bfloat16)
+    dm.dtype = torch.bfloat16
+    return mp
 
 
 def _flipped(row):
@@ -57,7 +71,7 @@ def _rank(ctx, opts):
         layout = plan_layout("sequence", ctx.world_size, inputs["cfg"], 1, sequence_refusal=None)
         run = rank_run_inputs(mp, inputs, layout, "dit", "gathered")
         model = mp.clone()
-        rec = {"class": type(dm).__name__}
+        rec = {"class": type(dm).__name__, "weights": str(next(dm.parameters()).dtype).replace("torch.", "")}
         rec["correct"] = kr.verify_sequence(ctx, ctx, model, row, dm, run)
         wrong = _flipped(row)
         if wrong is not None:

@@ -30,13 +30,16 @@ def test_bounds_order_the_dtypes_by_their_rounding():
 
 def _agree(ctx):
     mine = [1e-7, 0.3, 2e-6][ctx.rank]
-    return ex.agreed_error(ctx, mine), ex.agreed_error(ctx, float("nan") if ctx.rank == 1 else 0.0)
+    return (ex.agreed_error(ctx, mine), ex.agreed_error(ctx, float("nan") if ctx.rank == 1 else 0.0),
+            ex.agreed_flag(ctx, ctx.rank == 2), ex.agreed_flag(ctx, False))
 
 
 def test_every_rank_gets_the_largest_error_so_every_rank_decides_alike():
     got = run_ranks(_agree, 3, timeout_s=120)
     assert [g[0] for g in got] == [0.3, 0.3, 0.3]
     assert all(g[1] == float("inf") for g in got)  # a rank whose result is not finite fails the check everywhere
+    assert [g[2] for g in got] == [True, True, True]  # one rank's failure (fp32 compute) is every rank's
+    assert [g[3] for g in got] == [False, False, False]
 
 
 def test_verdicts_are_kept_per_key_and_every_key_part_invalidates(tmp_path):
