@@ -429,7 +429,11 @@ def _malformed_case(kind: str, index: int, rng: random.Random, ranks: int) -> Ca
         ckpt = g.add("CheckpointLoaderSimple", ckpt_name="sd_xl_base_1.0.safetensors")
         pos = g.add("CLIPTextEncode", text="a red boat", clip=[ckpt, 1])
         if variant == "channels_to_sampler":
-            latent = g.add("EmptySD3LatentImage", width=64, height=64, batch_size=1)
+            # a 16-channel latent that is not empty (ComfyUI resizes an all-zero latent to the model's channels, so an
+            # EmptySD3LatentImage would sample as stock): the 16-channel VAE's encode of a plain image
+            image = g.add("EmptyImage", width=64, height=64, batch_size=1, color=0x806040)
+            vae16 = g.add("VAELoader", vae_name=FAMILIES["sd3"]["vae"])
+            latent = g.add("VAEEncode", pixels=[image, 0], vae=[vae16, 0])
             expect, words = ("error",), r"channel|expected|shape|size"
         elif variant == "sampling_16k":
             latent = g.add("EmptyLatentImage", width=16384, height=16384, batch_size=1)
