@@ -4,7 +4,8 @@ Starts ComfyUI (``main.py --cpu``, a private base directory with this pack linke
 Chromium driven over the DevTools protocol (no browser automation package needed: ComfyUI's own aiohttp is the
 websocket client). For each PatchRay node it adds the node to an empty graph at zoom 1 and saves a PNG of the node
 (title bar, sockets, widgets, panel) to ``docs/screenshots/<node id>.png``; the Tile Planner and the Topology Probe
-(which need no cluster) are also queued once and saved with their result as ``<node id>_run.png``. Then it loads
+(which need no cluster) are also queued once and saved with their result as ``<node id>_run.png``. ``workflow_two_nodes.png`` is
+the README's picture: the Parallel Model and the Parallel VAE in a stock text-to-image graph. Then it loads
 every shipped workflow
 (``workflows/*.json``), reads the node sizes the frontend gave them and reports any overlap, converts it to the API
 prompt with the frontend's own ``graphToPrompt`` (what the Queue button sends) and compares that with the shipped
@@ -14,6 +15,8 @@ prompt with the frontend's own ``graphToPrompt`` (what the Queue button sends) a
 Run with ComfyUI's Python (it has aiohttp and the frontend package):
 
     COMFYUI_DIR=/path/to/ComfyUI /path/to/ComfyUI/.venv/bin/python docs/screenshots/make_screenshots.py
+
+``PATCHRAY_ONLY_NODES=1`` makes the node pictures only (no workflow check).
 
 Needs ``chromium`` (Debian: ``apt-get install chromium``) or ``CHROMIUM=/path/to/chrome``. Nothing is fetched from
 outside: Chromium resolves only loopback (the frontend's release-notes poll is blocked).
@@ -37,8 +40,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent
-NODES = ["PatchRayCluster", "PatchRayVAEDecode", "PatchRayVAEEncode", "PatchRayKSampler", "PatchRayTilePlanner",
-         "PatchRayTopologyProbe", "PatchRayBenchmark"]
+NODES = ["PatchRayCluster", "PatchRayParallelModel", "PatchRayParallelVAE", "PatchRayVAEDecode", "PatchRayVAEEncode",
+         "PatchRayKSampler", "PatchRayKSamplerAdvanced", "PatchRayTilePlanner", "PatchRayTopologyProbe", "PatchRayBenchmark",
+         "PatchRaySamplerBenchmark"]
 TITLE = 30  # LiteGraph's title bar, drawn above a node's pos
 BADGE = 20  # the node's badges, above the title bar
 
@@ -161,6 +165,36 @@ _RUN_NODE = """
 RUNS = [("PatchRayTilePlanner", 1, {"width": 1280, "height": 768, "ranks": 3}),
         ("PatchRayTopologyProbe", 0, {"measure": False})]
 
+#: the README's picture: the two patch nodes in a stock text-to-image graph (loader -> Parallel Model -> KSampler,
+#: loader's VAE -> Parallel VAE -> VAE Decode, one Cluster for both), at zoom 1
+_TWO_NODES = """
+(async () => {
+  const app = window.app;
+  document.querySelectorAll('.p-dialog-mask, .p-dialog, .p-toast').forEach(e => e.remove());
+  app.graph.clear();
+  const add = (type, x, y) => { const n = LiteGraph.createNode(type); app.graph.add(n); n.pos = [x, y]; return n; };
+  const ckpt = add("CheckpointLoaderSimple", 40, 120);
+  const cluster = add("PatchRayCluster", 40, 360);
+  const pm = add("PatchRayParallelModel", 490, 70);
+  const pv = add("PatchRayParallelVAE", 490, 460);
+  const ks = add("KSampler", 820, 70);
+  const vd = add("VAEDecode", 1180, 460);
+  ckpt.connect(0, pm, "model"); cluster.connect(0, pm, "cluster");
+  pm.connect(0, ks, "model");
+  ckpt.connect(2, pv, "vae"); cluster.connect(0, pv, "cluster");
+  ks.connect(0, vd, "samples"); pv.connect(0, vd, "vae");
+  const ds = app.canvas.ds;
+  ds.scale = 1; ds.offset = [0, 0];
+  document.querySelectorAll('[class*="minimap"]').forEach(e => { e.style.display = "none"; });
+  app.canvas.setDirty(true, true);
+  await new Promise(r => setTimeout(r, 1200));
+  const rect = app.canvas.canvas.getBoundingClientRect();
+  const nodes = [ckpt, cluster, pm, pv, ks, vd];
+  return {left: rect.left, top: rect.top,
+          x1: Math.max(...nodes.map(n => n.pos[0] + n.size[0])), y1: Math.max(...nodes.map(n => n.pos[1] + n.size[1]))};
+})()
+"""
+
 _LOAD_WORKFLOW = """
 (async ([wf, name]) => {
   const app = window.app;
@@ -223,6 +257,10 @@ async def _drive(cdp_port: int, url: str) -> int:
                 path = OUT / f"{node_type}.png"
                 await page.shot(path, clip)
                 print(f"{path.relative_to(ROOT)}: node {w:.0f}x{h:.0f}")
+            info = await page.js(_TWO_NODES)
+            clip = {"x": info["left"] + 20, "y": info["top"], "width": info["x1"] + 20, "height": info["y1"] + 20}
+            await page.shot(OUT / "workflow_two_nodes.png", clip, scale=0.8)
+            print("docs/screenshots/workflow_two_nodes.png: the two patch nodes in a text-to-image graph")
             for node_type, slot, widgets in RUNS:
                 info = await page.js(_RUN_NODE % json.dumps([node_type, slot, widgets]))
                 clip = {"x": info["left"] + info["x0"] - 6, "y": info["top"] + info["y0"] - TITLE - BADGE - 6,
@@ -230,6 +268,8 @@ async def _drive(cdp_port: int, url: str) -> int:
                 path = OUT / f"{node_type}_run.png"
                 await page.shot(path, clip)
                 print(f"{path.relative_to(ROOT)}: after a run; panel text starts {info['text'][:60]!r}")
+            if os.environ.get("PATCHRAY_ONLY_NODES"):  # the node pictures only, not the shipped workflows' check
+                return problems
             for wf_path in sorted((ROOT / "workflows").glob("*.json")):
                 if wf_path.name.endswith(".api.json"):
                     continue
