@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any, List
 
-__all__ = ["ltxv_hooks", "hunyuan_hooks"]
+__all__ = ["ltxv_hooks", "hunyuan_hooks", "wan_vace_hooks"]
 
 
 # --------------------------------------------------------------------------------------------------- hooks
@@ -190,4 +190,40 @@ def hunyuan_hooks(seq) -> List[Any]:
             return args, dict(kwargs, **{key: local_dims(dims)})
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    return handles
+
+
+def wan_vace_hooks(seq) -> List[Any]:
+    """Wan VACE: the hint stream, banded like the video tokens. ``VaceWanModel.forward_orig`` embeds the VACE context
+    with a patch embedding of its own (``vace_patch_embedding``: the video's grid, flattened in the forward) and
+    passes it, with the video tokens as they were before the first block (``x=x_orig``), to each ``vace_blocks``
+    block, whose hint ``c_skip`` is added to the video tokens. Both arrive whole (all tokens): the pre-hook cuts them
+    to this rank's band (a stream already cut, a later block's ``c``, passes as it is), so a hint is computed for, and
+    added to, this rank's tokens only; the blocks' attentions are the video's (the row's attention classes)."""
+    dm = seq.dm
+    world = seq.ctx.world_size
+    cut_x = _Cut(seq, dim=1)
+
+    def band(t, name, cut=None):
+        shards = seq.state.require_shards()
+        n = t.shape[1]
+        if n == shards.total:
+            return cut(t) if cut is not None else _seq().shard_tokens(t, shards, seq.ctx.rank, dim=1)
+        if n == shards.counts[seq.ctx.rank]:
+            return t  # already this rank's
+        raise ValueError(f"Wan VACE: a {name} of {n} tokens for {shards.total} video tokens")
+
+    def pre(mod, args, kwargs):
+        if world == 1:
+            return None
+        c = band(args[0], "VACE hint stream")
+        if kwargs.get("x") is not None:  # x_orig: the same whole tensor for every VACE block of a call, cut once
+            kwargs = dict(kwargs, x=band(kwargs["x"], "video token input", cut_x))
+        return (c,) + tuple(args[1:]), kwargs
+
+    handles: List[Any] = []
+    for _path, module in dm.named_modules():
+        if _class_name(module) == "VaceWanAttentionBlock":
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    handles.append(_Handle(cut_x.clear))
     return handles

@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
-from .dit_hooks import hunyuan_hooks, ltxv_hooks
+from .dit_hooks import hunyuan_hooks, ltxv_hooks, wan_vace_hooks
 
 __all__ = ["Attends", "Text", "PREFIX", "SUFFIX", "NONE", "Site", "ModelFamily", "FAMILIES", "family_for",
            "sequence_plan", "sites_of"]
@@ -257,6 +257,15 @@ FAMILIES: Tuple[ModelFamily, ...] = (
     # latents (no stream), which FLUX's refusals still refuse
     _FLUX._replace(family="Chroma", classes=("Chroma",), counterpart="", modulation=(), streams={}),
     _WAN,
+    # Wan VACE: Wan's layout, and the hint stream banded with the video tokens
+    _WAN._replace(
+        family="Wan VACE",
+        classes=("VaceWanModel",),
+        counterpart="",
+        streams=dict(_WAN.streams, vace_context="the VACE context: a second token stream on the video's grid whose "
+                     "vace_blocks add hints to the video tokens: banded like them (wan_vace_hooks)"),
+        hooks=wan_vace_hooks,
+    ),
     ModelFamily(
         family="Qwen-Image",
         classes=("QwenImageTransformer2DModel",),
@@ -317,14 +326,6 @@ FAMILIES: Tuple[ModelFamily, ...] = (
         hooks=ltxv_hooks,
     ),
     # ---- classes with blocks for sharding and no sequence layout yet
-    ModelFamily(
-        family="Wan VACE",
-        classes=("VaceWanModel",),
-        blocks=("blocks.*",),
-        streams={"vace_context": "the VACE context: a second token stream whose vace_blocks add hints to the video's"},
-        refusal="Wan VACE: its vace_blocks add hints computed from a second token stream (the VACE context), which "
-        "would need the same bands and a gather of its own",
-    ),
     ModelFamily(
         family="Wan Fun Camera",
         classes=("CameraWanModel",),

@@ -9,7 +9,8 @@ server test covers it.
 Models are ComfyUI's own classes (``comfy.supported_models`` configs -> ``BaseModel`` -> ``ModelPatcher``), small
 widths, every weight seeded random and non-constant: FLUX.1 (``Flux``), Wan 2.1 text-to-video and image-to-video
 (``WanModel`` t2v / i2v with CLIP-vision features), Wan 2.2 5B (``WAN22``: 48 channels, per-frame timesteps from a
-first-frame mask), and an SD-style UNet for CFG. Latents have odd sizes; videos an odd frame count.
+first-frame mask), Wan VACE (``VaceWanModel``: two VACE blocks, two control contexts), and an SD-style UNet for CFG.
+Latents have odd sizes (Wan VACE: odd token rows); videos an odd frame count.
 
     python tests/comfyui/dit_ranks.py --comfy /path/to/ComfyUI --ranks 2 --cases flux-seq wan21-cfg ... [--out r.json]
 """
@@ -42,6 +43,9 @@ CASES = {
     "wan21-batch": ("wan21", "batch", "auto", "euler_ancestral", 2),
     "wan21i2v-seq": ("wan21i2v", "sequence", "gathered", "euler", 1),
     "wan22-seq": ("wan22", "sequence", "auto", "euler", 1),
+    "vace-seq": ("vace", "sequence", "gathered", "euler", 1),
+    "vace-seq-ulysses": ("vace", "sequence", "ulysses", "dpmpp_2m", 1),
+    "vace-cfgseq": ("vace", "cfg+sequence", "auto", "euler", 1),
     "unet-cfg": ("unet", "cfg", "auto", "euler", 1),
     # cfg = 1 on a model without a sequence split (forced here: FLUX has a row): every rank samples the whole graph
     "flux-replicated": ("flux", "replicated", "auto", "euler", 1),
@@ -93,6 +97,21 @@ def _model(kind):
             if i2v:
                 extra = {"concat_latent_image": torch.randn(1, 16, 5, 9, 6, generator=g),
                          "clip_vision_output": SimpleNamespace(penultimate_hidden_states=torch.randn(1, 5, 1280, generator=g))}
+            return [[torch.randn(b, 7, 40, generator=g), extra]]
+    elif kind == "vace":  # Wan VACE: two VACE blocks (the first projects the hint stream in), two contexts
+        cfg = {"image_model": "wan2.1", "model_type": "vace", "dim": 192, "ffn_dim": 256, "num_heads": 6,
+               "num_layers": 2, "patch_size": (1, 2, 2), "freq_dim": 64, "text_dim": 40, "in_dim": 16, "out_dim": 16,
+               "window_size": (-1, -1), "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6, "vace_layers": 2,
+               "vace_in_dim": 96}
+        conf = sm.WAN21_Vace(cfg)
+        # ComfyUI pads the video latent to the patch, not the VACE context: even latent sizes (5 odd token rows)
+        shape = (1, 16, 5, 10, 6)
+
+        def cond(g, b=1):
+            # the WanVaceToVideo node's keys: control frames (32 channels: inactive and reactive latents), their mask
+            # (64 channels), a strength per context
+            extra = {"vace_frames": [torch.randn(1, 32, 5, 10, 6, generator=g) for _ in range(2)],
+                     "vace_mask": [torch.rand(1, 64, 5, 10, 6, generator=g) for _ in range(2)], "vace_strength": [1.0, 0.5]}
             return [[torch.randn(b, 7, 40, generator=g), extra]]
     elif kind == "unet":
         cfg = {"image_size": 32, "in_channels": 4, "model_channels": 32, "out_channels": 4, "num_res_blocks": 1,

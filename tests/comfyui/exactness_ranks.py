@@ -1,6 +1,6 @@
 """The runtime exactness check on ComfyUI's own DiT classes, on N spawned gloo ranks: the table's row passes, a row
 with its text block on the wrong side of the image tokens (the silent drift a newer ComfyUI's HunyuanVideo made) is
-caught and refused; every rank reaches the same verdict.
+caught and refused; Wan VACE's row without its hint-stream hook never passes; every rank reaches the same verdict.
 
 Runs ``ksampler_rank.verify_sequence`` (what a rank runs on the first use of a model class under sequence parallelism)
 with the run inputs the Parallel Model's driver sends (``rank_harness.rank_run_inputs``), on the small random-weight
@@ -20,7 +20,7 @@ from rank_harness import each_case, rank_main, rank_run_inputs
 #: name -> (model kind, which script builds it)
 CASES = {"flux": ("flux", "dit_ranks"), "chroma": ("chroma", "dit_ranks"), "wan21": ("wan21", "dit_ranks"),
          "wan21i2v": ("wan21i2v", "dit_ranks"), "qwen": ("qwen", "dit_ranks_more"), "hunyuan": ("hunyuan", "dit_ranks_more"),
-         "hyimage": ("hyimage", "dit_ranks_more"), "ltxv": ("ltxv", "dit_ranks_more")}
+         "hyimage": ("hyimage", "dit_ranks_more"), "ltxv": ("ltxv", "dit_ranks_more"), "vace": ("vace", "dit_ranks")}
 #: the same models with bf16 weights (what a GPU user loads): the check must still compute in fp32 and catch the row
 BF16 = {"flux_bf16": "flux", "hunyuan_bf16": "hunyuan"}
 CASES.update({name: (name, CASES[kind][1]) for name, kind in BF16.items()})
@@ -82,6 +82,14 @@ def _rank(ctx, opts):
                 rec["flipped"] = str(exc)
             except Exception as exc:  # refused loudly by the split itself (e.g. a text mask over image keys)
                 rec["flipped"] = f"error: {type(exc).__name__}: {exc}"
+        if row.hooks is not None and kind == "vace":  # the row without its hint-stream hook: never a silent pass
+            try:
+                kr.verify_sequence(ctx, ctx, model, row._replace(hooks=None), dm, run)
+                rec["unhooked"] = "passed"
+            except ExactnessMismatch as exc:
+                rec["unhooked"] = str(exc)
+            except Exception as exc:  # refused loudly by the model itself (a whole stream added to a band)
+                rec["unhooked"] = f"error: {type(exc).__name__}: {exc}"
         results[name] = rec
     return results
 

@@ -25,6 +25,10 @@ RUNS = {
     3: ["flux-seq", "flux-seq-ulysses", "chroma-seq", "wan21-seq", "wan22-seq", "flux-batch"],
     4: ["flux-cfgseq", "wan21-cfgseq", "unet-cfgseq", "flux-seq"],
 }
+#: Wan VACE (dit_ranks.py: two VACE blocks, each run once per control context, two contexts)
+VACE_RUNS = {2: ["vace-seq", "vace-seq-ulysses"], 3: ["vace-seq", "vace-seq-ulysses"], 4: ["vace-cfgseq"]}
+#: self-attentions per Wan VACE call: two video blocks, then two VACE blocks for each of two contexts
+VACE_ATTENTIONS = 2 + 2 * 2
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -101,3 +105,22 @@ def test_the_advanced_samplers_two_halves_equal_the_stock_advanced_sampler(tmp_p
         assert rec["calls"] == calls, (name, rec)  # only this half's steps ran
         assert rec["rel_l2"] <= 1e-5, (ranks, name, rec)  # fp32, the bound and argument of the test above
 
+
+
+@pytest.mark.parametrize("ranks", sorted(VACE_RUNS))
+def test_wan_vace_bands_its_hint_stream_with_the_video_and_equals_the_stock_sampler(tmp_path, ranks):
+    """VaceWanModel: the VACE context's tokens (the hint stream) and the video tokens the VACE blocks read are cut to
+    each rank's band (``wan_vace_hooks``); every VACE block's self-attention then exchanges K/V like the video's."""
+    names = VACE_RUNS[ranks]
+    report = run_rank_script("dit_ranks.py", tmp_path, ranks, names, timeout=900)
+    for name in names:
+        rec = report["cases"][name]
+        print(f"{ranks} ranks {name}: {rec['layout']} ({rec['groups']} x {rec['seq']}), relative L2 {rec['rel_l2']:.2e}, "
+              f"collectives {rec['comm_calls']}")
+        assert rec["layout"] == ("cfg+sequence" if name.endswith("cfgseq") else "sequence"), rec
+        assert rec["rel_l2"] <= 1e-5, (ranks, name, rec)  # fp32: the bound and argument of the tests above
+        calls = rec["comm_calls"]
+        if name.endswith("ulysses"):  # two all-to-alls per self-attention, the VACE blocks' included
+            assert calls.get("all_to_all_single", 0) >= rec["calls"] * VACE_ATTENTIONS * 2, (name, calls)
+        elif not name.endswith("cfgseq"):  # one K/V gather per self-attention, the output gather
+            assert calls.get("all_gather", 0) >= rec["calls"] * (VACE_ATTENTIONS + 1), (name, calls)

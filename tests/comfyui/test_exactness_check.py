@@ -16,7 +16,7 @@ JOINT = {"flux", "chroma", "qwen", "hunyuan", "hyimage", "flux_bf16", "hunyuan_b
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_the_check_passes_the_table_and_refuses_a_flipped_text_block(tmp_path, ranks):
-    cases = ["flux", "chroma", "wan21", "wan21i2v", "qwen", "hunyuan", "hyimage", "ltxv", "flux_bf16", "hunyuan_bf16"]
+    cases = ["flux", "chroma", "wan21", "wan21i2v", "qwen", "hunyuan", "hyimage", "ltxv", "vace", "flux_bf16", "hunyuan_bf16"]
     report = run_rank_script("exactness_ranks.py", tmp_path, ranks, cases, timeout=1500)
     per_rank = report["per_rank"]
     caught = 0
@@ -37,6 +37,8 @@ def test_the_check_passes_the_table_and_refuses_a_flipped_text_block(tmp_path, r
         # every rank reached the same verdict
         assert all(r[name].get("flipped", "-") == rec.get("flipped", "-") for r in per_rank), name
     assert caught >= 3, caught  # the check itself catches the flipped text of most joint rows
+    # Wan VACE's row without its hint-stream hook: caught or refused, never a silent pass
+    assert report["cases"]["vace"]["unhooked"] != "passed", report["cases"]["vace"]
     for name in ("flux_bf16", "hunyuan_bf16"):  # bf16 weights: caught in fp32 (in bf16, 5.7e-3 passed bound 5e-2)
         assert report["cases"][name]["weights"] == "bfloat16", report["cases"][name]
         assert "exactness check" in report["cases"][name]["flipped"], report["cases"][name]

@@ -319,3 +319,38 @@ def test_hooks_find_blocks_that_weight_sharding_wrapped():
         first = (9, 6)[rank]  # this rank's rows of frame 0 (3 or 2 rows of 3 tokens)
         assert r["hunyuan_class"] == "FSDPDoubleStreamBlock", (rank, r)
         assert [tuple(d) for d in r["hunyuan_dims"]] == [(0, first, 0), (first, None, 1)], (rank, r)
+
+
+class VaceWanAttentionBlock(nn.Module):  # the class name Wan VACE's hook looks for
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def forward(self, c, x, **kwargs):
+        self.log.append((c, x))
+        return c, c
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_wan_vace_hooks_band_the_hint_stream_and_the_video_input_with_the_tokens(rank):
+    from patchray.nodes.bridge.dit_hooks import wan_vace_hooks
+
+    shards = TokenShards.split(5, 7, 3, 3)  # 5 frames of 7 x 3 tokens over 3 ranks: uneven bands (3, 2, 2 rows)
+    log = []
+    dm = nn.Module()
+    dm.vace_blocks = nn.ModuleList([VaceWanAttentionBlock(log) for _ in range(2)])
+    handles = wan_vace_hooks(_seq(dm, shards, rank))
+    mine = shards.index(rank)
+    c, x_orig = torch.randn(2, shards.total, 8), torch.randn(2, shards.total, 8)
+    _, c_local = dm.vace_blocks[0](c, x=x_orig)  # the first VACE block: the hint stream and x_orig whole
+    dm.vace_blocks[1](c_local, x=x_orig)  # a later block: its stream already this rank's, x_orig whole again
+    assert torch.equal(log[0][0], c[:, mine]) and torch.equal(log[0][1], x_orig[:, mine])
+    assert log[1][0] is c_local and torch.equal(log[1][1], x_orig[:, mine])
+    assert log[0][1] is log[1][1]  # x_orig cut once per call
+    with pytest.raises(ValueError, match="VACE hint stream of 4 tokens"):
+        dm.vace_blocks[1](torch.randn(2, 4, 8), x=x_orig)
+    for h in handles:
+        h.remove()
+    log.clear()
+    dm.vace_blocks[0](c, x=x_orig)
+    assert log[0][0] is c and log[0][1] is x_orig  # removed: the model is as before

@@ -70,7 +70,7 @@ def test_a_rows_plan_is_made_of_the_librarys_styles():
             assert plan[row.rope.module] == ShardTokens(dim=2, text=row.text.side), row.family
         assert len(plan) == len({s.module for s in families.sites_of(row) if s.where == "output"}) + len(row.modulation)
     with pytest.raises(ValueError, match="no sequence layout"):
-        families.sequence_plan(families.family_for("VaceWanModel"))
+        families.sequence_plan(families.family_for("CameraWanModel"))
 
 
 # ------------------------------------------------------------------------------------------- the library's table

@@ -28,7 +28,7 @@ def test_covered_classes_have_one_row(cls, family):
     assert ("joint" in row.attends.values()) == (row.text != dit_models.NONE)
 
 
-@pytest.mark.parametrize("cls", ["VaceWanModel", "WanModel_S2V", "ChromaRadiance", "MMDiT"])
+@pytest.mark.parametrize("cls", ["CameraWanModel", "WanModel_S2V", "ChromaRadiance", "MMDiT"])
 def test_uncovered_classes_are_refused_by_name_with_what_is_needed(cls):
     assert dit_models.find_row(cls) is None
     msg = dit_models.refusal(cls, "comfy.ldm.x.model")
