@@ -111,6 +111,8 @@ class ModelFamily(NamedTuple):
         modulation: globs of the blocks' adaLN modulation ``Linear`` layers, which all read the one per-call
             embedding: each rank computes ``1/N`` of their outputs, one all-gather per call
             (``distributed/parallel/seq_modulation.py``); ``()``: none.
+        grid_conds: CONDITIONING keys whose tensors lie on the latent's grid (``[..., H, W]``, a stream's frames and
+            masks): the runtime exactness check crops them with the latent (``ksampler_rank.verify_sequence``).
     """
 
     family: str
@@ -133,6 +135,7 @@ class ModelFamily(NamedTuple):
     text_tokens: Optional[Site] = None
     text_whole: Mapping[str, str] = {}
     modulation: Tuple[str, ...] = ()
+    grid_conds: Tuple[str, ...] = ()
 
     @property
     def sequence(self) -> bool:
@@ -265,6 +268,7 @@ FAMILIES: Tuple[ModelFamily, ...] = (
         streams=dict(_WAN.streams, vace_context="the VACE context: a second token stream on the video's grid whose "
                      "vace_blocks add hints to the video tokens: banded like them (wan_vace_hooks)"),
         hooks=wan_vace_hooks,
+        grid_conds=("vace_frames", "vace_mask"),
     ),
     ModelFamily(
         family="Qwen-Image",

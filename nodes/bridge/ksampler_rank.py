@@ -79,7 +79,7 @@ def share_host_memory(mm, ranks: int) -> None:
 
 
 def begin_parts(ctx, payload: dict):
-    """Rank side of ``sampling.ship.ship_model_in_parts``: the skeleton, its blocks sharded on the meta device
+    """Rank side of ``sampling.ship.ship_model``: the skeleton, its blocks sharded on the meta device
     (``sharding=blocks``: each rank allocates only its shards, on its device; ``blocks+offload``: in host memory, where
     FSDP2's CPU offload keeps them), every other tensor allocated (``none``: on the rank's GPU when the model and the
     activation reserve fit its free memory, so the parts go straight to the card and no rank holds a host copy;
@@ -410,9 +410,11 @@ def verify_sequence(ctx, seq_ctx, model, row, dm, inputs: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     start = time.perf_counter()
 
+    portable = _crop_grid_conds(inputs["guider"], row.grid_conds, cut)
+
     def one_step(m, agree):
         m.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching(dit_rank.Agree(agree), mm.get_free_memory))
-        guider = rebuild_guider(inputs["guider"], m)
+        guider = rebuild_guider(portable, m)
         with torch.no_grad() if sharded else torch.inference_mode():
             return guider.sample(cut(noise), cut(latent), sampler, sigmas[:2], denoise_mask=inputs.get("denoise_mask"),
                                  callback=None, disable_pbar=True, seed=inputs.get("seed"))
@@ -491,6 +493,21 @@ def _drop_other_group_session(session) -> None:
     held = rank_cache().get(_GROUP_SESSION)
     if held is not None and (held.key, held.config) != (session.key, session.config):
         rank_cache().pop(_GROUP_SESSION).close()
+
+
+def _crop_grid_conds(portable, keys, cut):
+    """``portable`` (a guider's ``(class, state)``) with the conditionings' tensors under ``keys`` (a row's
+    ``grid_conds``: a stream on the latent's grid, e.g. Wan VACE's control frames and masks) cut like the latent."""
+    if not keys:
+        return portable
+    cls, state = portable
+
+    def crop(value):
+        return type(value)(crop(v) for v in value) if isinstance(value, (list, tuple)) else cut(value)
+
+    conds = {name: [dict(c, **{k: crop(c[k]) for k in keys if c.get(k) is not None}) for c in items]
+             for name, items in (state.get("original_conds") or {}).items()}
+    return cls, dict(state, original_conds=conds)
 
 
 def rebuild_guider(portable, model):

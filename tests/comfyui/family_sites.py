@@ -103,7 +103,7 @@ def check(dm) -> dict:
     import comfy.model_base
 
     passed_on = inspect.getsource(comfy.model_base)
-    for key in row.call_refusals:
+    for key in (*row.call_refusals, *row.grid_conds):
         if key not in source and key not in passed_on:
             missing.append(f"refused keyword {key}")
     rec["missing"] = missing

@@ -130,3 +130,20 @@ def test_the_benchmark_presets_and_traffic_shapes_name_rows_of_the_table():
         assert preset.shape_key is None or preset.shape_key in FULL_SIZE_SHAPES, preset.name
     assert set(FULL_SIZE_SHAPES) <= {p.shape_key for p in PRESETS.values()}
 
+
+
+def test_the_runtime_check_crops_a_rows_grid_conditionings_with_the_latent():
+    import torch
+
+    from patchray.nodes.bridge.ksampler_rank import _crop_grid_conds
+
+    row = families.family_for("VaceWanModel")
+    assert row.sequence and row.grid_conds == ("vace_frames", "vace_mask")
+    frames, mask, ctx = [torch.randn(1, 32, 5, 10, 6)] * 2, [torch.rand(1, 64, 5, 10, 6)], torch.randn(1, 7, 40)
+    state = {"original_conds": {"positive": [{"cross_attn": ctx, "vace_frames": frames, "vace_mask": mask}]}, "cfg": 4.0}
+    cls, out = _crop_grid_conds((object, state), row.grid_conds, lambda t: t[..., :4, :2])
+    cond = out["original_conds"]["positive"][0]
+    assert [t.shape[-2:] for t in cond["vace_frames"] + cond["vace_mask"]] == [(4, 2)] * 3
+    assert cond["cross_attn"] is ctx and out["cfg"] == 4.0 and cls is object
+    assert state["original_conds"]["positive"][0]["vace_frames"] is frames  # the driver's guider is left as it is
+    assert _crop_grid_conds((object, state), (), None) == (object, state)  # a row without grid streams: unchanged
