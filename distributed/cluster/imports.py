@@ -15,8 +15,11 @@ Design decisions:
 * **One staging helper for the driver and the ranks.** The node layer's import shim puts the same folder on
   ComfyUI's own ``sys.path`` before ``patchray`` can be imported at all, so it loads this file by its path: the
   module level uses the standard library only, and the staging functions need nothing else.
-* **Library functions travel by name** (``patchray.x:y``, :func:`fn_ref` / :func:`resolve_fn`); any other
-  callable is pickled by Ray as usual.
+* **The package's functions travel by name** (``patchray.x:y``, :func:`fn_ref` / :func:`resolve_fn`), the
+  library's and the node layer's alike: a function defined in a file of this package is named by that file's place
+  in it, whatever name the driver imported it under (ComfyUI imports the node layer under its folder's path, a name
+  no rank can import). Callers pass the function itself, never a hand-written string; any other callable is
+  pickled by Ray as usual.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import sys
 import tempfile
 from typing import Any, Callable
 
@@ -37,6 +41,8 @@ CANONICAL = "patchray"
 DRIVER_ROOT = __name__.rsplit(".distributed.cluster", 1)[0]
 #: the package's folder (the repository root)
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: the package's top-level folders whose functions travel by name (the rest of the checkout is not packaged)
+_PACKAGED = ("distributed", "nodes")
 
 
 def require_canonical_root() -> None:
@@ -88,12 +94,37 @@ def staging_pythonpath() -> str:
     return staging_dir()
 
 
+def _canonical_module(mod: str) -> str:
+    """``patchray.<path>`` of a module defined in a file of this package (any import name), else ``""``."""
+    if mod == DRIVER_ROOT or mod.startswith(DRIVER_ROOT + "."):
+        return f"{CANONICAL}{mod[len(DRIVER_ROOT):]}"
+    path = getattr(sys.modules.get(mod), "__file__", None)
+    if not path:
+        return ""
+    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(PACK_DIR))
+    if rel.startswith(os.pardir) or os.path.isabs(rel) or not rel.endswith(".py"):
+        return ""
+    parts = rel[: -len(".py")].split(os.sep)
+    if parts[0] not in _PACKAGED:  # tests and tools live in the checkout, not in the package the ranks import
+        return ""
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([CANONICAL, *parts]) if all(p.isidentifier() for p in parts) else ""
+
+
 def fn_ref(fn: Callable) -> Any:
-    """A library function as ``"patchray.module:qualname"``; any other callable unchanged (Ray pickles it)."""
+    """A function of this package as ``"patchray.module:qualname"``; any other callable unchanged (Ray pickles it).
+
+    Example::
+
+        >>> fn_ref(resolve_fn)
+        'patchray.distributed.cluster.imports:resolve_fn'
+    """
     mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if mod and "<" not in qual and (mod == DRIVER_ROOT or mod.startswith(DRIVER_ROOT + ".")):
-        return f"{CANONICAL}{mod[len(DRIVER_ROOT):]}:{qual}"
-    return fn
+    if not mod or "<" in qual or isinstance(fn, str):
+        return fn
+    canonical = _canonical_module(mod)
+    return f"{canonical}:{qual}" if canonical else fn
 
 
 def resolve_fn(fn: Any) -> Any:

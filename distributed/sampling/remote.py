@@ -2,9 +2,8 @@
 
 This is how a host application (ComfyUI) samples on the cluster without giving up its own samplers:
 
-1. :func:`ship_model` puts the model on every rank **once per key** (``rank_cache``; a new key replaces the
-   old model, so a rank holds one sampling model at a time). The payload is built lazily, only when some rank
-   lacks the key, and travels once through Ray's object store.
+1. :func:`~.ship.ship_model` puts the model on every rank **once per key** (``rank_cache``; a new key replaces
+   the old model, so a rank holds one sampling model at a time): the skeleton, then the weights in parts.
 2. :func:`distributed_sample` runs the caller's ``sample(ctx, model, session, inputs)`` on every rank. The
    caller's sampler loop (ComfyUI's KSampler, a diffusers scheduler, anything) calls
    :meth:`RankSession.denoise` where it would call the UNet; the session routes the call through a
@@ -23,13 +22,12 @@ Design decisions:
 * **One denoiser per (model, config), reused across runs**: the adapters are installed on the cached UNet once;
   :meth:`RankSession.begin` resets the stale memories so every run starts with synchronous steps. A changed
   config removes the old adapters first (the UNet is restored exactly, then re-wrapped).
-* Nothing here imports a host application: ``sample``/``build``/``prepare`` are the caller's functions, sent by
-  name (``"package.module:function"``) or pickled by Ray.
+* Nothing here imports a host application: ``sample``/``prepare`` are the caller's functions, sent by reference
+  (``cluster.fn_ref``) or pickled by Ray.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import zlib
 from typing import Any, Callable, Hashable, Optional, Sequence
@@ -43,13 +41,13 @@ from ..context import ParallelContext
 from .comm_manager import Traffic
 from .config import PatchConfig
 from .denoiser import PatchParallelDenoiser
+from .ship import SESSION_SLOT as _SESSION
+from .ship import rank_model
 
-__all__ = ["ship_model", "distributed_sample", "RankSession", "rank_model", "SamplingDesync"]
+__all__ = ["distributed_sample", "RankSession", "SamplingDesync"]
 
 log = logging.getLogger(__name__)
 
-_MODEL = "patchray.sampling.model"  # rank_cache() entry: (key, model)
-_SESSION = "patchray.sampling.session"  # rank_cache() entry: RankSession
 
 
 # --------------------------------------------------------------------------------------------------- rank side
@@ -60,44 +58,6 @@ class SamplingDesync(RuntimeError):
 
     :func:`distributed_sample` stops the cluster on it, so the next call starts from a fresh group.
     """
-
-
-def rank_model(key: Hashable) -> Any:
-    """The model cached on this rank under ``key`` (raises a clear error if another key, or none, is cached)."""
-    entry = rank_cache().get(_MODEL)
-    if entry is None or entry[0] != key:
-        held = None if entry is None else entry[0]
-        raise RuntimeError(f"this rank holds model {held!r}, not {key!r}: call ship_model() before distributed_sample()")
-    return entry[1]
-
-
-def _has_model(ctx: ParallelContext, key: Hashable) -> bool:
-    entry = rank_cache().get(_MODEL)
-    return entry is not None and entry[0] == key
-
-
-_has_model.patchray_task = "checking the ranks' cached model"
-
-
-def _load_model(ctx: ParallelContext, key: Hashable, build, payload_ref, prepare, prepare_args) -> bool:
-    import ray
-
-    cache = rank_cache()
-    old = cache.pop(_MODEL, None)
-    session = cache.pop(_SESSION, None)
-    if session is not None:
-        session.close()
-    del old  # free the previous model before the new one arrives
-    gc.collect()  # host-application modules may hold reference cycles
-    if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()
-    if prepare is not None:
-        resolve_fn(prepare)(ctx, *prepare_args)
-    payload = ray.get(payload_ref)
-    model = resolve_fn(build)(ctx, payload)
-    del payload
-    cache[_MODEL] = (key, model)
-    return True
 
 
 class RankSession:
@@ -259,43 +219,6 @@ _sample_on_rank.patchray_task = "sampling"
 
 
 # ------------------------------------------------------------------------------------------------- driver side
-
-
-def ship_model(
-    cluster,
-    key: Hashable,
-    make_payload: Callable[[], Any],
-    build: Any,
-    *,
-    prepare: Any = None,
-    prepare_args: Sequence[Any] = (),
-    timeout_s: Optional[float] = None,
-    cancel_check: Optional[Callable[[], None]] = None,
-) -> bool:
-    """Make every rank hold the model ``key``; returns True when it had to be sent.
-
-    Args:
-        cluster: a :class:`~patchray.distributed.cluster.RankCluster`.
-        key: identifies the model's weights (hashable, picklable); equal keys must mean equal weights.
-        make_payload: builds what travels (called only when some rank lacks ``key``).
-        build: ``build(ctx, payload) -> model`` on each rank (a function or ``"module:function"``).
-        prepare: optional ``prepare(ctx, *prepare_args)`` run on each rank before the payload is unpickled
-            (e.g. make the host application importable).
-    """
-    import ray
-
-    have = cluster.run(_has_model, key, timeout_s=timeout_s, cancel_check=cancel_check)
-    if all(have):
-        return False
-    ref = ray.put(make_payload())
-    try:
-        cluster.run(
-            _load_model, key, fn_ref(build), ref, fn_ref(prepare) if prepare is not None else None, tuple(prepare_args),
-            timeout_s=timeout_s, cancel_check=cancel_check,
-        )
-    finally:
-        del ref
-    return True
 
 
 def distributed_sample(

@@ -1,14 +1,27 @@
-"""Shipping a model to the ranks in parts: at most one part of the weights in flight, beside the driver's own copy.
+"""Shipping a model to the ranks: the one way a model (a sampling UNet or DiT, a VAE) gets onto every rank.
 
-``remote.ship_model`` puts the whole payload into Ray's object store at once: on the first prompt the host holds the
-driver's model, the store's full copy, and whatever the ranks copy out of it. Here the ranks first receive the
-weightless skeleton (``begin``: build it, shard its blocks on the meta device, allocate what the rank holds), then the
-weights part by part (each a few hundred MB of numpy arrays, ``sampling.weights``): every rank copies its shard of each
-sharded parameter (or the whole tensor of an unsharded one) out of the store's read-only view, and the part is freed
-before the next is put. The peak above the driver's own copy is one part in the store plus what the ranks keep.
+:func:`ship_model` makes every rank hold model ``key`` in a named slot of its
+:func:`~patchray.distributed.cluster.rank_cache`, **once per key**: the driver first asks the ranks what they hold
+(one small call), and sends nothing when they all hold ``key``. Otherwise the ranks receive the weightless skeleton
+first (``begin``: build it, shard its blocks on the meta device, allocate what the rank holds), then the weights part
+by part (each a few hundred MB of numpy arrays, ``sampling.weights``): every rank copies its shard of each sharded
+parameter (or the whole tensor of an unsharded one) out of the store's read-only view, and the part is freed before
+the next is put. The peak above the driver's own copy is one part in the store plus what the ranks keep.
 
-Parameters are filled in place: a sharded parameter's local piece (FSDP2's dim-0 chunk of this rank) is copied from
-the matching rows of the full tensor, so a rank never holds a block whole; every other tensor is assigned.
+Design decisions:
+
+* **One transport for every model.** Putting a whole payload into Ray's object store at once holds the driver's
+  model, the store's full copy and whatever the ranks copy out of it, together, on the host; parts bound that to one
+  part. A model small enough not to care (a test's tiny UNet) ships the same way, with its weights inside the
+  skeleton and no parts.
+* **A slot per kind of model.** A rank holds one model per slot (:data:`MODEL_SLOT` for sampling, the VAE's own
+  slot for decode and encode): a new key replaces the slot's old model, which is freed before the new one arrives,
+  and the sampling session bound to the sampling model (:data:`SESSION_SLOT`) is closed with it.
+* **Parameters are filled in place**: a sharded parameter's local piece (FSDP2's dim-0 chunk of this rank) is copied
+  from the matching rows of the full tensor, so a rank never holds a block whole; every other tensor is copied into
+  its allocation (in the allocation's dtype).
+* ``begin``/``end``/``prepare`` are the caller's functions, sent by reference (``cluster.fn_ref``) or pickled by Ray:
+  nothing here imports a host application.
 """
 
 from __future__ import annotations
@@ -23,12 +36,17 @@ import torch.nn as nn
 from .. import comm
 from ..cluster import fn_ref, rank_cache, resolve_fn
 from ..context import ParallelContext
-from .remote import _MODEL, _SESSION, _has_model
 from .weights import from_arrays, to_arrays
 
-__all__ = ["ship_model_in_parts", "parts_by_bytes", "materialize_meta", "fill_tensors", "whole_model_device", "tensor_bytes"]
+__all__ = ["ship_model", "rank_model", "MODEL_SLOT", "SESSION_SLOT", "parts_by_bytes", "materialize_meta", "fill_tensors",
+           "whole_model_device", "tensor_bytes"]
 
-_PARTIAL = "patchray.sampling.partial_model"  # rank_cache() entry while a model arrives: (key, built, module)
+#: rank_cache() entry of the sampling model: ``(key, model)``
+MODEL_SLOT = "patchray.sampling.model"
+#: rank_cache() entry of the sampling session bound to the sampling model (closed when that model is replaced)
+SESSION_SLOT = "patchray.sampling.session"
+#: the rank_cache() entry of a slot's model while it arrives: ``(key, built, module)``
+_PARTIAL = "{}.partial"
 
 
 def parts_by_bytes(names_and_bytes: Iterable[tuple], part_bytes: int) -> list:
@@ -145,37 +163,55 @@ def fill_tensors(module: nn.Module, tensors: Dict[str, torch.Tensor], ctx: Paral
     return kept
 
 
-def _drop_previous() -> None:
+def rank_model(key: Hashable, slot: str = MODEL_SLOT) -> Any:
+    """The model this rank holds in ``slot`` under ``key`` (raises a clear error if another key, or none, is held)."""
+    entry = rank_cache().get(slot)
+    if entry is None or entry[0] != key:
+        held = None if entry is None else entry[0]
+        raise RuntimeError(f"this rank holds model {held!r}, not {key!r}: call ship_model() before using it")
+    return entry[1]
+
+
+def _has_model(ctx: ParallelContext, slot: str, key: Hashable) -> bool:
+    entry = rank_cache().get(slot)
+    return entry is not None and entry[0] == key
+
+
+_has_model.patchray_task = "checking the ranks' cached model"
+
+
+def _drop_previous(slot: str) -> None:
     cache = rank_cache()
-    old = cache.pop(_MODEL, None)
-    session = cache.pop(_SESSION, None)
-    cache.pop(_PARTIAL, None)
-    if session is not None:
-        session.close()
-    del old
-    gc.collect()
+    old = cache.pop(slot, None)
+    cache.pop(_PARTIAL.format(slot), None)
+    if slot == MODEL_SLOT:
+        session = cache.pop(SESSION_SLOT, None)
+        if session is not None:
+            session.close()
+    del old  # free the previous model before the new one arrives
+    gc.collect()  # host-application modules may hold reference cycles
 
 
-def _begin(ctx: ParallelContext, key: Hashable, begin, payload_ref, prepare, prepare_args) -> bool:
+def _begin(ctx: ParallelContext, slot: str, key: Hashable, begin, payload_ref, prepare, prepare_args) -> bool:
     import ray
 
-    _drop_previous()
+    _drop_previous(slot)
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     if prepare is not None:
         resolve_fn(prepare)(ctx, *prepare_args)
     built, module = resolve_fn(begin)(ctx, ray.get(payload_ref))
-    rank_cache()[_PARTIAL] = (key, built, module)
+    rank_cache()[_PARTIAL.format(slot)] = (key, built, module)
     return True
 
 
 _begin.patchray_task = "receiving the model"
 
 
-def _part(ctx: ParallelContext, key: Hashable, part_ref) -> int:
+def _part(ctx: ParallelContext, slot: str, key: Hashable, part_ref) -> int:
     import ray
 
-    entry = rank_cache().get(_PARTIAL)
+    entry = rank_cache().get(_PARTIAL.format(slot))
     if entry is None or entry[0] != key:  # backstop, not the guard: the driver sends begin first
         raise RuntimeError(f"a part of model {key!r} arrived before its skeleton")
     part = ray.get(part_ref)
@@ -187,66 +223,82 @@ def _part(ctx: ParallelContext, key: Hashable, part_ref) -> int:
 _part.patchray_task = "receiving the model"
 
 
-def _end(ctx: ParallelContext, key: Hashable, end) -> bool:
-    key_, built, module = rank_cache().pop(_PARTIAL)
+def _end(ctx: ParallelContext, slot: str, key: Hashable, end) -> bool:
+    key_, built, module = rank_cache().pop(_PARTIAL.format(slot))
     model = resolve_fn(end)(ctx, built) if end is not None else built
-    rank_cache()[_MODEL] = (key, model)
+    rank_cache()[slot] = (key, model)
     return True
 
 
 _end.patchray_task = "receiving the model"
 
 
-def ship_model_in_parts(
+def ship_model(
     cluster,
     key: Hashable,
     make_skeleton: Callable[[], Any],
-    names: Sequence[str],
-    tensor: Callable[[str], torch.Tensor],
     begin: Any,
     *,
+    names: Sequence[str] = (),
+    tensor: Optional[Callable[[str], torch.Tensor]] = None,
     end: Any = None,
     part_bytes: int = 256 * 1024**2,
     sizes: Optional[Dict[str, int]] = None,
     prepare: Any = None,
     prepare_args: Sequence[Any] = (),
+    slot: str = MODEL_SLOT,
     timeout_s: Optional[float] = None,
     cancel_check: Optional[Callable[[], None]] = None,
 ) -> bool:
-    """Make every rank hold model ``key``, the weights sent in parts of at most ``part_bytes``; True when sent.
+    """Make every rank hold model ``key`` in ``slot``, the weights sent in parts of at most ``part_bytes``; returns
+    True when it had to be sent.
 
     Args:
         cluster: a :class:`~patchray.distributed.cluster.RankCluster`.
-        key: identifies the weights (as for ``remote.ship_model``).
-        make_skeleton: builds the weightless payload ``begin`` receives (called only when some rank lacks ``key``).
-        names: the state-dict names of the weights, in the order to send them.
+        key: identifies the model's weights (hashable, picklable); equal keys must mean equal weights.
+        make_skeleton: builds the payload ``begin`` receives (called only when some rank lacks ``key``): the
+            weightless skeleton, or a small model whole.
+        begin: ``begin(ctx, skeleton) -> (built, module)`` on each rank (a function or ``"module:function"``): the
+            rank's object and the module whose state-dict names ``names`` are, its blocks sharded and every tensor
+            allocated (``materialize_meta``).
+        names: the state-dict names of the weights to send after the skeleton, in order (default none).
         tensor: ``tensor(name)`` -> the weight (a CPU tensor; computed per part, so a patched weight exists on the
-            driver one part at a time).
-        begin: ``begin(ctx, skeleton_payload) -> (built, module)``: the rank's object and the module whose state-dict
-            names ``names`` are, its blocks sharded and every tensor allocated (``materialize_meta``).
+            driver one part at a time). Required with ``names``.
         end: ``end(ctx, built) -> model`` once every part arrived (default: ``built``).
         sizes: bytes per name (to cut the parts without computing the tensors first); default: computed.
+        prepare: ``prepare(ctx, *prepare_args)`` on each rank before the skeleton is unpickled (e.g. make the host
+            application importable).
+        slot: the rank_cache() entry the model goes to (:data:`MODEL_SLOT`: the sampling model).
+
+    Example::
+
+        >>> ship_model(cluster, ("unet", digest), lambda: {"config": cfg}, build_on_meta,
+        ...            names=list(sd), tensor=sd.__getitem__)
+        True
     """
     import ray
 
-    have = cluster.run(_has_model, key, timeout_s=timeout_s, cancel_check=cancel_check)
+    if names and tensor is None:
+        raise ValueError("ship_model: names need tensor= (a function returning each named weight)")
+    have = cluster.run(_has_model, slot, key, timeout_s=timeout_s, cancel_check=cancel_check)
     if all(have):
         return False
     ref = ray.put(make_skeleton())
     try:
-        cluster.run(_begin, key, fn_ref(begin), ref, fn_ref(prepare) if prepare is not None else None, tuple(prepare_args),
-                    timeout_s=timeout_s, cancel_check=cancel_check)
+        cluster.run(_begin, slot, key, fn_ref(begin), ref, fn_ref(prepare) if prepare is not None else None,
+                    tuple(prepare_args), timeout_s=timeout_s, cancel_check=cancel_check)
     finally:
         del ref
-    if sizes is None:
+    names = list(names)
+    if names and sizes is None:
         sizes = {n: tensor(n).numel() * tensor(n).element_size() for n in names}
     for group in parts_by_bytes(((n, sizes[n]) for n in names), part_bytes):
         arrays, views = to_arrays({n: tensor(n) for n in group})
         ref = ray.put({"arrays": arrays, "views": views})
         del arrays
         try:
-            cluster.run(_part, key, ref, timeout_s=timeout_s, cancel_check=cancel_check)
+            cluster.run(_part, slot, key, ref, timeout_s=timeout_s, cancel_check=cancel_check)
         finally:
             del ref
-    cluster.run(_end, key, fn_ref(end) if end is not None else None, timeout_s=timeout_s, cancel_check=cancel_check)
+    cluster.run(_end, slot, key, fn_ref(end) if end is not None else None, timeout_s=timeout_s, cancel_check=cancel_check)
     return True

@@ -6,8 +6,9 @@ them on the cluster and keeps every public name in one place.
 
 Design decisions:
 
-* **Weights travel once per VAE** (:mod:`.rank_tasks`): later calls send only the content key; a rebuilt cluster
-  is sent the weights again exactly when a rank asks for them.
+* **Weights travel once per VAE and dtype**, by the one model transport (``sampling.ship.ship_model``, into the
+  ranks' VAE slot, :mod:`.rank_tasks`): each call first asks the ranks whether they hold it, so a rebuilt cluster
+  is sent the weights again; a rank replaced between that question and the call asks for them and is sent them.
 * **balance** (``"equal"`` / ``"speed"``): row-mode bands are equal, or proportional to each rank's measured
   throughput (``topology.throughput``: a short fixed workload, measured once per cluster configuration and
   agreed by every rank). The same figures travel to every rank with the call, so every rank derives the same band
@@ -40,7 +41,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 
 from .checks import MODES, check_decode_input, check_input, check_latent, choose_mode, row_tiled_plan, tile_plan_for
-from .rank_tasks import NeedWeights, decode_task, encode_task
+from .rank_tasks import VAE_SLOT, NeedWeights, begin_vae, decode_task, encode_task, end_vae, vae_key
 from .spec import VaeSpec, latent_channels, latent_frames_hw, resolve_dtype, spec_for_family, spec_from_diffusers
 
 __all__ = [
@@ -97,20 +98,31 @@ class RunControls:
         return dict(cancel_check=self.cancel_check, timeout_s=self.timeout_s, progress=progress or self.progress)
 
 
-def _run_with_weights(cluster, task: Callable, spec: VaeSpec, *args, controls: RunControls = RunControls(), progress=None):
-    loaded = cluster.__dict__.setdefault("_patchray_weights_on_ranks", set())
-    send = spec.state_dict is not None and spec.key not in loaded
+def _ship_vae(cluster, spec: VaeSpec, dtype: torch.dtype, controls: RunControls) -> None:
+    """Make every rank hold ``spec``'s VAE in ``dtype`` (nothing to send for a synthetic VAE or a key-only spec)."""
+    if spec.state_dict is None:
+        return
+    from ..sampling.ship import ship_model
+
+    weights = spec.state_dict
+    ship_model(cluster, vae_key(spec, dtype), lambda: {"family": spec.family, "config": spec.config, "dtype": dtype},
+               begin_vae, names=list(weights), tensor=weights.__getitem__, end=end_vae, slot=VAE_SLOT,
+               timeout_s=controls.timeout_s, cancel_check=controls.cancel_check)
+
+
+def _run_with_weights(cluster, task: Callable, spec: VaeSpec, dtype: torch.dtype, *args, controls: RunControls = RunControls(),
+                      progress=None):
+    """``task(ctx, spec without weights, *args, dtype, ...)`` on every rank, the VAE shipped first."""
     meta = spec._replace(state_dict=None)
     kw = controls.run_kwargs(progress)
+    _ship_vae(cluster, spec, dtype, controls)
     try:
-        results = cluster.run(task, meta, spec.state_dict if send else None, *args, **kw)
+        return cluster.run(task, meta, *args, **kw)
     except Exception as exc:
         if spec.state_dict is None or not _is_need_weights(exc):
             raise
-        results = cluster.run(task, meta, spec.state_dict, *args, **kw)
-    if spec.state_dict is not None:
-        loaded.add(spec.key)
-    return results
+        _ship_vae(cluster, spec, dtype, controls)  # a rank was replaced after the weights were shipped
+        return cluster.run(task, meta, *args, **kw)
 
 
 def _is_need_weights(exc: BaseException) -> bool:
@@ -294,7 +306,7 @@ def decode_report(cluster, spec: VaeSpec, z: torch.Tensor, options: Optional[Dec
     relay = _Monotonic(controls.progress)
     while True:
         try:
-            results = _run_with_weights(cluster, decode_task, spec, z, mode, plan, dt, gn_sync,
+            results = _run_with_weights(cluster, decode_task, spec, dt, z, mode, plan, dt, gn_sync,
                                         weights if mode == "row" else None, controls=controls, progress=relay.sink if relay else None)
             break
         except Exception as exc:
@@ -369,5 +381,5 @@ def distributed_encode(cluster, spec: VaeSpec, x: torch.Tensor, options: Optiona
     weights = _band_weights(cluster, opts.balance)
     if weights is not None:
         check_input(spec, x, cluster.config.num_ranks, weights)
-    results = _run_with_weights(cluster, encode_task, spec, x.detach().cpu(), dt, weights, controls=controls)
+    results = _run_with_weights(cluster, encode_task, spec, dt, x.detach().cpu(), dt, weights, controls=controls)
     return results[0]

@@ -2,10 +2,11 @@
 
 Design decisions:
 
-* **Weights travel once per VAE.** The first call on a cluster puts the state dict into Ray's object store once
-  (every rank reads the same object) and each rank builds the diffusers model and keeps it in its
-  :func:`~patchray.distributed.cluster.rank_cache` under ``(key, dtype)``. Later calls send only the key; a rank
-  without the model raises :class:`NeedWeights` and the driver resends (a rebuilt cluster starts empty).
+* **Weights travel once per VAE and dtype, the way every model does** (``sampling.ship.ship_model``): the
+  skeleton (family, config, dtype) first, which each rank builds on the meta device and allocates on its device
+  (:func:`begin_vae`), then the state dict in parts. A rank keeps one VAE, in :data:`VAE_SLOT` of its
+  :func:`~patchray.distributed.cluster.rank_cache`; a task finds it there by :func:`vae_key`. A rank without it (one
+  replaced after the driver shipped) raises :class:`NeedWeights` and the driver ships again.
 * **The output goes to the caller only.** Row and tile-runs modes gather the image to group rank 0; the other ranks
   return ``None``, so only one copy crosses back to the driver.
 * **A rank that runs out of memory frees what its call allocated before it returns** (the driver may retry).
@@ -15,38 +16,57 @@ Design decisions:
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Optional
 
 import torch
 
 from ..context import ParallelContext
 from .spec import VaeSpec
 
-__all__ = ["decode_task", "encode_task", "NeedWeights"]
+__all__ = ["decode_task", "encode_task", "NeedWeights", "VAE_SLOT", "vae_key", "begin_vae", "end_vae"]
+
+#: the rank_cache() entry of the rank's VAE: ``(vae_key(spec, dtype), vae)``; a new VAE or dtype replaces it
+VAE_SLOT = "patchray.vae.model"
 
 
-def _rank_vae(ctx: ParallelContext, spec: VaeSpec, weights: Optional[Mapping[str, torch.Tensor]], dtype: torch.dtype):
+def vae_key(spec: VaeSpec, dtype: torch.dtype) -> tuple:
+    """What a rank's VAE is cached under: the spec's content key and the dtype it computes in."""
+    return ("vae", spec.key, str(dtype))
+
+
+def begin_vae(ctx: ParallelContext, skeleton: dict):
+    """``ship_model``'s ``begin`` for a VAE: the diffusers model of ``skeleton["family"]`` / ``["config"]`` built on
+    the meta device and allocated on the rank's device in ``skeleton["dtype"]``; the parts fill it."""
+    from ..sampling.ship import materialize_meta
+    from .families import instantiate
+
+    with torch.device("meta"):
+        vae = instantiate(skeleton["family"], skeleton["config"])
+    vae = vae.to(dtype=skeleton["dtype"])
+    materialize_meta(vae, ctx.device)
+    return vae, vae
+
+
+def end_vae(ctx: ParallelContext, vae):
+    return vae.eval()
+
+
+def _rank_vae(ctx: ParallelContext, spec: VaeSpec, dtype: torch.dtype):
     from ..cluster import rank_cache
-    from .families import build_vae, instantiate
+    from .families import build_vae
 
     cache = rank_cache()
-    key = ("vae", spec.key, str(dtype), str(ctx.device))
-    vae = cache.get(key)
-    if vae is not None:
-        return vae
-    if spec.config is None:
-        vae = build_vae(spec.family, size=spec.size, seed=int(spec.key.rsplit(":", 1)[-1]) if spec.key.startswith("synthetic:") else 0, dtype=dtype, device=ctx.device)
-    else:
-        if weights is None:
-            raise NeedWeights(spec.key)
-        with torch.device("meta"):
-            vae = instantiate(spec.family, spec.config)
-        vae.load_state_dict(dict(weights), assign=True)
-        vae = vae.to(device=ctx.device, dtype=dtype).eval()
-    # keep one VAE per dtype/device at a time: a new checkpoint replaces the old one
-    for old in [k for k in cache if isinstance(k, tuple) and k and k[0] == "vae"]:
-        del cache[old]
-    cache[key] = vae
+    key = vae_key(spec, dtype)
+    entry = cache.get(VAE_SLOT)
+    if entry is not None and entry[0] == key:
+        return entry[1]
+    if spec.config is not None:  # a shipped VAE this rank does not hold
+        raise NeedWeights(spec.key)
+    # a synthetic VAE (benchmarks, tests): built here from its seed, never shipped
+    cache.pop(VAE_SLOT, None)
+    seed = int(spec.key.rsplit(":", 1)[-1]) if spec.key.startswith("synthetic:") else 0
+    vae = build_vae(spec.family, size=spec.size, seed=seed, dtype=dtype, device=ctx.device)
+    cache[VAE_SLOT] = (key, vae)
     return vae
 
 
@@ -80,14 +100,14 @@ def _release_after_oom(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def decode_task(ctx: ParallelContext, spec: VaeSpec, weights, z: torch.Tensor, mode: str, plan: Optional[dict], dtype: torch.dtype,
+def decode_task(ctx: ParallelContext, spec: VaeSpec, z: torch.Tensor, mode: str, plan: Optional[dict], dtype: torch.dtype,
                 gn_sync: bool, band_weights=None):
     from .planner import TilePlan
     from .row import row_decode
     from .stages import stage_progress
     from .tiled import decode_row_tiled, decode_tile_runs
 
-    vae = _rank_vae(ctx, spec, weights, dtype)
+    vae = _rank_vae(ctx, spec, dtype)
     z = z.to(device=ctx.device)
     oom = None
     try:
@@ -109,11 +129,11 @@ def decode_task(ctx: ParallelContext, spec: VaeSpec, weights, z: torch.Tensor, m
 decode_task.patchray_task = "decoding"
 
 
-def encode_task(ctx: ParallelContext, spec: VaeSpec, weights, x: torch.Tensor, dtype: torch.dtype, band_weights=None):
+def encode_task(ctx: ParallelContext, spec: VaeSpec, x: torch.Tensor, dtype: torch.dtype, band_weights=None):
     from .row import row_encode
     from .stages import stage_progress
 
-    vae = _rank_vae(ctx, spec, weights, dtype)
+    vae = _rank_vae(ctx, spec, dtype)
     x = x.to(device=ctx.device)
     oom = None
     try:

@@ -385,7 +385,7 @@ def _gguf_payload(mp, live: dict) -> dict:
 
 
 def portable_parts(mp, mode: str = "sequence", ignore: tuple = ()):
-    """The MODEL for ``sampling.ship.ship_model_in_parts``: ``(key, make_skeleton, names, tensor, sizes)``.
+    """The MODEL for ``sampling.ship.ship_model``: ``(key, make_skeleton, names, tensor, sizes)``.
 
     The key is :func:`model_key`; the weights are produced one at a time (``tensor(name)``: the patched weight on
     the host), so neither a full patched copy nor a full copy in Ray's store ever exists beside ComfyUI's own weights.

@@ -40,13 +40,13 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from . import ksampler_rank
 from . import model as bridge_model
 from . import runtime_check
 from . import shard_models as bridge_shard
 from . import validate
 from .errors import rank_errors_for_user
 from .sampling_options import SamplingOptions
-from .shim import CANONICAL
 from .travel import travel_by_value
 
 __all__ = [
@@ -56,7 +56,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_RANK = f"{CANONICAL}.nodes.bridge.ksampler_rank"
 
 #: the key PatchRay files its OUTER_SAMPLE wrapper under (one per MODEL: patching again replaces it)
 OUTER_KEY = "patchray.parallel_model"
@@ -232,7 +231,7 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
     from ...distributed.cluster import get_cluster
     from ...distributed.sampling.config import LayerMode, OutputMode
     from ...distributed.sampling.remote import distributed_sample
-    from ...distributed.sampling.ship import ship_model_in_parts
+    from ...distributed.sampling.ship import ship_model
     from ...distributed.topology.throughput import cluster_band_weights
     from .dit_layout import plan_layout
     from .dit_models import cond_refusal, find_row
@@ -327,7 +326,7 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
         free_min = total_min = None
         host_ranks = False
         if n > 1:
-            mem = rank_cluster.run(f"{_RANK}:device_memory", timeout_s=60.0, cancel_check=hooks.cancel_check)
+            mem = rank_cluster.run(ksampler_rank.device_memory, timeout_s=60.0, cancel_check=hooks.cancel_check)
             # a size no rank can hold is refused here, before any weight ships or a rank allocates
             check_call_memory(mp, tuple(latent.shape), layout, mem)
             if sharding == "auto":
@@ -347,7 +346,7 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
         if cost is not None:
             # the shards go to pinned host memory: refuse, before any weight ships, a machine whose available memory
             # cannot hold its ranks' shards
-            hosts = rank_cluster.run(f"{_RANK}:host_memory", timeout_s=60.0, cancel_check=hooks.cancel_check)
+            hosts = rank_cluster.run(ksampler_rank.host_memory, timeout_s=60.0, cancel_check=hooks.cancel_check)
             log.info("PatchRay: sharding=blocks+offload: %s", bridge_shard.check_host_memory(dm, n, hosts))
         key = key + (("sharding", resolved),)  # a sharded model and a whole one are different things on the ranks
 
@@ -356,15 +355,16 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
 
         # the weights travel a part at a time (numpy views of Ray's shared store): beside ComfyUI's own weights the
         # host holds at most one part in flight (sampling/ship.py)
-        ship_model_in_parts(
-            rank_cluster, key, make_payload, names, tensor, f"{_RANK}:begin_parts", end=f"{_RANK}:end_parts", sizes=sizes,
-            prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=hooks.cancel_check,
+        ship_model(
+            rank_cluster, key, make_payload, ksampler_rank.begin_parts, names=names, tensor=tensor,
+            end=ksampler_rank.end_parts, sizes=sizes, prepare=ksampler_rank.prepare, prepare_args=(root,),
+            cancel_check=hooks.cancel_check,
         )
         start = time.perf_counter()
         try:
             result = distributed_sample(
-                rank_cluster, key, f"{_RANK}:sample", inputs, config,
-                prepare=f"{_RANK}:prepare", prepare_args=(root,), cancel_check=hooks.cancel_check, progress=progress,
+                rank_cluster, key, ksampler_rank.sample, inputs, config,
+                prepare=ksampler_rank.prepare, prepare_args=(root,), cancel_check=hooks.cancel_check, progress=progress,
                 timeout_s=cluster_config.call_timeout_s, band_weights=weights, return_traffic=True,
             )
         except Exception as exc:

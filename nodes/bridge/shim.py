@@ -17,8 +17,9 @@ before any node module is imported):
    maps the names; the module is executed once, under the canonical name). So every class and function of
    ``distributed/`` the nodes reach has ``__module__`` ``patchray.distributed...`` and Ray pickles it by a name the
    ranks can import; ``distributed/`` itself always runs as ``patchray.distributed``.
-3. The node modules keep ComfyUI's name (``<pack>.nodes...``): nothing of theirs travels to the ranks. The code the
-   ranks run from the bridge is named by its canonical string (``patchray.nodes.bridge.ksampler_rank:sample``).
+3. The node modules keep ComfyUI's name (``<pack>.nodes...``): no object of theirs travels to the ranks. The code the
+   ranks run from the bridge is passed as the function itself, and the cluster sends it by its canonical name
+   (``patchray.nodes.bridge.ksampler_rank:sample``: ``cluster.fn_ref`` names a function by its file in the pack).
 4. If another package named ``patchray`` shadows this pack, importing the nodes fails with an ``ImportError``
    that says so, rather than running two copies of the library.
 """

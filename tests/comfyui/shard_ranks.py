@@ -181,7 +181,7 @@ def _rank(ctx, opts):
                 for k, t in shipped.items())
         finals = {}
         for sharding in ("none", "blocks", "blocks+offload"):
-            # what ship_model_in_parts does, without Ray: the skeleton, then the weights in parts (numpy, viewed)
+            # what ship_model does, without Ray: the skeleton, then the weights in parts (numpy, viewed)
             built, module = kr.begin_parts(ctx, dict(make_skeleton(), sharding=sharding))
             for group in parts_by_bytes(((n, sizes[n]) for n in names), 64 * 1024):
                 arrays, views = to_arrays({n: tensor(n) for n in group})

@@ -25,6 +25,12 @@ def prepare(ctx, tag):
     rank_cache().setdefault("test.prepared", []).append(tag)
 
 
+def begin(ctx, payload):
+    """``ship_model``'s ``begin``: the tiny UNet arrives whole with the skeleton (no parts)."""
+    unet = build(ctx, payload)
+    return unet, unet
+
+
 def build(ctx, payload):
     from diffusers import UNet2DConditionModel
 

@@ -169,13 +169,14 @@ def test_row_decode_across_nodes_equals_the_single_rank_decode(nodes):
 
 def test_patch_parallel_sampling_across_nodes_full_sync_equals_one_rank(nodes):
     from patchray.distributed.sampling.config import preset
-    from patchray.distributed.sampling.remote import distributed_sample, ship_model
+    from patchray.distributed.sampling.remote import distributed_sample
+    from patchray.distributed.sampling.ship import ship_model
 
     from . import remote_tasks as tasks
 
     cluster = get_cluster(_config(nodes))
     payload, inp = tasks.make_payload(0), tasks.inputs(steps=3)
-    ship_model(cluster, ("tiny-sdxl", 0), lambda: payload, tasks.build)
+    ship_model(cluster, ("tiny-sdxl", 0), lambda: payload, tasks.begin)
     out = distributed_sample(cluster, ("tiny-sdxl", 0), tasks.sample, inp, preset("full_sync", split_batch=False))
     ref = tasks.reference(payload, inp)
     # the tolerance of test_remote_sampling.py: fp32 patch parallelism reorders sums

@@ -9,7 +9,8 @@ import torch
 
 from patchray.distributed.cluster import get_cluster
 from patchray.distributed.sampling.config import preset
-from patchray.distributed.sampling.remote import distributed_sample, ship_model
+from patchray.distributed.sampling.remote import distributed_sample
+from patchray.distributed.sampling.ship import ship_model
 
 from ..conftest import TEST_PYTHONPATH
 from . import remote_tasks as tasks
@@ -40,8 +41,8 @@ def test_full_sync_equals_single_process_and_model_is_cached(n):
         return payload
 
     key = ("tiny-sdxl", 0)
-    assert ship_model(cluster, key, make, tasks.build, prepare=tasks.prepare, prepare_args=("ship",)) is True
-    assert ship_model(cluster, key, make, tasks.build, prepare=tasks.prepare, prepare_args=("ship",)) is False
+    assert ship_model(cluster, key, make, tasks.begin, prepare=tasks.prepare, prepare_args=("ship",)) is True
+    assert ship_model(cluster, key, make, tasks.begin, prepare=tasks.prepare, prepare_args=("ship",)) is False
     assert made == [1], "the payload is built only when a rank lacks the key"
 
     seen = []
@@ -75,7 +76,7 @@ def test_otil_then_full_sync_and_a_new_key():
     inp = tasks.inputs()
     ref = tasks.reference(payload, inp)
     key = ("tiny-sdxl", 0)
-    ship_model(cluster, key, lambda: payload, tasks.build)
+    ship_model(cluster, key, lambda: payload, tasks.begin)
     otil = distributed_sample(cluster, key, tasks.sample, inp, preset("otil", split_batch=False, warmup_steps=2), return_traffic=True)
     # OTIL is approximate after warm-up (stale halos/K/V, top-k output blocks) but stays close on six steps
     rel = _rel(otil["latent"], ref)
@@ -87,7 +88,7 @@ def test_otil_then_full_sync_and_a_new_key():
 
     # a new key replaces the cached model
     other = tasks.make_payload(1)
-    assert ship_model(cluster, ("tiny-sdxl", 1), lambda: other, tasks.build) is True
+    assert ship_model(cluster, ("tiny-sdxl", 1), lambda: other, tasks.begin) is True
     out = distributed_sample(cluster, ("tiny-sdxl", 1), tasks.sample, inp, preset("full_sync", split_batch=False))
     assert _rel(out["latent"], tasks.reference(other, inp)) < 2e-5
     with pytest.raises(RuntimeError, match="call ship_model"):
@@ -100,7 +101,7 @@ def test_a_runs_info_reaches_the_caller_and_does_not_outlive_the_run():
     cluster = _cluster(2)
     payload = tasks.make_payload(0)
     key = ("tiny-sdxl", 0)
-    ship_model(cluster, key, lambda: payload, tasks.build)
+    ship_model(cluster, key, lambda: payload, tasks.begin)
     inp = tasks.inputs(steps=2)
     out = distributed_sample(cluster, key, tasks.sample_with_info, inp, preset("full_sync", split_batch=False))
     assert out["info"] == {"seen": {"rank": 0, "steps": 2}}, out.get("info")
@@ -113,7 +114,7 @@ def test_sampler_error_is_raised_and_next_run_works():
     cluster = _cluster(2)
     payload = tasks.make_payload(0)
     key = ("tiny-sdxl", 0)
-    ship_model(cluster, key, lambda: payload, tasks.build)
+    ship_model(cluster, key, lambda: payload, tasks.begin)
     with pytest.raises(ValueError, match="bad sampler input"):
         distributed_sample(cluster, key, tasks.refuse, tasks.inputs(), preset("full_sync", split_batch=False))
     with pytest.raises(TypeError, match="PatchConfig"):
@@ -130,14 +131,14 @@ def test_failures_after_the_collectives_began_stop_the_cluster_and_the_next_run_
     cluster = _cluster(2)
     payload = tasks.make_payload(0)
     key = ("tiny-sdxl", 0)
-    ship_model(cluster, key, lambda: payload, tasks.build)
+    ship_model(cluster, key, lambda: payload, tasks.begin)
     with pytest.raises(RankFailure, match=message):
         distributed_sample(cluster, key, getattr(tasks, task), tasks.inputs(), preset("full_sync", split_batch=False))
     assert cluster.broken, "a group whose collectives may be out of step must not be reused"
     fresh = _cluster(2)
     assert fresh is not cluster
     inp = tasks.inputs(steps=2)
-    ship_model(fresh, key, lambda: payload, tasks.build)
+    ship_model(fresh, key, lambda: payload, tasks.begin)
     out = distributed_sample(fresh, key, tasks.sample, inp, preset("full_sync", split_batch=False))
     assert _rel(out["latent"], tasks.reference(payload, inp)) < 2e-5
 

@@ -30,7 +30,8 @@ def test_row_decode_and_encode_equal_single_process_and_weights_travel_once():
     def cached_vae_keys(ctx):  # defined here so Ray sends it by value (this test module is not importable on the ranks)
         from patchray.distributed.cluster import rank_cache
 
-        return [k[1] for k in rank_cache() if isinstance(k, tuple) and k and k[0] == "vae"]
+        entry = rank_cache().get("patchray.vae.model")  # rank_tasks.VAE_SLOT: (("vae", key, dtype), vae)
+        return [] if entry is None else [entry[0][1]]
 
     # what the ranks hold, asked of the ranks: one VAE each, under this spec's key
     assert cluster.run(cached_vae_keys) == [[spec.key], [spec.key]]

@@ -86,10 +86,11 @@ class _Mix:
 
     def sample(self, steps=None, cancel_check=None, config=None):
         from patchray.distributed.sampling.config import preset
-        from patchray.distributed.sampling.remote import distributed_sample, ship_model
+        from patchray.distributed.sampling.remote import distributed_sample
+        from patchray.distributed.sampling.ship import ship_model
 
         cluster = self.cluster(config)
-        ship_model(cluster, self.key, lambda: self.payload, self.tasks.build, cancel_check=cancel_check)
+        ship_model(cluster, self.key, lambda: self.payload, self.tasks.begin, cancel_check=cancel_check)
         inp = self.tasks.inputs(steps=steps or 3)
         out = distributed_sample(cluster, self.key, self.tasks.sample, inp, preset("full_sync", split_batch=False),
                                  cancel_check=cancel_check)

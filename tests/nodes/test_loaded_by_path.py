@@ -34,9 +34,25 @@ def test_nodes_use_the_canonical_library_and_start_ranks(tmp_path):
         assert type(config) is canonical.ClusterConfig
         check = canonical.check_cluster(config)  # a real all_reduce and neighbour exchange on the ranks
         assert check["ready_ranks"] == 2 and check["all_reduce_ok"] and check["p2p_ok"]
+        # the bridge passes its rank functions themselves: they travel by the name the ranks import
+        rank_module = importlib.import_module(f"{name}.nodes.bridge.ksampler_rank")
+        assert rank_module.__name__ != "patchray.nodes.bridge.ksampler_rank"
+        assert canonical.fn_ref(rank_module.sample) == "patchray.nodes.bridge.ksampler_rank:sample"
+        assert canonical.resolve_fn(canonical.fn_ref(rank_module.device_memory)).__module__ == "patchray.nodes.bridge.ksampler_rank"
     finally:
         for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
             del sys.modules[key]
+
+
+def test_only_the_packaged_folders_travel_by_name():
+    from patchray.distributed.cluster import fn_ref
+    from patchray.distributed.sampling.ship import ship_model
+
+    from ..distributed import remote_tasks  # a test module: in the checkout, not in the package the ranks import
+
+    assert fn_ref(ship_model) == "patchray.distributed.sampling.ship:ship_model"
+    assert fn_ref(remote_tasks.begin) is remote_tasks.begin
+    assert fn_ref(print) is print and fn_ref("patchray.x:y") == "patchray.x:y"
 
 
 def test_the_shim_and_the_cluster_stage_one_folder():

@@ -4,7 +4,7 @@ CPU ranks or GPU ranks.
 The driver builds a diffusers transformer with random weights in host memory (ComfyUI's loaded model, which the node
 ships), then ships it to the ranks in one of three transports (``torch``: the state dict's tensors pickled in one
 payload, PatchRay's former transport; ``numpy``: one payload of ``sampling.weights.to_arrays`` views; ``parts``:
-``sampling.ship.ship_model_in_parts``, the skeleton first, then the weights a part at a time, the node's transport)
+``sampling.ship.ship_model``, the skeleton first, then the weights a part at a time, the node's transport)
 with sharding ``none``, ``blocks`` (``parallel.shard``) or, for comparison, ``none-host`` (the node's former placement
 of a whole model: allocated on the host, moved to the rank's device once every part arrived, as ComfyUI's loader does),
 and runs a forward on the ranks (the first prompt), then two more (later prompts). A thread samples, every 50 ms, the
@@ -258,6 +258,12 @@ def _build(ctx, payload):
     return (model.eval(), handle)
 
 
+def _begin_whole(ctx, payload):
+    """``ship_model``'s ``begin`` for the one-payload transports: the whole model arrives with the skeleton."""
+    built = _build(ctx, payload)
+    return built, built[0]
+
+
 def _run_model(model, model_name: str, device: torch.device, dtype: str, run_blocks: int) -> float:
     """The norm of one forward of ``model`` on the bench's input (through the first ``run_blocks`` blocks of each
     stack and the head when > 0)."""
@@ -283,7 +289,7 @@ def _forward(ctx, model_name: str, dtype: str, run_blocks: int = 0):
     stack are identical, and a whole FLUX.1 forward on ranks sharing a GPU under gloo pushes the whole 24 GB through
     gloo's host staging on every rank); the output's norm."""
     from patchray.distributed.cluster import rank_cache
-    from patchray.distributed.sampling.remote import _MODEL
+    from patchray.distributed.sampling.ship import MODEL_SLOT as _MODEL
 
     model, _ = rank_cache()[_MODEL][1]
     return _run_model(model, model_name, ctx.device, dtype, run_blocks)
@@ -309,7 +315,7 @@ def _rank_report(ctx):
     clears the GPU peak."""
     from patchray.distributed import comm
     from patchray.distributed.cluster import rank_cache
-    from patchray.distributed.sampling.remote import _MODEL
+    from patchray.distributed.sampling.ship import MODEL_SLOT as _MODEL
 
     model, _ = rank_cache()[_MODEL][1]
     local = [comm.local_shard(p) for p in model.parameters()]
@@ -385,8 +391,7 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
     from patchray.distributed.bench import dit_models
     from patchray.distributed.cluster import ClusterConfig, get_cluster, shutdown_cluster
     from patchray.distributed.parallel.shard import find_units
-    from patchray.distributed.sampling.remote import ship_model
-    from patchray.distributed.sampling.ship import ship_model_in_parts
+    from patchray.distributed.sampling.ship import ship_model
     from patchray.distributed.sampling.weights import to_arrays
 
     cases = [tuple(c) if len(c) > 2 else (c[0], c[1], model) for c in cases]
@@ -445,11 +450,11 @@ def measure(cases: Sequence[tuple], ranks: int = 2, part_bytes: int = 32 * 1024*
             t0 = time.perf_counter()
             with _Sampler() as ship:
                 if transport == "parts":
-                    ship_model_in_parts(cluster, key, lambda: {"model": model, "dtype": dtype, "sharding": sharding},
-                                        list(persistent), persistent.__getitem__, _begin_model, end=_end_model,
-                                        part_bytes=part_bytes, sizes={k: v.numel() * v.element_size() for k, v in persistent.items()})
+                    ship_model(cluster, key, lambda: {"model": model, "dtype": dtype, "sharding": sharding}, _begin_model,
+                               names=list(persistent), tensor=persistent.__getitem__, end=_end_model,
+                               part_bytes=part_bytes, sizes={k: v.numel() * v.element_size() for k, v in persistent.items()})
                 else:
-                    ship_model(cluster, key, make_payload, _build)
+                    ship_model(cluster, key, make_payload, _begin_whole)
             ship_s = time.perf_counter() - t0
             after_ship = _breakdown(os.getpid())
             t0 = time.perf_counter()
