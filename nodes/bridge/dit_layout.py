@@ -4,7 +4,7 @@ and batch rows. Pure bookkeeping (no ComfyUI, no torch.distributed): tested in C
 Modes (every one exact: the stock KSampler's result within floating-point reordering):
 
 * ``sequence`` — every rank takes a band of latent rows (all frames) of every model call. DiTs: tokens sharded,
-  attention over all tokens (:mod:`.dit_models`); UNets: PatchRay's row-band patch parallelism with the preset.
+  attention over all tokens (the family table, :mod:`.families`); UNets: PatchRay's row-band patch parallelism with the preset.
 * ``cfg`` — two ranks: one evaluates the conditional, the other the unconditional prediction, and they exchange
   the two outputs once per step (ComfyUI's CALC_COND_BATCH extension point). Works for every model.
 * ``cfg+sequence`` — ``cfg`` between two groups of N/2 ranks, each group sequence-parallel (4 ranks = 2 x 2).
