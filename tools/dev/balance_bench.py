@@ -185,7 +185,8 @@ def run_balance(args) -> dict:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     load_before = os.getloadavg()
     # the rank function by its importable name (run as ``-m``, this module is ``__main__`` in the driver only)
-    rank_fn = importlib.import_module(__spec__.name).balance_rank if __name__ == "__main__" else balance_rank
+    as_module = __name__ == "__main__" and __spec__ is not None
+    rank_fn = importlib.import_module(__spec__.name).balance_rank if as_module else balance_rank
     results = run_ranks(rank_fn, len(args.threads), args.family, args.size, args.height, args.width, args.rounds,
                         args.timeout_s, tuple(args.nice or ()), tuple(args.share_core or ()), threads=tuple(args.threads),
                         timeout_s=args.timeout_s)
