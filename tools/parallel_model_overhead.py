@@ -107,7 +107,7 @@ def _rank(ctx, opts):
     mp, width, pooled = build(opts["model"], opts["tiny"], device, dtype)
     latent, cfg_scale, inputs = _inputs(opts["model"], opts["tiny"], opts["height"], opts["width"], opts["frames"],
                                         opts["steps"], width, pooled)
-    pm._travel_by_value = lambda *a, **k: None  # pickling for Ray is not what this measures (no Ray here)
+    pm.travel_by_value = lambda *a, **k: None  # pickling for Ray is not what this measures (no Ray here)
     layout = plan_layout("sequence", ctx.world_size, cfg_scale, 1, sequence_refusal=None)
     run = rank_run_inputs(mp, dict(inputs), layout, "dit", "auto")
 
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
         cond = lambda: [[torch.randn(1, 512, width, generator=g), {}]]  # noqa: E731
         cfg_scale = 5.0
     inputs = sampling_inputs(latent, None, cond(), cond(), "euler", cfg_scale, steps=args.steps)
-    pm._travel_by_value = lambda *a, **k: None  # pickling for Ray is not what this measures (no Ray here)
+    pm.travel_by_value = lambda *a, **k: None  # pickling for Ray is not what this measures (no Ray here)
     layout = plan_layout("auto", 1, cfg_scale, 1, sequence_refusal=None)
     rank_inputs = rank_run_inputs(mp, dict(inputs), layout, "dit", "auto")
     ctx = ParallelContext.single(device)
