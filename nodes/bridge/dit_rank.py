@@ -251,6 +251,10 @@ class DitSequence:
             if rest:
                 raise TypeError(f"{path}: unexpected positional attention arguments {len(rest)}")
             bhld = bool(kwargs.get("skip_reshape", False))
+            if not bhld and v.dim() == 4 and q.dim() == 3:
+                # SD3's MMDiT passes q and k as [B, L, H * D] and v as [B, L, H, D] (ComfyUI's kernels view all three
+                # per head alike): the same tokens, laid out as q
+                v = v.reshape(v.shape[0], v.shape[1], -1)
             keep_heads = bool(kwargs.pop("skip_output_reshape", False))
             # an attention kernel the user chose (another node's override, or a ComfyUI attention other than PyTorch's,
             # e.g. --use-sage-attention): auto keeps it rather than overlapping with PyTorch's kernel

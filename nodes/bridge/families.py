@@ -113,6 +113,9 @@ class ModelFamily(NamedTuple):
             (``distributed/parallel/seq_modulation.py``); ``()``: none.
         grid_conds: CONDITIONING keys whose tensors lie on the latent's grid (``[..., H, W]``, a stream's frames and
             masks): the runtime exactness check crops them with the latent (``ksampler_rank.verify_sequence``).
+        entry: the ComfyUI wrapper point (``comfy.patcher_extension.WrappersMP``) the rank's sequence wrapper sits
+            on: ``DIFFUSION_MODEL`` (around the class's ``_forward``), or ``APPLY_MODEL`` (around
+            ``BaseModel.apply_model``) for a class whose forward calls no DIFFUSION_MODEL wrapper (SD3's MMDiT).
     """
 
     family: str
@@ -136,6 +139,7 @@ class ModelFamily(NamedTuple):
     text_whole: Mapping[str, str] = {}
     modulation: Tuple[str, ...] = ()
     grid_conds: Tuple[str, ...] = ()
+    entry: str = "DIFFUSION_MODEL"
 
     @property
     def sequence(self) -> bool:
@@ -314,6 +318,25 @@ FAMILIES: Tuple[ModelFamily, ...] = (
             "txt_byt5": "ByT5 glyph tokens (HunyuanImage 2.1) join the text after the token refiner",
         },
         modulation=_FLUX_MODULATION,
+    ),
+    ModelFamily(
+        family="SD3 / SD3.5",
+        classes=("OpenAISignatureMMDITWrapper",),
+        blocks=("joint_blocks.*",),
+        patch=_square_patch,
+        # the absolute position embedding is added to the patch embedding's output in the forward: the tokens first
+        # exist, positions included, as the first joint block's image input (its second positional argument)
+        tokens=Site("joint_blocks.0", "input", 1),
+        rope=None,  # absolute positions, added before the token site: nothing to cut
+        gather=Site("final_layer"),
+        # a joint block's joint attention (text first), and SD3.5 Medium's image-only attention (attn2) in the same
+        # block: both over all ranks' image keys; the text is kept whole on every rank (no text site)
+        attends={"JointBlock": Attends.JOINT, "ContextProcessorBlock": Attends.CROSS},
+        text=PREFIX,
+        heads="joint_blocks.0.x_block.attn.num_heads",
+        call_refusals={"control": _CONTROL},
+        # the class's forward (ComfyUI 0.3.64) calls no DIFFUSION_MODEL wrappers
+        entry="APPLY_MODEL",
     ),
     ModelFamily(
         family="LTX-Video",

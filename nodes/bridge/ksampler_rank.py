@@ -316,7 +316,7 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
             seq = dit_rank.sequence_parallel(seq_ctx, row, dm, attention=inputs.get("attention", "auto"), counter=counter,
                                              config=session.config, linear_rows=comfy_linear_rows)
             undo.append(seq.remove)
-            model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, seq.wrapper)
+            model.add_wrapper_with_key(getattr(pe.WrappersMP, row.entry), dit_rank.SEQ_KEY, seq.wrapper)
         elif layout.seq_ranks > 1:
             group_session = _group_session(seq_ctx, session)
             group_session.begin()
@@ -425,7 +425,7 @@ def verify_sequence(ctx, seq_ctx, model, row, dm, inputs: dict) -> dict:
                                            linear_rows=comfy_linear_rows)
         try:
             split_model = model.clone()
-            split_model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, dit_rank.SEQ_KEY, probe.wrapper)
+            split_model.add_wrapper_with_key(getattr(pe.WrappersMP, row.entry), dit_rank.SEQ_KEY, probe.wrapper)
             split = one_step(split_model, seq_ctx)
         finally:
             probe.remove()

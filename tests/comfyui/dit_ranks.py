@@ -9,7 +9,8 @@ server test covers it.
 Models are ComfyUI's own classes (``comfy.supported_models`` configs -> ``BaseModel`` -> ``ModelPatcher``), small
 widths, every weight seeded random and non-constant: FLUX.1 (``Flux``), Wan 2.1 text-to-video and image-to-video
 (``WanModel`` t2v / i2v with CLIP-vision features), Wan 2.2 5B (``WAN22``: 48 channels, per-frame timesteps from a
-first-frame mask), Wan VACE (``VaceWanModel``: two VACE blocks, two control contexts), and an SD-style UNet for CFG.
+first-frame mask), Wan VACE (``VaceWanModel``: two VACE blocks, two control contexts), SD3 and SD3.5 Medium
+(``OpenAISignatureMMDITWrapper``; the latter with its image-only attention), and an SD-style UNet for CFG.
 Latents have odd sizes (Wan VACE: odd token rows); videos an odd frame count.
 
     python tests/comfyui/dit_ranks.py --comfy /path/to/ComfyUI --ranks 2 --cases flux-seq wan21-cfg ... [--out r.json]
@@ -46,6 +47,10 @@ CASES = {
     "vace-seq": ("vace", "sequence", "gathered", "euler", 1),
     "vace-seq-ulysses": ("vace", "sequence", "ulysses", "dpmpp_2m", 1),
     "vace-cfgseq": ("vace", "cfg+sequence", "auto", "euler", 1),
+    "sd3-seq": ("sd3", "sequence", "gathered", "euler", 1),
+    "sd3-seq-ulysses": ("sd3", "sequence", "ulysses", "dpmpp_2m", 1),
+    "sd3-cfgseq": ("sd3", "cfg+sequence", "auto", "euler", 1),
+    "sd35m-seq": ("sd35m", "sequence", "gathered", "euler", 1),
     "unet-cfg": ("unet", "cfg", "auto", "euler", 1),
     # cfg = 1 on a model without a sequence split (forced here: FLUX has a row): every rank samples the whole graph
     "flux-replicated": ("flux", "replicated", "auto", "euler", 1),
@@ -113,6 +118,18 @@ def _model(kind):
             extra = {"vace_frames": [torch.randn(1, 32, 5, 10, 6, generator=g) for _ in range(2)],
                      "vace_mask": [torch.rand(1, 64, 5, 10, 6, generator=g) for _ in range(2)], "vace_strength": [1.0, 0.5]}
             return [[torch.randn(b, 7, 40, generator=g), extra]]
+    elif kind in ("sd3", "sd35m"):  # SD3's MMDiT (sizes as make_sd3_model.py: depth 2, 2 heads of 64); SD3.5 Medium
+        # adds an image-only attention (x_block_self_attn) in its first block and RMS q/k norms
+        cfg = {"in_channels": 16, "patch_size": 2, "depth": 2, "adm_in_channels": 2048, "out_channels": 16,
+               "pos_embed_max_size": 16, "num_patches": 256,
+               "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 4096, "out_features": 128}}}
+        if kind == "sd35m":
+            cfg.update(x_block_self_attn_layers=[0], qk_norm="rms")
+        conf = sm.SD3(cfg)
+        shape = (1, 16, 13, 10)  # 7 x 5 tokens
+
+        def cond(g, b=1):
+            return [[torch.randn(b, 7, 4096, generator=g), {"pooled_output": torch.randn(b, 2048, generator=g)}]]
     elif kind == "unet":
         cfg = {"image_size": 32, "in_channels": 4, "model_channels": 32, "out_channels": 4, "num_res_blocks": 1,
                "channel_mult": (1, 2), "num_heads": 2, "use_spatial_transformer": True, "transformer_depth": [1, 1],

@@ -1,8 +1,7 @@
 """Every site of the family table (``nodes/bridge/families.py``) resolves on ComfyUI's own classes.
 
 For each class with a sequence layout or sharding blocks, a small model of ComfyUI's class (the builders of
-``dit_ranks.py`` and ``dit_ranks_more.py``; Wan VACE and Wan Fun Camera from their ``comfy.supported_models``
-configs) is checked against its row: the token, RoPE, gather and text sites name modules; every attention class the
+``dit_ranks.py`` and ``dit_ranks_more.py``; Wan Fun Camera from its ``comfy.supported_models`` config) is checked against its row: the token, RoPE, gather and text sites name modules; every attention class the
 row routes is found in one of its class's variants, every modulation glob here; the heads attribute and the patch size read; the row's hooks find
 their modules; every block glob matches a unit; every extra stream and text-whole keyword is a name the class's source
 uses, every refused call keyword one it or ComfyUI's base model uses. The rank side then applies the row and takes it off (one rank).
@@ -24,7 +23,7 @@ from rank_harness import each_case, patcher, random_model, rank_main  # noqa: E4
 
 # name -> (model kind,)
 CASES = {k: (k,) for k in ("flux", "chroma", "wan21", "wan21i2v", "wan22", "unet", "qwen", "hunyuan", "ltxv", "vace",
-                           "camera")}
+                           "camera", "sd3", "sd35m")}
 
 
 def _model(kind):
@@ -33,17 +32,13 @@ def _model(kind):
         import dit_ranks_more
 
         return dit_ranks_more._model(kind)[0]
-    if kind in ("vace", "camera"):
+    if kind == "camera":
         import comfy.supported_models as sm
 
         cfg = {"image_model": "wan2.1", "dim": 192, "ffn_dim": 256, "num_heads": 6, "num_layers": 2,
                "patch_size": (1, 2, 2), "freq_dim": 64, "text_dim": 40, "in_dim": 16, "out_dim": 16,
                "window_size": (-1, -1), "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6}
-        if kind == "vace":
-            conf = sm.WAN21_Vace(dict(cfg, model_type="vace", vace_layers=1, vace_in_dim=96))
-        else:
-            conf = sm.WAN21_Camera(dict(cfg, model_type="camera", in_dim_control_adapter=24, in_dim=36))
-        return patcher(random_model(conf))
+        return patcher(random_model(sm.WAN21_Camera(dict(cfg, model_type="camera", in_dim_control_adapter=24, in_dim=36))))
     import dit_ranks
 
     return dit_ranks._model(kind)[0]

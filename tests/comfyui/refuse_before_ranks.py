@@ -1,7 +1,7 @@
 """The Distributed KSampler's impossible requests through the real nodes, in one fresh process, without any rank.
 
 Runs with ComfyUI's Python: the PatchRay Cluster node (3 CPU ranks) hands its handle to the Distributed KSampler
-with MODELs of ComfyUI's own classes (small FLUX.1, SD3 and SD UNet, seeded random weights), each request one
+with MODELs of ComfyUI's own classes (small FLUX.1, Wan Fun Camera and SD UNet, seeded random weights), each request one
 the node must refuse from its inputs and the cluster's configured rank count. Prints, as JSON, each case's error
 type and message and whether Ray was ever started in this process (no Ray: no rank process).
 
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 #: name -> (model, latent shape, node widgets beyond the defaults below)
 CASES = {
     "cfg+sequence-on-3-ranks": ("flux", (1, 16, 13, 10), {"parallelism": "cfg+sequence"}),
-    "sequence-on-an-uncovered-model": ("sd3", (1, 16, 12, 10), {"parallelism": "sequence"}),
+    "sequence-on-an-uncovered-model": ("camera", (1, 16, 5, 9, 6), {"parallelism": "sequence"}),
     "latent-too-small-for-the-ranks": ("flux", (1, 16, 2, 10), {"parallelism": "sequence"}),
     "stale-preset-with-ulysses": ("flux", (1, 16, 13, 10), {"parallelism": "sequence", "preset": "displaced",
                                                             "sequence_attention": "ulysses"}),
@@ -49,7 +49,7 @@ def _setup(comfy):
 
 def _model(kind):
     """(ModelPatcher, conditioning maker) of a small model of ComfyUI's own classes."""
-    if kind != "sd3":
+    if kind != "camera":
         from dit_ranks import _model as dit_model
 
         mp, cond, _ = dit_model(kind)
@@ -57,13 +57,14 @@ def _model(kind):
     import comfy.supported_models as sm
     from rank_harness import patcher, random_model
 
-    # SD3's MMDiT: a DiT PatchRay's sequence split does not cover (sizes as in make_sd3_model.py)
-    conf = sm.SD3({"in_channels": 16, "patch_size": 2, "depth": 2, "adm_in_channels": 2048, "out_channels": 16,
-                   "pos_embed_max_size": 16, "num_patches": 256,
-                   "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 4096, "out_features": 128}}})
+    # Wan Fun Camera: a DiT with blocks for sharding and no sequence layout (its camera adapter adds a full-grid tensor)
+    conf = sm.WAN21_Camera({"image_model": "wan2.1", "model_type": "camera", "dim": 192, "ffn_dim": 256, "num_heads": 6,
+                            "num_layers": 2, "patch_size": (1, 2, 2), "freq_dim": 64, "text_dim": 40, "in_dim": 36,
+                            "out_dim": 16, "window_size": (-1, -1), "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6,
+                            "in_dim_control_adapter": 24})
 
     def cond(g, b=1):
-        return [[torch.randn(b, 7, 4096, generator=g), {"pooled_output": torch.randn(b, 2048, generator=g)}]]
+        return [[torch.randn(b, 7, 40, generator=g), {}]]
 
     return patcher(random_model(conf)), cond
 

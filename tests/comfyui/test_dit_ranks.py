@@ -29,6 +29,9 @@ RUNS = {
 VACE_RUNS = {2: ["vace-seq", "vace-seq-ulysses"], 3: ["vace-seq", "vace-seq-ulysses"], 4: ["vace-cfgseq"]}
 #: self-attentions per Wan VACE call: two video blocks, then two VACE blocks for each of two contexts
 VACE_ATTENTIONS = 2 + 2 * 2
+#: SD3 / SD3.5 Medium (dit_ranks.py: two joint blocks; SD3.5 Medium's first adds an image-only attention)
+SD3_RUNS = {2: ["sd3-seq", "sd3-seq-ulysses", "sd35m-seq"], 3: ["sd3-seq", "sd35m-seq"], 4: ["sd3-cfgseq"]}
+SD3_ATTENTIONS = {"sd3": 2, "sd35m": 3}
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -124,3 +127,24 @@ def test_wan_vace_bands_its_hint_stream_with_the_video_and_equals_the_stock_samp
             assert calls.get("all_to_all_single", 0) >= rec["calls"] * VACE_ATTENTIONS * 2, (name, calls)
         elif not name.endswith("cfgseq"):  # one K/V gather per self-attention, the output gather
             assert calls.get("all_gather", 0) >= rec["calls"] * (VACE_ATTENTIONS + 1), (name, calls)
+
+
+@pytest.mark.parametrize("ranks", sorted(SD3_RUNS))
+def test_sd3_mmdit_equals_the_stock_sampler(tmp_path, ranks):
+    """SD3's MMDiT (``OpenAISignatureMMDITWrapper``, whose forward calls no DIFFUSION_MODEL wrapper: the sequence
+    wrapper sits around ``apply_model``): the image tokens cut at the first joint block's input (positions already
+    added), the text whole on every rank and first in each joint attention; SD3.5 Medium's image-only attention too."""
+    names = SD3_RUNS[ranks]
+    report = run_rank_script("dit_ranks.py", tmp_path, ranks, names, timeout=900)
+    for name in names:
+        rec = report["cases"][name]
+        print(f"{ranks} ranks {name}: {rec['layout']} ({rec['groups']} x {rec['seq']}), relative L2 {rec['rel_l2']:.2e}, "
+              f"attention {rec['attention_modes']}, collectives {rec['comm_calls']}")
+        assert rec["layout"] == ("cfg+sequence" if name.endswith("cfgseq") else "sequence"), rec
+        # fp32: the bound and argument of the tests above (the text is whole and first on every rank, so the keys are
+        # in the whole model's order: measured bit-identical)
+        assert rec["rel_l2"] <= 1e-5, (ranks, name, rec)
+        # every attention of every call went through the sequence attention, in the mode asked for
+        mode = "ulysses" if name.endswith("ulysses") else "gathered"
+        if not name.endswith("cfgseq"):
+            assert rec["attention_modes"] == {mode: rec["calls"] * SD3_ATTENTIONS[name.split("-")[0]]}, (name, rec)

@@ -18,7 +18,8 @@ pytestmark = comfyui_marks()
 #: case -> what the message must say: the widget to change and a value or choice that works (written by hand)
 EXPECTED = {
     "cfg+sequence-on-3-ranks": ["parallelism=cfg+sequence", "the cluster has 3", "pick parallelism sequence", "num_ranks"],
-    "sequence-on-an-uncovered-model": ["SD3's diffusion model OpenAISignatureMMDITWrapper", "parallelism=cfg or batch"],
+    "sequence-on-an-uncovered-model": ["'s diffusion model CameraWanModel", "Wan Fun Camera: a camera adapter",
+                                       "parallelism=cfg or batch", "sharding=blocks"],
     "latent-too-small-for-the-ranks": ["latent_image: 1 token rows", "3 sequence ranks", "num_ranks on the PatchRay Cluster node"],
     "stale-preset-with-ulysses": ["preset displaced", "sequence_attention=ulysses", "pick sequence_attention gathered or auto"],
     "unet-stale-preset-with-batch": ["preset displaced", "parallelism=batch", "pick preset full_sync"],

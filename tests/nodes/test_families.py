@@ -33,6 +33,7 @@ def test_every_class_has_one_row_and_every_row_a_mode_or_a_reason():
         assert isinstance(row.text, Text) and all(isinstance(k, Attends) for k in row.attends.values()), row.family
         assert (Attends.JOINT in row.attends.values()) == (row.text is not Text.NONE) or row.hooks is not None, row.family
         assert (row.text_tokens is not None) <= (row.text is not Text.NONE), row.family  # a text site needs joint text
+        assert row.entry in ("DIFFUSION_MODEL", "APPLY_MODEL"), row.family  # ComfyUI's wrapper points the rank uses
 
 
 def test_every_sequence_row_has_sharding_blocks():
