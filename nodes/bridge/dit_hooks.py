@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any, List
 
-__all__ = ["ltxv_hooks", "hunyuan_hooks", "wan_vace_hooks"]
+__all__ = ["ltxv_hooks", "hunyuan_hooks", "wan_vace_hooks", "lumina_hooks"]
 
 
 # --------------------------------------------------------------------------------------------------- hooks
@@ -226,4 +226,45 @@ def wan_vace_hooks(seq) -> List[Any]:
         if _class_name(module) == "VaceWanAttentionBlock":
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
     handles.append(_Handle(cut_x.clear))
+    return handles
+
+
+def lumina_hooks(seq) -> List[Any]:
+    """Lumina 2 (``comfy/ldm/lumina/model.py``, ``NextDiT``): its text refiner (text only), image refiner (image only)
+    and main layers are one class (``JointTransformerBlock``), told apart by path: the refiners run whole on every
+    rank (local, like cross-attention), the main layers' joint attention spans every rank's image tokens. The RoPE of
+    the joint sequence (text first) is made in ``patchify_and_embed`` and passed to each main layer as its third
+    argument: cut there to the whole text and this rank's image band, once per call."""
+    dm = seq.dm
+    world = seq.ctx.world_size
+    handles: List[Any] = []
+    cache = {"src": None, "out": None}
+
+    def layer_pre(mod, args):
+        if world == 1:
+            return None
+        x, mask, freqs = args[0], args[1], args[2]
+        if mask is not None:  # backstop, not the guard: the row refuses a call with a text padding mask
+            raise NotImplementedError("Lumina 2: a text padding mask over the joint sequence")
+        if freqs is not cache["src"]:
+            shards = seq.state.require_shards()
+            text = freqs.shape[1] - shards.total
+            if text < 0:
+                raise ValueError(f"Lumina 2: a positional embedding of {freqs.shape[1]} tokens for {shards.total} image tokens")
+            cache["out"] = _seq().shard_positions(freqs, shards, seq.ctx.rank, dim=1, before=text)
+            cache["src"] = freqs
+        return (x, mask, cache["out"]) + tuple(args[3:])
+
+    for path, module in dm.named_modules():
+        if _class_name(module) != "JointTransformerBlock":
+            continue
+        main = path.startswith("layers.")
+        handles += _scope(seq, module, "joint" if main else "cross", path)
+        if main:
+            handles.append(module.register_forward_pre_hook(layer_pre))
+
+    def clear():
+        cache["src"] = cache["out"] = None
+
+    handles.append(_Handle(clear))
     return handles

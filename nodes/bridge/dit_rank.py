@@ -227,7 +227,11 @@ class DitSequence:
         if self.ctx.world_size == 1:
             return None
         i = self.row.tokens.arg
-        cut = seq.shard_tokens(args[i], self.state.require_shards(), self.ctx.rank, dim=1)
+        shards = self.state.require_shards()
+        # a joint sequence that reaches the site whole (Lumina 2: the text first): its text is kept on every rank
+        extra = args[i].shape[1] - shards.total
+        before, after = (extra, 0) if self.row.text.side == "before" else (0, extra)
+        cut = seq.shard_tokens(args[i], shards, self.ctx.rank, dim=1, before=before, after=after)
         return tuple(cut if j == i else a for j, a in enumerate(args))
 
     # ---------------------------------------------------------------- attention
@@ -302,7 +306,16 @@ class DitSequence:
             raise NotImplementedError(why)
         text = text_tokens(self.row, bound.arguments, self.ctx.world_size) if self.shard_text else 0
         side = self.row.text.side or "before"
-        to = dict(bound.arguments.get("transformer_options") or {})
+        # where the call carries its transformer options: a parameter of its own, or inside ``**kwargs`` (Lumina 2's
+        # NextDiT): the override must reach the model either way, or its attentions would run on the band alone
+        params = bound.signature.parameters
+        holder = bound.arguments
+        if "transformer_options" not in params:
+            var = next((n for n, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+            if var is None:
+                raise NotImplementedError(f"PatchRay ({self.row.family}): the model call takes no transformer options")
+            holder = bound.arguments.setdefault(var, {})
+        to = dict(holder.get("transformer_options") or {})
         stream = tuple(to.get("cond_or_uncond", ()))
         if self.stepwise:  # the stream's own stale memory and shard table (its text length may differ)
             self.state.select_stream(stream)
@@ -313,7 +326,7 @@ class DitSequence:
             self.state.modulation.enabled = not (to.get("patches_replace") or {}).get("dit")
         self.state.set_grid(*token_grid(self.row, self.dm, x.shape), text=text, text_side=side)
         to["optimized_attention_override"] = self.override(to.get("optimized_attention_override"))
-        bound.arguments["transformer_options"] = to
+        holder["transformer_options"] = to
         with self.counter.call() if self.counter is not None else contextlib.nullcontext():
             if not self.stepwise:
                 return executor(*bound.args, **bound.kwargs)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
-from .dit_hooks import hunyuan_hooks, ltxv_hooks, wan_vace_hooks
+from .dit_hooks import hunyuan_hooks, lumina_hooks, ltxv_hooks, wan_vace_hooks
 
 __all__ = ["Attends", "Text", "PREFIX", "SUFFIX", "NONE", "Site", "ModelFamily", "FAMILIES", "family_for",
            "sequence_plan", "sites_of"]
@@ -167,7 +167,7 @@ def sequence_plan(row: ModelFamily, linear_rows: Optional[Callable] = None) -> D
 
     if not row.sequence:  # backstop, not the guard: the driver refuses a row without a layout
         raise ValueError(f"{row.family}: no sequence layout")
-    plan: Dict[str, Any] = {row.gather.module: GatherTokens(dim=1)}
+    plan: Dict[str, Any] = {row.gather.module: GatherTokens(dim=1, text=row.text.side)}
     if row.rope is not None:
         plan[row.rope.module] = ShardTokens(dim=2, text=row.text.side)
     if row.tokens.where == "output":
@@ -269,6 +269,8 @@ FAMILIES: Tuple[ModelFamily, ...] = (
         family="Wan VACE",
         classes=("VaceWanModel",),
         counterpart="",
+        # VaceWanModel is text-to-video only (no image cross-attention)
+        attends={"WanSelfAttention": Attends.SELF, "WanT2VCrossAttention": Attends.CROSS},
         streams=dict(_WAN.streams, vace_context="the VACE context: a second token stream on the video's grid whose "
                      "vace_blocks add hints to the video tokens: banded like them (wan_vace_hooks)"),
         hooks=wan_vace_hooks,
@@ -337,6 +339,23 @@ FAMILIES: Tuple[ModelFamily, ...] = (
         call_refusals={"control": _CONTROL},
         # the class's forward (ComfyUI 0.3.64) calls no DIFFUSION_MODEL wrappers
         entry="APPLY_MODEL",
+    ),
+    ModelFamily(
+        family="Lumina 2",
+        classes=("NextDiT",),
+        blocks=("context_refiner.*", "noise_refiner.*", "layers.*"),
+        patch=_square_patch,
+        # the text and image refiners run whole on every rank (text-only, image-only); the main layers get one joint
+        # sequence, text first: its image tokens are cut at the first layer's input, the text kept whole
+        tokens=Site("layers.0", "input", 0),
+        rope=None,  # made for the joint sequence in patchify_and_embed and passed to each layer: lumina_hooks cuts it
+        gather=Site("final_layer"),  # the text first and whole, then every rank's image tokens
+        attends={},  # the refiners and the main layers share a class: lumina_hooks scopes them by path
+        text=PREFIX,
+        heads="n_heads",
+        call_refusals={"attention_mask": "a text padding mask (each prompt of the batch has its own text length in "
+                       "the joint sequence)"},
+        hooks=lumina_hooks,
     ),
     ModelFamily(
         family="LTX-Video",

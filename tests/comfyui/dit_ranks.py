@@ -10,7 +10,8 @@ Models are ComfyUI's own classes (``comfy.supported_models`` configs -> ``BaseMo
 widths, every weight seeded random and non-constant: FLUX.1 (``Flux``), Wan 2.1 text-to-video and image-to-video
 (``WanModel`` t2v / i2v with CLIP-vision features), Wan 2.2 5B (``WAN22``: 48 channels, per-frame timesteps from a
 first-frame mask), Wan VACE (``VaceWanModel``: two VACE blocks, two control contexts), SD3 and SD3.5 Medium
-(``OpenAISignatureMMDITWrapper``; the latter with its image-only attention), and an SD-style UNet for CFG.
+(``OpenAISignatureMMDITWrapper``; the latter with its image-only attention), Lumina 2 (``NextDiT``), and an
+SD-style UNet for CFG.
 Latents have odd sizes (Wan VACE: odd token rows); videos an odd frame count.
 
     python tests/comfyui/dit_ranks.py --comfy /path/to/ComfyUI --ranks 2 --cases flux-seq wan21-cfg ... [--out r.json]
@@ -51,6 +52,9 @@ CASES = {
     "sd3-seq-ulysses": ("sd3", "sequence", "ulysses", "dpmpp_2m", 1),
     "sd3-cfgseq": ("sd3", "cfg+sequence", "auto", "euler", 1),
     "sd35m-seq": ("sd35m", "sequence", "gathered", "euler", 1),
+    "lumina2-seq": ("lumina2", "sequence", "gathered", "euler", 1),
+    "lumina2-seq-ulysses": ("lumina2", "sequence", "ulysses", "dpmpp_2m", 1),
+    "lumina2-cfgseq": ("lumina2", "cfg+sequence", "auto", "euler", 1),
     "unet-cfg": ("unet", "cfg", "auto", "euler", 1),
     # cfg = 1 on a model without a sequence split (forced here: FLUX has a row): every rank samples the whole graph
     "flux-replicated": ("flux", "replicated", "auto", "euler", 1),
@@ -130,6 +134,16 @@ def _model(kind):
 
         def cond(g, b=1):
             return [[torch.randn(b, 7, 4096, generator=g), {"pooled_output": torch.randn(b, 2048, generator=g)}]]
+    elif kind == "lumina2":  # Lumina 2's NextDiT: one text refiner, one image refiner, two main layers
+        cfg = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 192, "n_layers": 2,
+               "n_refiner_layers": 1, "n_heads": 6, "n_kv_heads": 3, "multiple_of": 16, "norm_eps": 1e-5, "qk_norm": True,
+               "cap_feat_dim": 40, "axes_dims": [8, 12, 12], "axes_lens": [64, 64, 64]}
+        conf = sm.Lumina2(cfg)
+        shape = (1, 16, 13, 10)  # padded to 14 x 10: 7 x 5 tokens
+
+        def cond(g, b=1):
+            # the text encoder's mask, every token kept: ComfyUI passes its count (num_tokens), no padding mask
+            return [[torch.randn(b, 7, 40, generator=g), {"attention_mask": torch.ones(b, 7, dtype=torch.long)}]]
     elif kind == "unet":
         cfg = {"image_size": 32, "in_channels": 4, "model_channels": 32, "out_channels": 4, "num_res_blocks": 1,
                "channel_mult": (1, 2), "num_heads": 2, "use_spatial_transformer": True, "transformer_depth": [1, 1],

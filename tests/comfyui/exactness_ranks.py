@@ -21,7 +21,7 @@ from rank_harness import each_case, rank_main, rank_run_inputs
 CASES = {"flux": ("flux", "dit_ranks"), "chroma": ("chroma", "dit_ranks"), "wan21": ("wan21", "dit_ranks"),
          "wan21i2v": ("wan21i2v", "dit_ranks"), "qwen": ("qwen", "dit_ranks_more"), "hunyuan": ("hunyuan", "dit_ranks_more"),
          "hyimage": ("hyimage", "dit_ranks_more"), "ltxv": ("ltxv", "dit_ranks_more"), "vace": ("vace", "dit_ranks"),
-         "sd3": ("sd3", "dit_ranks"), "sd35m": ("sd35m", "dit_ranks")}
+         "sd3": ("sd3", "dit_ranks"), "sd35m": ("sd35m", "dit_ranks"), "lumina2": ("lumina2", "dit_ranks")}
 #: the same models with bf16 weights (what a GPU user loads): the check must still compute in fp32 and catch the row
 BF16 = {"flux_bf16": "flux", "hunyuan_bf16": "hunyuan"}
 CASES.update({name: (name, CASES[kind][1]) for name, kind in BF16.items()})

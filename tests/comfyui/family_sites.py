@@ -23,7 +23,7 @@ from rank_harness import each_case, patcher, random_model, rank_main  # noqa: E4
 
 # name -> (model kind,)
 CASES = {k: (k,) for k in ("flux", "chroma", "wan21", "wan21i2v", "wan22", "unet", "qwen", "hunyuan", "ltxv", "vace",
-                           "camera", "sd3", "sd35m")}
+                           "camera", "sd3", "sd35m", "lumina2")}
 
 
 def _model(kind):

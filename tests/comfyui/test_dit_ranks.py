@@ -32,6 +32,9 @@ VACE_ATTENTIONS = 2 + 2 * 2
 #: SD3 / SD3.5 Medium (dit_ranks.py: two joint blocks; SD3.5 Medium's first adds an image-only attention)
 SD3_RUNS = {2: ["sd3-seq", "sd3-seq-ulysses", "sd35m-seq"], 3: ["sd3-seq", "sd35m-seq"], 4: ["sd3-cfgseq"]}
 SD3_ATTENTIONS = {"sd3": 2, "sd35m": 3}
+#: Lumina 2 (dit_ranks.py: two main layers with a joint attention; the refiners run whole on every rank)
+LUMINA_RUNS = {2: ["lumina2-seq", "lumina2-seq-ulysses"], 3: ["lumina2-seq", "lumina2-seq-ulysses"], 4: ["lumina2-cfgseq"]}
+LUMINA_ATTENTIONS = 2
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -148,3 +151,21 @@ def test_sd3_mmdit_equals_the_stock_sampler(tmp_path, ranks):
         mode = "ulysses" if name.endswith("ulysses") else "gathered"
         if not name.endswith("cfgseq"):
             assert rec["attention_modes"] == {mode: rec["calls"] * SD3_ATTENTIONS[name.split("-")[0]]}, (name, rec)
+
+
+@pytest.mark.parametrize("ranks", sorted(LUMINA_RUNS))
+def test_lumina2_equals_the_stock_sampler(tmp_path, ranks):
+    """Lumina 2's NextDiT (its transformer options arrive in ``**kwargs``): the image tokens cut at the first main
+    layer's input with the text whole and first, the joint RoPE cut there too, the text and image refiners whole on
+    every rank (scoped by path), the final layer's output gathered behind the text."""
+    names = LUMINA_RUNS[ranks]
+    report = run_rank_script("dit_ranks.py", tmp_path, ranks, names, timeout=900)
+    for name in names:
+        rec = report["cases"][name]
+        print(f"{ranks} ranks {name}: {rec['layout']} ({rec['groups']} x {rec['seq']}), relative L2 {rec['rel_l2']:.2e}, "
+              f"attention {rec['attention_modes']}, collectives {rec['comm_calls']}")
+        assert rec["layout"] == ("cfg+sequence" if name.endswith("cfgseq") else "sequence"), rec
+        assert rec["rel_l2"] <= 1e-5, (ranks, name, rec)  # fp32; the text whole and first: measured bit-identical
+        if not name.endswith("cfgseq"):  # the main layers' attentions through the sequence attention, every call
+            mode = "ulysses" if name.endswith("ulysses") else "gathered"
+            assert rec["attention_modes"] == {mode: rec["calls"] * LUMINA_ATTENTIONS}, (name, rec)

@@ -11,12 +11,12 @@ from .rank_harness import comfyui_marks, run_rank_script
 
 pytestmark = comfyui_marks()
 
-JOINT = {"flux", "chroma", "qwen", "hunyuan", "hyimage", "sd3", "sd35m", "flux_bf16", "hunyuan_bf16"}  # text in the joint sequence
+JOINT = {"flux", "chroma", "qwen", "hunyuan", "hyimage", "sd3", "sd35m", "lumina2", "flux_bf16", "hunyuan_bf16"}  # text in the joint sequence
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_the_check_passes_the_table_and_refuses_a_flipped_text_block(tmp_path, ranks):
-    cases = ["flux", "chroma", "wan21", "wan21i2v", "qwen", "hunyuan", "hyimage", "ltxv", "vace", "sd3", "sd35m", "flux_bf16",
+    cases = ["flux", "chroma", "wan21", "wan21i2v", "qwen", "hunyuan", "hyimage", "ltxv", "vace", "sd3", "sd35m", "lumina2", "flux_bf16",
              "hunyuan_bf16"]
     report = run_rank_script("exactness_ranks.py", tmp_path, ranks, cases, timeout=1500)
     per_rank = report["per_rank"]

@@ -354,3 +354,45 @@ def test_wan_vace_hooks_band_the_hint_stream_and_the_video_input_with_the_tokens
     log.clear()
     dm.vace_blocks[0](c, x=x_orig)
     assert log[0][0] is c and log[0][1] is x_orig  # removed: the model is as before
+
+
+class JointTransformerBlock(nn.Module):  # the class name Lumina 2's hooks look for
+    def __init__(self, log, stack):
+        super().__init__()
+        self.log, self.stack = log, stack
+
+    def forward(self, x, x_mask, freqs_cis, adaln_input=None, transformer_options={}):
+        self.log.append((freqs_cis, list(self.stack)))
+        return x
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_lumina_hooks_scope_refiners_locally_and_cut_the_joint_rope_behind_the_whole_text(rank):
+    from patchray.nodes.bridge.dit_hooks import lumina_hooks
+
+    shards = TokenShards.split(1, 7, 5, 3)  # 7 x 5 tokens over 3 ranks: uneven bands (3, 2, 2 rows)
+    log = []
+    dm = nn.Module()
+    seq = _seq(dm, shards, rank)
+    for name in ("context_refiner", "noise_refiner", "layers"):
+        setattr(dm, name, nn.ModuleList([JointTransformerBlock(log, seq.scopes.stack) for _ in range(2)]))
+    handles = lumina_hooks(seq)
+    text, mine = 4, shards.index(rank)
+    freqs = torch.randn(2, text + shards.total, 3, 8)  # [B, text + image, ...]: the joint sequence's RoPE, text first
+    dm.context_refiner[0](torch.zeros(2, text, 8), None, freqs[:, :text])
+    dm.noise_refiner[0](torch.zeros(2, shards.total, 8), None, freqs[:, text:])
+    for layer in dm.layers:
+        layer(torch.zeros(2, text + len(mine), 8), None, freqs)
+    assert [e[1] for e in log] == [[("cross", "context_refiner.0")], [("cross", "noise_refiner.0")],
+                                  [("joint", "layers.0")], [("joint", "layers.1")]]
+    want = torch.cat([freqs[:, :text], freqs[:, text:][:, mine]], dim=1)
+    assert torch.equal(log[2][0], want) and log[2][0] is log[3][0]  # cut once per call, the text whole
+    assert log[1][0].shape[1] == shards.total  # the refiners' inputs are left whole
+    with pytest.raises(NotImplementedError, match="padding mask"):
+        dm.layers[0](torch.zeros(2, 1, 8), torch.zeros(2, 1), freqs)
+    seq.scopes.stack.clear()  # the refused call left its scope (a failed run's DitSequence is discarded)
+    for h in handles:
+        h.remove()
+    log.clear()
+    dm.layers[0](torch.zeros(2, 1, 8), None, freqs)
+    assert log[0][0] is freqs and log[0][1] == []  # removed: the model is as before
