@@ -348,16 +348,20 @@ def fp32_compute(base):
     """Run the ComfyUI model ``base`` in fp32 within the block: its inputs and conditionings are cast to fp32
     (``manual_cast_dtype``, as ComfyUI's ``apply_model`` reads it) and every ComfyUI layer casts its weights to its
     input's dtype as it runs (``comfy_cast_weights``, the protocol ComfyUI's own partial loading uses), so the stored
-    weights (bf16, fp8, sharded) are neither copied nor changed. Both are restored on exit."""
+    weights (bf16, fp8, sharded) are neither copied nor changed; TF32 is off for the block. All are restored on exit."""
     layers = [m for m in base.diffusion_model.modules() if hasattr(m, "comfy_cast_weights")]
     saved = [m.__dict__.get("comfy_cast_weights", _UNSET) for m in layers]
     cast = base.__dict__.get("manual_cast_dtype", _UNSET)
+    # full fp32 products: TF32 (10-bit mantissa) puts a deep model's two exact orders 3e-4..1e-3 apart on a GPU
+    precision = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     try:
         for m in layers:
             m.comfy_cast_weights = True
         base.manual_cast_dtype = torch.float32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         yield
     finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = precision
         for m, value in zip(layers, saved):
             if value is _UNSET:
                 m.__dict__.pop("comfy_cast_weights", None)
