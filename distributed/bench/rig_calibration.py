@@ -42,11 +42,9 @@ _PASA = ("PASA-lab 5090 benchmarking, WAN2.2_14B_Performance_Benchmarks.md (dann
          "from the log's 'Generating video' to 'Saving generated video' (text encoding and VAE decode included); "
          "interconnect PCIe (NCCL over SHM); the file's versions differ: commit 0a71e30 reports 134 s and 41 s (used "
          "here), another 134 s and 42 s")
-_RAYLIGHT = ("raylight README, '5090 vs RTX 2000 ADA' (komikndr/raylight; summarised in /work/shared/reference/"
-             "anchors-comfy-multigpu.md 1.10): s/it, average of 5 runs after warm-up, 2 x RTX 2000 Ada with P2P over the "
+_RAYLIGHT = ("raylight README, '5090 vs RTX 2000 ADA' (komikndr/raylight): s/it, average of 5 runs after warm-up, 2 x RTX 2000 Ada with P2P over the "
              "SYS path (cross-socket), no NVLink, fp8 weights")
-_COMFY = ("ComfyUI PR #7063 (MultiGPU Work Units / CFG split), comments; summarised in /work/shared/reference/"
-          "anchors-comfy-multigpu.md section 7")
+_COMFY = "ComfyUI PR #7063 (MultiGPU Work Units / CFG split), comments"
 
 
 def _e(id_, source, config, select, published, measure, note="", ratio_of=None):

@@ -167,7 +167,7 @@ def call_flops(model: RigModel, shape: DiTShape) -> Tuple[float, float]:
 # ----------------------------------------------------------------------------------------------------------------------
 # the measured basis
 
-#: fused attention kernels (``results/h200/dit/kernel_model.py``'s list)
+#: fused attention kernels (``tools/dit_kernel_model.py``'s list)
 _FUSED_ATTENTION = ("sdpa", "flash_fwd", "fmha", "efficient_attention", "flash_fprop")
 #: a GEMM tile with 8 or 16 columns: a GEMV (the modulation layers' one-row products), memory-bound
 _GEMV_TILE = re.compile(r"_\d+x(8|16)_")

@@ -10,7 +10,7 @@ Design decisions:
 * **Communication from the runtime's own cost functions** (``sampling.dit_traffic.step_cost``,
   ``parallel.seq_cost.attention_cost``, ``sampling.split.split_cost``; the bytes the CI tests check against comm's
   accounting of real runs) over the link's profile (:mod:`.rig_links`: ``latency + bytes / bandwidth``, twice through
-  host memory without peer-to-peer). What hides behind compute follows ``results/h200/dit/kernel_model.py``:
+  host memory without peer-to-peer). What hides behind compute follows ``tools/dit_kernel_model.py``:
   ``gathered`` and ``ulysses`` block; ``overlapped`` hides the K/V gather behind the rank's attention to its own keys
   (1/N of its attention); ``ring`` behind (N-1)/N of it; the output gather and the modulation all-gather block.
 * **The stale presets** (displaced, compressed 4/2/1-bit) use the sampling benchmark's run model
