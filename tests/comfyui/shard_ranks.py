@@ -44,6 +44,9 @@ CASES = {
     "wan21-seq-scaled-lora": ("wan21s", "sequence", "scaled-lora"),
     "ltxv-seq": ("ltxv", "sequence", None),
     "hunyuani2v-seq": ("hunyuani2v", "sequence", None),
+    "vace-seq": ("vace", "sequence", None),
+    "sd3-seq": ("sd3", "sequence", None),
+    "lumina2-seq": ("lumina2", "sequence", None),
 }
 
 

@@ -3,9 +3,9 @@
 Runs ``shard_ranks.py`` with ComfyUI's Python on 2 gloo CPU ranks: ComfyUI's own Flux (sequence), Wan 2.1 (sequence),
 an SD-style UNet (cfg), Flux with fp8_e4m3fn block weights (ComfyUI's per-layer cast), a Wan 2.1 in ComfyUI's
 scaled-fp8 checkpoint layout loaded by its own detection (sequence, cfg, and sequence with a LoRA) and LTX-Video
-(sequence: its RoPE is cut per rank by a hook on each block, which FSDP2 wraps), each built by the node's rank code
-from the node's payload with each sharding (blocks+offload: FSDP2's CPUOffloadPolicy; on CPU ranks the copy to the
-device is a no-op, the offload path itself runs).
+(sequence: its RoPE is cut per rank by a hook on each block, which FSDP2 wraps), Wan VACE, SD3 and Lumina 2
+(sequence), each built by the node's rank code from the node's payload with each sharding (blocks+offload: FSDP2's
+CPUOffloadPolicy; on CPU ranks the copy to the device is a no-op, the offload path itself runs).
 
     COMFYUI_DIR=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/its/python pytest tests/comfyui -k shard_ranks
 """
@@ -15,7 +15,7 @@ from .rank_harness import comfyui_marks, run_rank_script
 pytestmark = comfyui_marks()
 
 CASES = ["flux-seq", "wan21-seq", "unet-cfg", "flux-seq-fp8", "wan21-seq-scaled", "wan21-cfg-scaled", "wan21-seq-scaled-lora",
-         "ltxv-seq", "hunyuani2v-seq"]
+         "ltxv-seq", "hunyuani2v-seq", "vace-seq", "sd3-seq", "lumina2-seq"]
 #: 0-d parameters in the blocks of the scaled-fp8 Wan: scale_weight and scale_input of 10 Linears in each of 2 blocks
 SCALED_BLOCK_SCALARS = 40
 
