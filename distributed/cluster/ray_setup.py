@@ -18,6 +18,12 @@ Design decisions:
 * **An embedded Ray that dies is replaced, not inherited.** Its GCS and raylet are watched (``watchdog.py``): a dead
   one costs the prompt in flight, this process shuts its Ray down (Ray's driver library would otherwise end the
   process), and :func:`ensure_ray` starts a fresh one for the next call.
+* **SIGTERM stays the host's.** Each ``ray.init`` installs Ray's C++ crash handler (absl's failure signal handler)
+  for SIGTERM too, chaining to the handler it replaced. The first one chains to the host's (ComfyUI's process with
+  PatchRay's SIGTERM handler, which stops the ranks and Ray); a second ``ray.init`` in the same process (a fresh Ray
+  after the first died) chains to the first crash handler, so SIGTERM then ended the process at once: Ray's helpers
+  lingered a minute and the rendezvous folder stayed (found by the soak harness). After every ``ray.init``,
+  SIGTERM's disposition is put back to what it was before this process's first one (Linux; elsewhere unchanged).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -199,6 +206,45 @@ def _connect_error(address: str, exc: BaseException) -> ClusterSetupError:
 
 _ray_started_with: List[tuple] = []  # (address, gpu_ids) this process's Ray was started/joined with
 
+#: SIGTERM's disposition (the raw ``struct sigaction``) before this process's first ``ray.init``; ``[None]``: not kept
+_sigterm_before_ray: List[Any] = []
+
+
+def _sigaction(signo: int, new=None):
+    """``sigaction(signo, new, &old)`` through the C library; returns ``old`` as raw bytes (a buffer larger than any
+    platform's ``struct sigaction``: only copied back, never read)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    old = ctypes.create_string_buffer(512)
+    if libc.sigaction(signo, new, old) != 0:
+        raise OSError(ctypes.get_errno(), "sigaction")
+    return old
+
+
+def _remember_sigterm() -> None:
+    """Keep SIGTERM's disposition before the first ``ray.init`` of this process (see the module docstring)."""
+    if _sigterm_before_ray:
+        return
+    saved = None
+    if sys.platform.startswith("linux"):
+        try:
+            saved = _sigaction(signal.SIGTERM)
+        except Exception as exc:  # no C library to ask: SIGTERM stays as Ray leaves it
+            log.debug("could not read SIGTERM's disposition: %s", exc)
+    _sigterm_before_ray.append(saved)
+
+
+def _restore_sigterm() -> None:
+    """Put SIGTERM's disposition back to what it was before this process's first ``ray.init``."""
+    saved = _sigterm_before_ray[0] if _sigterm_before_ray else None
+    if saved is None:
+        return
+    try:
+        _sigaction(signal.SIGTERM, saved)
+    except Exception as exc:
+        log.debug("could not restore SIGTERM's disposition: %s", exc)
+
 
 def forget_ray() -> None:
     _ray_started_with.clear()
@@ -237,6 +283,7 @@ def ensure_ray(config: ClusterConfig):
     if config.gpu_ids:
         # Ray detects the GPUs it manages from CUDA_VISIBLE_DEVICES when it starts
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in config.gpu_ids)
+    _remember_sigterm()
     try:
         ray.init(**ray_init_kwargs(config))
     except Exception as exc:
@@ -246,6 +293,7 @@ def ensure_ray(config: ClusterConfig):
             raise ClusterSetupError(f"could not start an embedded local Ray: {strip_ansi(str(exc))}") from exc
         raise _connect_error(config.address, exc) from exc
     finally:
+        _restore_sigterm()  # Ray's crash handler must not take SIGTERM from the host (module docstring)
         if config.gpu_ids:
             if saved_visible is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)

@@ -18,13 +18,18 @@ Design decisions:
   :func:`~.registry.get_cluster` starts a fresh embedded Ray. ``ray.shutdown()`` with a dead GCS takes a few seconds
   when the cluster's own Ray calls (``ray.kill``, removing the placement group) are skipped; with them it blocks past
   the 60 s after which Ray would end the process.
+* **The dead Ray's helpers go with it.** The raylet starts helper processes (its dashboard and runtime-env agents);
+  when the raylet dies they are re-parented and lingered about a minute (soak harness: 51-63 s), holding their
+  ports. The watchdog keeps the list of the raylet's descendants (refreshed every :data:`_HELPERS_EVERY_S`) and kills
+  the ones still running, by PID and start time, once this process's Ray is shut down.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import List, Optional
+import time
+from typing import Dict, List, Optional
 
 __all__ = ["POLL_S", "dead_processes", "reason_for", "watch", "lost_reason"]
 
@@ -34,6 +39,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.25
 #: how long the shutdown waits for a call or a cluster start in flight to leave before it shuts Ray down anyway
 _LEAVE_S = 15.0
+#: how often the list of the raylet's descendant processes is refreshed
+_HELPERS_EVERY_S = 2.0
 
 _state = {"lost": None, "node": None}
 _lock = threading.Lock()
@@ -92,20 +99,66 @@ def watch() -> None:
     threading.Thread(target=_watch, args=(node,), name="patchray-ray-watchdog", daemon=True).start()
 
 
+def _raylet_descendants(node) -> Dict[int, float]:
+    """The processes the raylet started, and theirs (``{pid: start time}``; empty when the raylet is gone)."""
+    from ray._private import ray_constants
+
+    try:
+        import psutil  # a dependency of Ray
+
+        found = {}
+        for info in (getattr(node, "all_processes", None) or {}).get(ray_constants.PROCESS_TYPE_RAYLET, ()):
+            process = getattr(info, "process", None)
+            if process is None or process.poll() is not None:
+                continue
+            for child in psutil.Process(process.pid).children(recursive=True):
+                try:
+                    found[child.pid] = child.create_time()
+                except psutil.Error:
+                    pass
+        return found
+    except Exception:  # the raylet went while it was read: the last list stands
+        return {}
+
+
+def _kill_helpers(helpers: Dict[int, float]) -> int:
+    """SIGKILL the processes of ``helpers`` that still run (the same start time: never a process that reused the PID)."""
+    killed = 0
+    try:
+        import psutil
+    except ImportError:
+        return 0
+    for pid, started in helpers.items():
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - started) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+                proc.kill()
+                killed += 1
+        except psutil.Error:
+            pass
+    return killed
+
+
 def _watch(node) -> None:
     import ray
 
     stop = threading.Event()
+    helpers: Dict[int, float] = {}
+    next_list = 0.0
     while not stop.wait(POLL_S):
         if ray._private.worker.global_worker.node is not node:
             return  # Ray was shut down (and maybe started again, watched by its own thread)
         dead = dead_processes(node)
         if dead:
-            _give_up(node, dead)
+            helpers.update(_raylet_descendants(node))  # a dead GCS leaves the raylet running: its helpers now
+            _give_up(node, dead, helpers)
             return
+        if time.monotonic() >= next_list:
+            helpers = _raylet_descendants(node) or helpers
+            next_list = time.monotonic() + _HELPERS_EVERY_S
 
 
-def _give_up(node, dead: List[str]) -> None:
+def _give_up(node, dead: List[str], helpers: Optional[Dict[int, float]] = None) -> None:
     from . import ranks, registry
 
     reason = reason_for(dead)
@@ -118,4 +171,6 @@ def _give_up(node, dead: List[str]) -> None:
         if cluster._lock.acquire(timeout=_LEAVE_S):
             cluster._lock.release()
     registry.give_up_ray(node, _LEAVE_S)
-    log.info("PatchRay: this process's Ray is shut down; the next PatchRay prompt starts a fresh one")
+    killed = _kill_helpers(helpers or {})
+    log.info("PatchRay: this process's Ray is shut down (%d of its helper processes stopped); the next PatchRay prompt "
+             "starts a fresh one", killed)
