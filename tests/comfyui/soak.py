@@ -1072,6 +1072,78 @@ def _memory_summary(samples: List[dict], probes: List[dict]) -> dict:
     return out
 
 
+def _within_slope(points: List[tuple]) -> Optional[float]:
+    """Least-squares slope of ``(case index, MB, group)`` points with one level per group (the pooled within-group
+    slope), in MB per 100 cases; ``None`` with fewer than 5 points in groups of two or more."""
+    groups = collections.defaultdict(list)
+    for x, y, g in points:
+        groups[g].append((x, y))
+    num = den = 0.0
+    used = 0
+    for pts in groups.values():
+        if len(pts) < 2:
+            continue
+        mx, my = statistics.fmean(p[0] for p in pts), statistics.fmean(p[1] for p in pts)
+        num += sum((x - mx) * (y - my) for x, y in pts)
+        den += sum((x - mx) ** 2 for x, _ in pts)
+        used += len(pts)
+    if used < 5 or den == 0:
+        return None
+    return round(num / den * 100, 1)
+
+
+def same_model_growth(report: dict) -> dict:
+    """Resident-memory growth per 100 cases with the model held fixed: a rank holds one sampling model at a time (the
+    family last shipped: SD3-class ~1.47 GB, the SD1-class UNet ~1.56 GB, Wan ~1.64 GB on these CPU ranks), so a
+    plain slope over a rank's life mostly says which family came last. Each point is tagged with the family of the
+    last mix prompt before it (on the ranks: since they started; in ComfyUI: since the server started) and the slope is
+    the pooled within-family one (one level per family, one slope). Both are read over the second half of each series
+    (a server run; a rank's life of at least 16 cases): in the first half ComfyUI's own cache fills with the three
+    families, their text encoders and VAEs (about 30 cases), and a rank's resident memory rises to the level the
+    largest model it held leaves behind; a leak keeps growing in the second half, a cache filling does not."""
+    families = {r["index"]: r["family"] for r in report.get("records", []) if r.get("kind") == "mix"}
+    by_server = collections.defaultdict(list)
+    for m in report.get("memory_samples", []):
+        by_server[m["server"]].append(m)
+    comfy, ranks = [], []
+    for server, ss in sorted(by_server.items()):
+        family, tagged = None, []
+        lives = collections.defaultdict(list)
+        for m in ss:
+            family = families.get(m["index"], family)
+            tagged.append((m["index"], m["comfyui_mb"], family))
+            for pid, mb in m["ranks_mb"].items():
+                if mb:
+                    lives[pid].append((m["index"], mb, family))
+        warm = tagged[len(tagged) // 2:]
+        if len(warm) >= 8:
+            comfy.append({"server_run": server, "cases": [warm[0][0], warm[-1][0]], "samples": len(warm),
+                          "mb_per_100_cases": _within_slope(warm)})
+        for pid, pts in lives.items():
+            if len(pts) >= 16:
+                late = pts[len(pts) // 2:]
+                ranks.append({"server_run": server, "pid": pid, "life": [pts[0][0], pts[-1][0]], "cases": [late[0][0], late[-1][0]],
+                              "samples": len(late), "mb_per_100_cases": _within_slope(late)})
+    ranks.sort(key=lambda r: -r["samples"])
+    comfy_vals = [c["mb_per_100_cases"] for c in comfy if c["mb_per_100_cases"] is not None]
+    rank_vals = [r["mb_per_100_cases"] for r in ranks if r["mb_per_100_cases"] is not None]
+    # every rank process starts afresh when the rank count changes or after a fault: the baseline a new rank returns to,
+    # per cached family, early in the run against late in it (medians of every rank's samples)
+    last = max((m["index"] for m in report.get("memory_samples", [])), default=0)
+    thirds: Dict[str, dict] = {}
+    for server, ss in sorted(by_server.items()):
+        family = None
+        for m in ss:
+            family = families.get(m["index"], family)
+            part = "first_third" if m["index"] < last / 3 else "last_third" if m["index"] >= 2 * last / 3 else None
+            if family and part:
+                thirds.setdefault(family, {"first_third": [], "last_third": []})[part] += [mb for mb in m["ranks_mb"].values() if mb]
+    baseline = {f: {k: round(statistics.median(v), 1) if v else None for k, v in d.items()} for f, d in sorted(thirds.items())}
+    return {"ranks_rss_mb_by_family": baseline, "comfyui": comfy, "comfyui_max_mb_per_100_cases": max(comfy_vals, default=None),
+            "ranks_lives_of_16_or_more": len(ranks), "ranks_median_mb_per_100_cases": statistics.median(rank_vals) if rank_vals else None,
+            "ranks_max_mb_per_100_cases": max(rank_vals, default=None), "ranks": ranks[:12]}
+
+
 def _holds(report: dict) -> dict:
     """The "must hold" list, each with its verdict."""
     mem = report["memory"]
@@ -1093,6 +1165,7 @@ def _holds(report: dict) -> dict:
 
 def summary_text(report: dict) -> str:
     f, m = report["faults"], report["memory"]
+    same = same_model_growth(report)
     lines = [
         f"PatchRay soak: {report['cases']} cases, {report['prompts_run']} prompts through the HTTP API in {report['wall_seconds'] / 60:.1f} min "
         f"(--rng {report['rng']}; {report['machine'].get('cpus')} CPUs, {report['machine'].get('memory_gib')} GiB; ComfyUI "
@@ -1106,6 +1179,12 @@ def summary_text(report: dict) -> str:
                                      f"({c['growth_mb_per_100_cases']:+} MB per 100 cases)" for c in m["comfyui"]),
         f"ranks: {m['ranks']['processes_seen']} rank processes seen, max RSS {m['ranks']['rss_mb_max']} MB, worst growth "
         f"{m['ranks']['max_growth_mb_per_100_cases']} MB per 100 cases (over lives of >= 8 cases)",
+        "second half of each series, same cached model (pooled within-family slope): ComfyUI {} MB per 100 cases (worst "
+        "server run); ranks median {}, worst {} MB per 100 cases ({} lives of >= 16 cases)".format(
+            same["comfyui_max_mb_per_100_cases"], same["ranks_median_mb_per_100_cases"], same["ranks_max_mb_per_100_cases"],
+            same["ranks_lives_of_16_or_more"]),
+        "ranks' RSS by cached family, median of the first third of the cases -> the last third: " + "; ".join(
+            f"{f} {d['first_third']} -> {d['last_third']} MB" for f, d in same["ranks_rss_mb_by_family"].items()),
         f"object store: max {m['object_store']['bytes_used_max_mb']} MB used, {m['object_store']['bytes_used_last_mb']} MB at the end "
         f"(capacity {m['object_store']['capacity_mb']} MB)",
         "stops: " + "; ".join(f"{s['how']}{' (crash)' if s.get('after_crash') else ''}: "
@@ -1140,6 +1219,7 @@ def compact(report: dict) -> dict:
     out["stops"] = [{k: s.get(k) for k in ("index", "how", "after_crash", "final", "exit_status", "seconds_until_clean", "processes_left",
                                           "ports_left", "dev_shm_left", "dev_shm_seen_held", "rendezvous_folders_left",
                                           "rendezvous_folders_after_kill9") if k in s} for s in report.get("stops", [])]
+    out["memory_same_model"] = same_model_growth(report)
     out["rss_mb_per_case"] = [{"index": m["index"], "server": m["server"], "comfyui": m["comfyui_mb"],
                                "ranks": sorted(m["ranks_mb"].values(), reverse=True)} for m in report.get("memory_samples", [])]
     return out
@@ -1204,13 +1284,18 @@ def main(argv=None) -> int:
     p.add_argument("--census-every", type=int, default=0, help="every N cases, what each rank holds (tensors, heap, objects); 0: never")
     p.add_argument("--kinds", default="", help="comma-separated fault kinds to inject (default: all of soak_cases.FAULT_KINDS)")
     p.add_argument("--final-stop", choices=("term", "int", "kill9"), default="term")
+    p.add_argument("--from-report", default=None, help="run nothing: write --summary (and the .txt) from this JSON report")
     args = p.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    report = Soak(args).run()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
+    if args.from_report:
+        report = json.loads(Path(args.from_report).read_text())
+    else:
+        report = Soak(args).run()
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1, default=str))
+    out = Path(args.from_report or args.out)
     text = summary_text(report)
     out.with_suffix(".txt").write_text(text)
     if args.summary:
