@@ -333,7 +333,7 @@ FAMILIES: Tuple[ModelFamily, ...] = (
         gather=Site("final_layer"),
         # a joint block's joint attention (text first), and SD3.5 Medium's image-only attention (attn2) in the same
         # block: both over all ranks' image keys; the text is kept whole on every rank (no text site)
-        attends={"JointBlock": Attends.JOINT, "ContextProcessorBlock": Attends.CROSS},
+        attends={"JointBlock": Attends.JOINT},
         text=PREFIX,
         heads="joint_blocks.0.x_block.attn.num_heads",
         call_refusals={"control": _CONTROL},
