@@ -26,20 +26,20 @@ from __future__ import annotations
 import copy
 import os
 import uuid
-from typing import Hashable
+from typing import Hashable, Optional
 
 import torch
 
 from . import gguf_weights
 
-__all__ = ["comfy_root", "model_key", "portable_parts", "portable_options", "check_patches", "check_model_type", "check_conditioning", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal", "patch_weight"]
+__all__ = ["comfy_root", "model_key", "portable_parts", "portable_options", "check_patches", "check_model_type", "check_conditioning", "check_area_sequence", "area_rows", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal", "patch_weight"]
 
 _UNSUPPORTED_COND_KEYS = {
     "control": "ControlNet conditioning (its residuals are full-image tensors added inside the model)",
     "gligen": "GLIGEN conditioning",
     "hooks": "conditioning hooks (scheduled LoRA/weight hooks)",
-    "area": "area conditioning (the model sees a cropped latent, not the row bands of the image)",
-    "mask": "masked conditioning (the model sees a cropped latent, not the row bands of the image)",
+    "area": "area conditioning (the UNet sees a cropped latent, not the row bands of the image)",
+    "mask": "masked conditioning (the UNet sees a cropped latent, not the row bands of the image)",
 }
 
 
@@ -139,6 +139,46 @@ def check_sequence(mp, latent: torch.Tensor, num_ranks: int) -> None:
         )
 
 
+def area_rows(extra: dict, latent_shape: tuple) -> Optional[int]:
+    """The latent rows of the crop a call of this conditioning sees (``None``: the whole latent): an ``area`` in
+    latent units ``(..., h, w, ..., y, x)`` or ComfyUI's ``("percentage", h, w, y, x)``, or the bounds of a mask with
+    ``set_area_to_bounds``, as ComfyUI resolves them before sampling."""
+    rows = int(latent_shape[-2])
+    area = extra.get("area")
+    if area is not None:
+        area = list(area)
+        if area and area[0] == "percentage":
+            return max(1, min(rows, round(float(area[1]) * rows)))
+        half = len(area) // 2
+        if half >= 2:
+            return max(1, min(int(area[half - 2]), rows - int(area[2 * half - 2])))
+    mask = extra.get("mask")
+    if mask is not None and extra.get("set_area_to_bounds") and isinstance(mask, torch.Tensor) and mask.ndim >= 2:
+        m = mask.reshape(-1, *mask.shape[-2:]).float()
+        m = torch.nn.functional.interpolate(m[:, None], size=tuple(int(d) for d in latent_shape[-2:]), mode="bilinear")
+        hit = torch.nonzero(m.abs().amax(dim=(0, 1, 3)) > 0)
+        return int(hit.max() - hit.min() + 1) if hit.numel() else rows
+    return None
+
+
+def check_area_sequence(mp, name: str, conditioning, latent_shape: tuple, num_ranks: int) -> None:
+    """Refuse, before anything ships, an area or bounded mask too small for ``num_ranks`` sequence ranks (the call on
+    its crop is split like any other)."""
+    for item in conditioning:
+        extra = item[1] if isinstance(item, (list, tuple)) and len(item) > 1 and isinstance(item[1], dict) else {}
+        rows = area_rows(extra, latent_shape)
+        if rows is None:
+            continue
+        try:
+            check_sequence(mp, torch.empty(tuple(latent_shape[:-2]) + (rows, int(latent_shape[-1])), device="meta"),
+                           num_ranks)
+        except ValueError as exc:
+            raise ValueError(
+                f"{name}: an area of {rows} latent rows cannot give each of the {num_ranks} sequence ranks a band "
+                f"({str(exc).split(': ', 1)[-1].split(' cannot')[0]}): make the area taller, lower num_ranks on the "
+                "PatchRay Cluster node, or pick parallelism cfg or batch") from None
+
+
 def _refuse(what: str) -> NotImplementedError:
     return NotImplementedError(f"PatchRay: {what} is not supported yet; sample this graph without PatchRay (the stock sampler on the MODEL before PatchRay Parallel Model)")
 
@@ -146,15 +186,16 @@ def _refuse(what: str) -> NotImplementedError:
 _SEQUENCE_ONLY_COND_KEYS = ("area", "mask")
 
 
-def check_conditioning(name: str, conditioning, mode: str = "sequence") -> None:
-    """Refuse conditioning the ranks cannot honour under ``mode`` (area and mask conditioning crop the latent, which
-    only the row bands of sequence parallelism cannot follow)."""
+def check_conditioning(name: str, conditioning, mode: str = "sequence", kind: str = "unet") -> None:
+    """Refuse conditioning the ranks cannot honour under ``mode``. Area and mask conditioning crop or weight the
+    latent a call sees: a DiT's sequence split cuts each call's own tokens and follows them (``kind="dit"``), the
+    UNet's row bands (patch parallelism, state kept across steps) cannot."""
     if not isinstance(conditioning, list):
         raise TypeError(f"{name} must be ComfyUI CONDITIONING (a list of [tensor, dict]); got {type(conditioning).__name__}")
     for item in conditioning:
         extra = item[1] if isinstance(item, (list, tuple)) and len(item) > 1 and isinstance(item[1], dict) else {}
         for key, why in _UNSUPPORTED_COND_KEYS.items():
-            if key in _SEQUENCE_ONLY_COND_KEYS and "sequence" not in mode:
+            if key in _SEQUENCE_ONLY_COND_KEYS and ("sequence" not in mode or kind == "dit"):
                 continue
             if extra.get(key) is not None:
                 if key in _SEQUENCE_ONLY_COND_KEYS:

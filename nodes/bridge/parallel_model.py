@@ -200,15 +200,16 @@ def rank_inputs(guider, noise, latent_image, sampler, sigmas, denoise_mask, seed
 
 
 def _sequence_cond_reason(mp, kind: str, conds: dict) -> Optional[str]:
-    """Why the conditionings keep this run from a sequence split (``None``: they do not): area or mask conditions, and
-    for a DiT the row's own conditioning refusals (reference latents, text masks it cannot split)."""
+    """Why the conditionings keep this run from a sequence split (``None``: they do not): for a UNet area or mask
+    conditions (its row bands cannot follow a crop; a DiT's split cuts each call's own tokens and follows them), for
+    a DiT the row's own conditioning refusals (reference latents, text masks it cannot split)."""
     from .dit_models import cond_refusal, find_row
 
     for name, cond in conds.items():
         for item in cond:
             extra = item[1] if len(item) > 1 and isinstance(item[1], dict) else {}
             for key in ("area", "mask"):
-                if extra.get(key) is not None:
+                if extra.get(key) is not None and kind != "dit":
                     return f"{key} conditioning in {name} crops the latent, which a band of rows cannot follow"
     if kind == "dit":
         row = find_row(type(mp.model.diffusion_model).__name__)
@@ -264,6 +265,24 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
                          sequence_refusal=no_sequence, stale_preset=stale)
     if auto_note:
         layout = layout._replace(note="; ".join(x for x in (layout.note, f"{auto_note}; ran as {layout.mode}") if x))
+    planned = None
+    if options.parallelism == "auto" and not stale and n > 1 and options.sharding == "none" and layout.mode != "replicated":
+        # the measured plan: the fastest exact layout on this rig, from one measured call (auto_plan)
+        from . import auto_plan
+
+        with rank_errors_for_user():
+            planned = auto_plan.measured_layout(
+                layout, mp=mp, options=options, cfg_on=not math.isclose(guider_scale(guider), 1.0),
+                batch=int(latent.shape[0]), latent_shape=tuple(latent.shape), sequence_ok=no_sequence is None,
+                check_layout=lambda lay: auto_plan.check_layout(mp, latent, lay, kind, options.sequence_attention),
+                probe=lambda: auto_plan.probe_run(guider, noise, latent, sampler, sigmas, denoise_mask, seed, options,
+                                                  hooks, kind, config),
+                memory=lambda: auto_plan.ranks_memory(options, hooks))
+        layout = planned.layout._replace(note=layout.note if planned.layout.mode == layout.mode else "")
+        if planned.line:
+            log.info("PatchRay: %s", planned.line)
+            if hooks.report is not None:
+                hooks.report(planned.line)  # before the ranks sample: the panel shows the plan while they work
     if layout.note:
         log.warning("PatchRay: %s", layout.note)
     if options.preset == "auto" and options.parallelism == "auto":
@@ -302,7 +321,9 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
                     f"ranks, which does not divide; pick auto, gathered, overlapped or ring (all exact), or a rank "
                     f"count on the PatchRay Cluster node that divides {heads}")
     for cname, cond in conds.items():
-        bridge_model.check_conditioning(cname, cond, layout.mode)
+        bridge_model.check_conditioning(cname, cond, layout.mode, kind)
+        if kind == "dit" and layout.seq_ranks > 1:
+            bridge_model.check_area_sequence(mp, cname, cond, tuple(latent.shape), layout.seq_ranks)
     key, make_skeleton, names, tensor, sizes = bridge_model.portable_parts(mp, layout.mode, ignore=(OUTER_KEY,))
     dm = mp.model.diffusion_model
     sharding = options.sharding
@@ -396,6 +417,8 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
         summary += f"; {seconds / steps:.3g} s/step over {steps} step{'s' if steps != 1 else ''}"
         if per_step is not None and n > 1:
             summary += f", {_words_bytes(per_step)} exchanged per step"
+        if info.get("comm_s") is not None and n > 1:
+            summary += f", {info['comm_s']:.3g} s in communication"
     unused = attention_note(attention, kind, layout, attention_calls, sequence_ok=no_sequence is None) if result["calls"] else None
     log.info("PatchRay: %s", summary)
     if unused:
@@ -410,6 +433,10 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
         hooks.report(summary)
         if check_line:
             hooks.report(check_line)
+        if planned is not None and planned.line and steps:
+            from .auto_plan import after_line
+
+            hooks.report(after_line(seconds, steps, per_step, info.get("comm_s"), planned.expected_s))
         if layout.note:
             hooks.report(f"note: {layout.note}")
         if unused:
@@ -418,7 +445,8 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
         hooks.stats({"mode": layout.mode, "ranks": layout.num_ranks, "cfg_groups": layout.cfg_groups,
                      "seq_ranks": layout.seq_ranks, "calls": int(result["calls"]), "steps": steps, "seconds": seconds,
                      "bytes_per_step": per_step, "attention_calls": dict(attention_calls or {}), "sharding": resolved,
-                     "preset": name})
+                     "preset": name, "comm_s": info.get("comm_s"),
+                     "plan_expected_s": planned.expected_s if planned is not None else None})
     if progress is not None:
         progress(steps, steps)
     x0 = info.get("x0")

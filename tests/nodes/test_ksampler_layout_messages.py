@@ -95,7 +95,7 @@ def test_the_node_summary_names_the_sequence_attention_that_ran():
     assert "without a sequence split" in note and "uses it" not in note, note
 
 
-def test_area_conditioning_under_sequence_points_at_the_splits_that_run_it():
+def test_area_conditioning_under_unet_row_bands_points_at_the_splits_that_run_it():
     import torch
 
     from patchray.nodes.bridge.model import check_conditioning
@@ -107,5 +107,26 @@ def test_area_conditioning_under_sequence_points_at_the_splits_that_run_it():
     assert "area conditioning" in text and "positive" in text and "parallelism=cfg or batch run it whole" in text
     check_conditioning("positive", cond, "cfg")  # cfg and batch evaluate the whole latent: area conditioning runs
     check_conditioning("positive", cond, "batch")
+    # a DiT's sequence split cuts each call's own (cropped) tokens: area and mask run under sequence too
+    check_conditioning("positive", cond, "sequence", "dit")
+    check_conditioning("positive", [[torch.zeros(1, 77, 8), {"mask": torch.ones(1, 8, 8)}]], "cfg+sequence", "dit")
+    with pytest.raises(NotImplementedError, match="ControlNet conditioning"):  # whatever the model kind
+        check_conditioning("positive", [[torch.zeros(1, 77, 8), {"control": object()}]], "sequence", "dit")
     with pytest.raises(NotImplementedError, match="ControlNet conditioning"):  # refused under every parallelism
         check_conditioning("positive", [[torch.zeros(1, 77, 8), {"control": object()}]], "cfg")
+
+
+def test_the_rows_of_an_area_crop_follow_comfyuis_three_area_forms():
+    import torch
+
+    from patchray.nodes.bridge.model import area_rows
+
+    shape = (1, 16, 64, 48)  # latent rows 64
+    assert area_rows({}, shape) is None
+    assert area_rows({"area": (24, 16, 8, 4)}, shape) == 24  # (h, w, y, x) in latent units
+    assert area_rows({"area": (24, 16, 50, 4)}, shape) == 14  # clipped at the latent's bottom edge (64 - 50)
+    assert area_rows({"area": ("percentage", 0.25, 0.5, 0.0, 0.0)}, shape) == 16  # a quarter of 64 rows
+    mask = torch.zeros(1, 512, 384)
+    mask[:, 128:256] = 1.0  # pixel rows 128..255: latent rows 16..31 once resized to 64 rows
+    assert area_rows({"mask": mask, "set_area_to_bounds": True}, shape) in (16, 17, 18)  # bilinear edges
+    assert area_rows({"mask": mask}, shape) is None  # a mask without bounds weights the whole latent

@@ -204,14 +204,16 @@ def test_wrappers_of_other_extensions_are_refused_by_key_and_patchrays_own_pass(
 
 
 def test_auto_keeps_a_conditioning_the_sequence_split_cannot_follow_whole():
-    """Under parallelism auto, area/mask conditions and a DiT row's refused conditionings (FLUX reference latents)
-    are reasons to pick a whole-model split (cfg, batch) instead of refusing: the reason names the conditioning."""
+    """Under parallelism auto, a UNet's area/mask conditions and a DiT row's refused conditionings (FLUX reference
+    latents) are reasons to pick a whole-model split (cfg, batch) instead of refusing: the reason names the
+    conditioning."""
     Flux = type("Flux", (), {})  # the DiT table finds rows by class name
     mp = SimpleNamespace(model=SimpleNamespace(diffusion_model=Flux()))
     plain = {"positive": [[torch.zeros(1, 4, 8), {"pooled_output": torch.zeros(1, 8)}]], "negative": []}
     assert pm._sequence_cond_reason(mp, "dit", plain) is None
     area = {"positive": [[torch.zeros(1, 4, 8), {"area": (8, 8, 0, 0)}]]}
     assert "area conditioning in positive" in pm._sequence_cond_reason(mp, "unet", area)
+    assert pm._sequence_cond_reason(mp, "dit", area) is None  # a DiT's split follows each call's crop
     ref = {"negative": [[torch.zeros(1, 4, 8), {"reference_latents": [torch.zeros(1, 16, 4, 4)]}]]}
     why = pm._sequence_cond_reason(mp, "dit", ref)
     assert "Kontext" in why and "in negative" in why and "use parallelism" not in why
