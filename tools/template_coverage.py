@@ -9,7 +9,8 @@ class ComfyUI builds for it, and applies the rules PatchRay's own tables and che
 
 * sequence parallelism: the classes with a row in PatchRay's DiT table (read from ``nodes/bridge/dit_models.py``)
   and ComfyUI's plain ``UNetModel``; refused where a conditioning the row cannot split is present (the rows'
-  ``cond_refusals``: reference latents; area and mask conditions; model patches that see one rank's tokens);
+  ``cond_refusals``: reference latents; area and mask conditions on a UNet (a DiT's split follows each call's crop);
+  model patches that see one rank's tokens);
 * CFG parallelism: every model, when the template's guidance evaluates more than one conditioning per step (cfg != 1,
   or a multi-conditioning guider); batch parallelism: every model, when the latent batch is at least the rank count;
 * refused in every mode: ControlNet and GLIGEN conditioning, latents that are neither images nor videos (3-D models,
@@ -113,13 +114,13 @@ def classify(t: dict, seq_classes: set) -> dict:
     seq_why = None if seq else f"{cls} has no sequence split"
     if seq and "reference_latent" in patches or seq and "flux_kontext_local" in patches:
         seq, seq_why = False, "reference latent tokens are not split yet"
-    if seq and "area_mask" in patches:
-        seq, seq_why = False, "area / mask conditions crop the latent"
+    if seq and "area_mask" in patches and cls == "UNetModel":  # a DiT's split follows each call's crop
+        seq, seq_why = False, "area / mask conditions crop the latent, which the UNet's row bands cannot follow"
     if seq and "model_patch" in patches:
         seq, seq_why = False, "a model patch (ModelPatchLoader) would see one rank's tokens"
     if seq and "SkipLayerGuidanceDiT" in patches.get("cfg_tweak", []):
         seq, seq_why = False, "SkipLayerGuidanceDiT's block patches would see one rank's tokens"
-    if seq and patches.get("inpaint_conditioning") and cls != "UNetModel":
+    if seq and patches.get("inpaint_conditioning") and cls not in ("UNetModel", "Flux"):  # FLUX.1 Fill: in the suite
         notes.append("inpaint concat latent under sequence: not run in the suite")
     settings = [s.get("settings", {}) for s in t.get("samplers", []) if s.get("active")]
     guiders = {g.get("type") for g in t.get("guiders", [])} if isinstance(t.get("guiders"), list) else set()
