@@ -29,7 +29,7 @@ import torch
 
 __all__ = [
     "WRAPPER_KEY", "prepare", "share_host_memory", "begin_parts", "end_parts", "device_memory", "host_memory", "sample", "agreed_batching",
-    "patch_parallel",
+    "patch_parallel", "comm_seconds", "probe_calls",
 ]
 
 WRAPPER_KEY = "patchray.patch_parallel"
@@ -270,11 +270,103 @@ def sample(ctx, mp, session, inputs: dict) -> torch.Tensor:
         model.add_object_patch(name, obj)
     _drop_other_group_session(session)
     layout = _layout(inputs)
-    if layout is None or (layout.mode == "sequence" and inputs.get("kind", "unet") == "unet"):
-        model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, patch_parallel(session))
-        model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching(session, mm.get_free_memory))
-        return _run(model, session, inputs)
-    return _sample_layout(ctx, model, session, inputs, layout)
+    with comm_seconds(ctx.device) as comm:
+        if layout is None or (layout.mode == "sequence" and inputs.get("kind", "unet") == "unet"):
+            model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, patch_parallel(session))
+            model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching(session, mm.get_free_memory))
+            latent = _run(model, session, inputs)
+        else:
+            latent = _sample_layout(ctx, model, session, inputs, layout)
+    session.info["comm_s"] = comm["s"]
+    if session.info.get("probe") is not None:
+        from ...distributed.sampling.exactness import agreed_error
+
+        # per batch row, the best of this rank's calls (the first may hold one-off set-up); the slowest rank's figure
+        mine = min((c["ms"] / max(1, c["rows"]) for c in session.info["probe"]), default=float("inf"))
+        session.info["probe_row_ms"] = agreed_error(ctx, mine)
+    return latent
+
+
+@contextlib.contextmanager
+def comm_seconds(device):
+    """The seconds this rank's sampling waits in communication calls (yields ``{"s": ...}``, complete once the block
+    ends). CUDA ranks: a pair of CUDA events around each top-level call on the compute stream, read at the end, so
+    nothing synchronizes while the run goes on and an asynchronous call counts only the wait it causes there; CPU ranks
+    (gloo): the host time inside each call. Calls made inside another (a batch's sends) are the outer call's."""
+    import time
+
+    from ...distributed.comm import intercept
+
+    cuda = getattr(device, "type", None) == "cuda"
+    pairs = []
+    stats = {"s": 0.0}
+
+    def timer(call, proceed):
+        if call.batched:
+            return proceed()
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            result = proceed()
+            end.record()
+            pairs.append((begin, end))
+            return result
+        start = time.perf_counter()
+        result = proceed()
+        stats["s"] += time.perf_counter() - start
+        return result
+
+    with intercept(timer):
+        yield stats
+    if pairs:
+        torch.cuda.synchronize()
+        stats["s"] += sum(b.elapsed_time(e) for b, e in pairs) / 1e3
+
+
+def probe_calls(counter, record: list):
+    """An APPLY_MODEL wrapper for the measured plan: the whole model runs on this rank (counted like
+    :func:`_counted`), and each call appends ``{"ms", "rows", "sites", "out_bytes", "itemsize"}`` to ``record``: its
+    time (the device synchronized around it), its batch rows, its self-attentions by shape (tokens, heads, head size,
+    batch: calls, recorded through ComfyUI's ``optimized_attention_override``) and its output's size."""
+    import time
+
+    def wrapper(executor, *args, **kwargs):
+        sites = {}
+        args = list(args)
+        if len(args) > 5:
+            to = args[5] = dict(args[5] or {})
+        else:
+            to = kwargs["transformer_options"] = dict(kwargs.get("transformer_options") or {})
+        inner = to.get("optimized_attention_override")
+
+        def attention(func, *a, **kw):
+            q, k = a[0], a[1]
+            heads = int(a[3] if len(a) > 3 else kw.get("heads", 1))
+            if kw.get("skip_reshape", False):  # [B, H, L, D]
+                b, tokens, keys, dim = q.shape[0], q.shape[2], k.shape[2], q.shape[3]
+            else:  # [B, L, H * D]
+                b, tokens, keys, dim = q.shape[0], q.shape[1], k.shape[1], q.shape[-1] // max(1, heads)
+            if tokens == keys:  # a self or joint attention (cross-attention keys are the text's, kept whole)
+                shape = (int(tokens), heads, int(dim), int(b))
+                sites[shape] = sites.get(shape, 0) + 1
+            return inner(func, *a, **kw) if inner is not None else func(*a, **kw)
+
+        to["optimized_attention_override"] = attention
+        x = args[0]
+        cuda = x.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        start = time.perf_counter()
+        with counter.call():
+            out = executor(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        record.append({"ms": (time.perf_counter() - start) * 1e3, "rows": int(x.shape[0]),
+                       "sites": [list(s) + [n] for s, n in sites.items()],
+                       "out_bytes": int(out.numel() * out.element_size()), "itemsize": int(out.element_size())})
+        return out
+
+    return wrapper
 
 
 def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
@@ -321,6 +413,9 @@ def _sample_layout(ctx, model, session, inputs: dict, layout) -> torch.Tensor:
             group_session = _group_session(seq_ctx, session)
             group_session.begin()
             model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, patch_parallel(group_session))
+        elif inputs.get("probe") and layout.mode == "replicated":  # the measured plan's call (parallel_model.measure)
+            session.info["probe"] = []
+            model.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, dit_rank.SEQ_KEY, probe_calls(counter, session.info["probe"]))
         else:  # the whole model on this rank: counted around apply_model, which every model class goes through
             model.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, dit_rank.SEQ_KEY, _counted(counter))
     if layout.batch or layout.seq_ranks > 1:

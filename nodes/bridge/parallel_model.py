@@ -283,6 +283,9 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
             log.info("PatchRay: %s", planned.line)
             if hooks.report is not None:
                 hooks.report(planned.line)  # before the ranks sample: the panel shows the plan while they work
+    elif options.parallelism == "auto" and stale and n > 1 and layout.mode == "sequence" and hooks.report is not None:
+        hooks.report(f"plan: sequence (preset {config_name(config)} works between sequence ranks; auto measures a plan "
+                     "for the exact presets)")
     if layout.note:
         log.warning("PatchRay: %s", layout.note)
     if options.preset == "auto" and options.parallelism == "auto":
