@@ -71,7 +71,8 @@ class _LiveBytes(TorchDispatchMode):
                 raise torch.OutOfMemoryError(
                     f"rank {self.rank} ran out of memory: {func} needed {nbytes / _MB:.1f} MiB more with "
                     f"{(self.live - nbytes) / _MB:.1f} MiB in use, past the cluster's rank_memory_mb cap of "
-                    f"{self.cap / _MB:g} MiB"
+                    f"{self.cap / _MB:g} MiB: raise rank_memory_mb, or give each rank less to hold (a smaller latent or "
+                    f"batch, more ranks)"
                 )
         return out
 
