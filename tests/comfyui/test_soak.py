@@ -24,10 +24,10 @@ pytestmark = [
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-#: ComfyUI's resident memory may grow this much per 100 cases after the warm-up: its own model cache fills as the three
-#: families and VAEs first appear; a prompt's outputs, latents or the ranks' results kept per prompt would add more
+#: ComfyUI's resident memory may grow this much per 100 cases once its own model cache holds the three families and
+#: their VAEs (the full run: 24 MB per 100 cases); a prompt's outputs, latents or results kept per prompt would add more
 COMFYUI_MB_PER_100 = 400
-#: a rank process over a life of at least 8 cases (it holds whichever model and VAEs the prompts shipped last)
+#: a rank process over the second half of a life of at least 16 cases, with the same model cached
 RANK_MB_PER_100 = 400
 
 
@@ -50,8 +50,9 @@ def test_a_short_soak_holds(tmp_path):
     assert holds["max seconds to error within the bound"], report["seconds_to_error_by_kind"]
     assert holds["object store empty at idle"], report["memory"]["object_store"]
     assert holds["nothing left after any stop"], json.dumps(report["stops"], indent=1)
-    comfy = holds["ComfyUI's RSS growth per 100 cases (MB)"]
-    assert comfy is not None and comfy < COMFYUI_MB_PER_100, report["memory"]["comfyui"]
-    ranks = holds["ranks' RSS growth per 100 cases (MB, worst process)"]
-    assert ranks is None or ranks < RANK_MB_PER_100, report["memory"]["ranks"]
+    # memory with the cached model held fixed, over the second half of each server run and rank life (soak.py's
+    # same_model_growth: the plain slopes mostly say which model family came last, and how full the caches were)
+    same = soak.same_model_growth(report)
+    assert same["comfyui_max_mb_per_100_cases"] is not None and same["comfyui_max_mb_per_100_cases"] < COMFYUI_MB_PER_100, same
+    assert same["ranks_max_mb_per_100_cases"] is None or same["ranks_max_mb_per_100_cases"] < RANK_MB_PER_100, same
     assert os.path.exists(out.with_suffix(".txt"))
