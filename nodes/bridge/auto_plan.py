@@ -85,7 +85,8 @@ def measured_from_info(info: dict, batch: int):
 
 def after_line(seconds: float, steps: int, bytes_per_step: Optional[float], comm_s: Optional[float],
                expected_s: Optional[float]) -> str:
-    """``measured: X s/step, B per step exchanged, C s in communication (plan expected E s/step)``."""
+    """``measured: X s/step, B exchanged per step, C s in communication (...); the plan expected E s/step`` (B: the
+    bytes rank 0 put on its link)."""
     from .parallel_model import _words_bytes
 
     line = f"measured: {seconds / steps:.3g} s/step over {steps} step{'s' if steps != 1 else ''}"

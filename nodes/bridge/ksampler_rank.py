@@ -270,7 +270,7 @@ def sample(ctx, mp, session, inputs: dict) -> torch.Tensor:
         model.add_object_patch(name, obj)
     _drop_other_group_session(session)
     layout = _layout(inputs)
-    with comm_seconds(ctx.device) as comm:
+    with comm_seconds(ctx.device, ctx.world_size) as comm:
         if layout is None or (layout.mode == "sequence" and inputs.get("kind", "unet") == "unet"):
             model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, patch_parallel(session))
             model.add_wrapper_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, agreed_batching(session, mm.get_free_memory))
@@ -278,6 +278,7 @@ def sample(ctx, mp, session, inputs: dict) -> torch.Tensor:
         else:
             latent = _sample_layout(ctx, model, session, inputs, layout)
     session.info["comm_s"] = comm["s"]
+    session.info["comm_bytes"] = comm["bytes"]
     if session.info.get("probe") is not None:
         from ...distributed.sampling.exactness import agreed_error
 
@@ -287,23 +288,36 @@ def sample(ctx, mp, session, inputs: dict) -> torch.Tensor:
     return latent
 
 
+def _group_size(call, world: int) -> int:
+    """The ranks a collective spans, read from its own buffers (a CFG or sequence group is smaller than the world)."""
+    a = call.args
+    if call.op == "all_gather" and a and isinstance(a[0], (list, tuple)):
+        return len(a[0])
+    if call.op == "all_gather_into_tensor" and len(a) > 1:
+        return max(1, a[0].numel() // max(1, a[1].numel()))
+    return int(world)
+
+
 @contextlib.contextmanager
-def comm_seconds(device):
-    """The seconds this rank's sampling waits in communication calls (yields ``{"s": ...}``, complete once the block
-    ends). CUDA ranks: a pair of CUDA events around each top-level call on the compute stream, read at the end, so
-    nothing synchronizes while the run goes on and an asynchronous call counts only the wait it causes there; CPU ranks
-    (gloo): the host time inside each call. Calls made inside another (a batch's sends) are the outer call's."""
+def comm_seconds(device, world_size: int = 1):
+    """The seconds this rank's sampling waits in communication calls and the bytes it puts on its link (yields
+    ``{"s": ..., "bytes": ...}``, complete once the block ends). CUDA ranks: a pair of CUDA events around each top-level
+    call on the compute stream, read at the end, so nothing synchronizes while the run goes on and an asynchronous call
+    counts only the wait it causes there; CPU ranks (gloo): the host time inside each call. Calls made inside another (a
+    batch's sends) are the outer call's. The bytes follow the benchmark's rules (``bench.linkmodel.call_wire_bytes``)."""
     import time
 
+    from ...distributed.bench.linkmodel import call_wire_bytes
     from ...distributed.comm import intercept
 
     cuda = getattr(device, "type", None) == "cuda"
     pairs = []
-    stats = {"s": 0.0}
+    stats = {"s": 0.0, "bytes": 0}
 
     def timer(call, proceed):
         if call.batched:
             return proceed()
+        stats["bytes"] += call_wire_bytes(call, _group_size(call, world_size))
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()

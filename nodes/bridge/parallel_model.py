@@ -439,7 +439,9 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
         if planned is not None and planned.line and steps:
             from .auto_plan import after_line
 
-            hooks.report(after_line(seconds, steps, per_step, info.get("comm_s"), planned.expected_s))
+            sent = info.get("comm_bytes")
+            hooks.report(after_line(seconds, steps, sent / steps if sent is not None else per_step, info.get("comm_s"),
+                                    planned.expected_s))
         if layout.note:
             hooks.report(f"note: {layout.note}")
         if unused:
