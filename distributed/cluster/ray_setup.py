@@ -22,8 +22,10 @@ Design decisions:
   for SIGTERM too, chaining to the handler it replaced. The first one chains to the host's (ComfyUI's process with
   PatchRay's SIGTERM handler, which stops the ranks and Ray); a second ``ray.init`` in the same process (a fresh Ray
   after the first died) chains to the first crash handler, so SIGTERM then ended the process at once: Ray's helpers
-  lingered a minute and the rendezvous folder stayed (found by the soak harness). After every ``ray.init``,
-  SIGTERM's disposition is put back to what it was before this process's first one (Linux; elsewhere unchanged).
+  lingered a minute and the rendezvous folder stayed (found by the soak harness). After every ``ray.init`` SIGTERM
+  goes back to the host: to Python's handler when one is set (its C trampoline, as read before the first
+  ``ray.init``), else to what it was just before (Linux; elsewhere unchanged). No crash handler of Ray's holds
+  SIGTERM, and a Python handler installed after the first ``ray.init`` is kept.
 """
 
 from __future__ import annotations
@@ -206,10 +208,6 @@ def _connect_error(address: str, exc: BaseException) -> ClusterSetupError:
 
 _ray_started_with: List[tuple] = []  # (address, gpu_ids) this process's Ray was started/joined with
 
-#: SIGTERM's disposition (the raw ``struct sigaction``) before this process's first ``ray.init``; ``[None]``: not kept
-_sigterm_before_ray: List[Any] = []
-
-
 def _sigaction(signo: int, new=None):
     """``sigaction(signo, new, &old)`` through the C library; returns ``old`` as raw bytes (a buffer larger than any
     platform's ``struct sigaction``: only copied back, never read)."""
@@ -222,24 +220,33 @@ def _sigaction(signo: int, new=None):
     return old
 
 
-def _remember_sigterm() -> None:
-    """Keep SIGTERM's disposition before the first ``ray.init`` of this process (see the module docstring)."""
-    if _sigterm_before_ray:
-        return
-    saved = None
-    if sys.platform.startswith("linux"):
-        try:
-            saved = _sigaction(signal.SIGTERM)
-        except Exception as exc:  # no C library to ask: SIGTERM stays as Ray leaves it
-            log.debug("could not read SIGTERM's disposition: %s", exc)
-    _sigterm_before_ray.append(saved)
+#: the raw disposition of SIGTERM while a Python handler holds it (Python's own C trampoline, which calls whichever
+#: Python handler ``signal.signal`` set), read before this process's first ``ray.init``; ``[]``: not read yet
+_python_sigterm: List[Any] = []
 
 
-def _restore_sigterm() -> None:
-    """Put SIGTERM's disposition back to what it was before this process's first ``ray.init``."""
-    saved = _sigterm_before_ray[0] if _sigterm_before_ray else None
+def _read_sigterm():
+    """SIGTERM's disposition now (raw), or ``None`` where it is not kept (not Linux, no C library to ask). Before the
+    process's first ``ray.init`` with a Python handler in place, also kept as Python's trampoline."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        raw = _sigaction(signal.SIGTERM)
+    except Exception as exc:
+        log.debug("could not read SIGTERM's disposition: %s", exc)
+        return None
+    if not _python_sigterm and callable(signal.getsignal(signal.SIGTERM)):
+        _python_sigterm.append(raw)
+    return raw
+
+
+def _restore_sigterm(saved) -> None:
+    """After ``ray.init``: SIGTERM to the Python handler when one is set (Python's trampoline: Ray's shutdown of an
+    earlier Ray may have reset the C-level disposition under it), else back to ``saved`` (read just before)."""
     if saved is None:
         return
+    if _python_sigterm and callable(signal.getsignal(signal.SIGTERM)):
+        saved = _python_sigterm[0]
     try:
         _sigaction(signal.SIGTERM, saved)
     except Exception as exc:
@@ -283,7 +290,7 @@ def ensure_ray(config: ClusterConfig):
     if config.gpu_ids:
         # Ray detects the GPUs it manages from CUDA_VISIBLE_DEVICES when it starts
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in config.gpu_ids)
-    _remember_sigterm()
+    sigterm = _read_sigterm()
     try:
         ray.init(**ray_init_kwargs(config))
     except Exception as exc:
@@ -293,7 +300,7 @@ def ensure_ray(config: ClusterConfig):
             raise ClusterSetupError(f"could not start an embedded local Ray: {strip_ansi(str(exc))}") from exc
         raise _connect_error(config.address, exc) from exc
     finally:
-        _restore_sigterm()  # Ray's crash handler must not take SIGTERM from the host (module docstring)
+        _restore_sigterm(sigterm)  # Ray's crash handler must not take SIGTERM from the host (module docstring)
         if config.gpu_ids:
             if saved_visible is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
