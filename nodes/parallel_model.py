@@ -45,8 +45,11 @@ def cluster_inputs() -> list:
                 "(DiTs: its tokens, attention over every token; UNets: the preset's patch parallelism). cfg: cond "
                 "on one rank, uncond on the other, outputs exchanged once per step (2 ranks; every model). "
                 "cfg+sequence: 2 CFG groups of N/2 sequence ranks (4, 6, 8 ranks). batch: the latent batch split "
-                "across the ranks (batch size >= ranks; every model). auto: batch if the batch divides evenly, "
-                "else cfg (+sequence) when cfg > 1, else sequence. cfg = 1 turns cfg into sequence, with a note."
+                "across the ranks (batch size >= ranks; every model). auto: the fastest of these on your rig, from one "
+                "model call timed on the ranks on first use (kept on disk) and the GPUs' link; the node shows the plan "
+                "and its expected s/step before sampling (a low-traffic preset: sequence; sharding other than none: "
+                "batch if the batch divides evenly, else cfg (+sequence) when cfg > 1, else sequence). cfg = 1 turns "
+                "cfg into sequence, with a note."
             ),
         ),
         io.Combo.Input(
@@ -148,5 +151,6 @@ class PatchRayParallelModel(io.ComfyNode):
         node = getattr(getattr(cls, "hidden", None), "unique_id", None)
         patched = bridge_parallel.patch_model(model, options, run_hooks(panel_report(node)))
         plan = (f"samples on {options.num_ranks} rank(s): parallelism {parallelism}, preset {preset}, sharding "
-                f"{sharding}; what ran shows here after the sampler runs")
+                f"{sharding}; " + ("auto's plan shows here when the sampler starts, what ran after it runs"
+                                   if parallelism == "auto" else "what ran shows here after the sampler runs"))
         return io.NodeOutput(patched, ui=ui.PreviewText(plan))
