@@ -8,6 +8,7 @@ Design decisions:
   convolutions in stepwise sampling, where the halo comes from a :class:`~.exchange.PeerExchange` strategy),
   :class:`HaloWanCausalConv` (Wan/Qwen-Image causal conv with its temporal feature cache),
   :class:`HaloPaddedCausalConv` (HunyuanVideo/HunyuanVideo-1.5: ``F.pad`` with replicate, then a conv),
+  :class:`HaloCogVideoXCausalConv` (``CogVideoXCausalConv3d`` as Mochi uses it: the same, returning a cache slot),
   :class:`HaloPadThenConv` (KL ``Downsample2D`` and Wan/Qwen ``Resample``: pad right/bottom, strided conv).
   Frames are never sharded: temporal padding and caches run exactly as in diffusers on the band.
 * **Halo sizes come from the band table.** For output band ``[a, b)`` a conv with kernel ``k``, stride ``s`` and
@@ -47,6 +48,7 @@ __all__ = [
     "HaloWanCausalConv",
     "HaloPaddedCausalConv",
     "HaloPadThenConv",
+    "HaloCogVideoXCausalConv",
 ]
 
 _EDGE_MODES = ("zeros", "replicate", "reflect")
@@ -393,3 +395,35 @@ class HaloPadThenConv(Style):
 
         claims = [conv] + ([target] + list(target) if target is not module else [])
         return Applied(replace_forward(target, path, lambda prior: forward), claims=claims)
+
+
+@dataclasses.dataclass(frozen=True)
+class HaloCogVideoXCausalConv(Style):
+    """``CogVideoXCausalConv3d`` in its replicate mode (Mochi's): ``F.pad(time_causal_padding, "replicate")``, then
+    the unpadded ``self.conv``; returns ``(output, None)`` as the layer does (no temporal cache in that mode).
+
+    The constant mode (CogVideoX's, and diffusers' framewise Mochi decode) pads rows inside the conv and threads a
+    temporal cache; it is refused by name.
+    """
+
+    def _apply(self, module, path, state):
+        conv = module.conv
+        _check_conv(conv, f"{path}.conv")
+        if module.pad_mode != "replicate":
+            raise NotImplementedError(
+                f"{path}: CogVideoXCausalConv3d with pad_mode={module.pad_mode!r} (framewise decoding) is not supported "
+                f"in row mode; decode the whole clip at once"
+            )
+        if any(conv.padding):
+            raise NotImplementedError(f"{path}.conv: a padded conv inside a padding wrapper (padding={conv.padding})")
+        padding = module.time_causal_padding
+        h_top, h_bottom = padding[2], padding[3]
+        if not _needs_rows(conv, h_top + h_bottom):
+            return Applied(claims=(conv,))
+
+        def forward(inputs, conv_cache=None):
+            # the layer's own single F.pad (rows too: the band ends get edge padding, inner ones are fixed after)
+            inputs = F.pad(inputs, padding, mode="replicate")
+            return conv_rows(inputs, conv, state, h_top, h_bottom, "replicate", prepadded=True), None
+
+        return Applied(replace_forward(module, path, lambda prior: forward), claims=(conv,))

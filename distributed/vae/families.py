@@ -39,6 +39,8 @@ class FamilySpec(NamedTuple):
             most matching pairs wins (:func:`family_of`).
         input_patch: the config's ``in_channels`` counts the input after a ``p x p`` patchify (Wan 2.2: 12 = 3 x 2 x 2);
             the image itself has ``in_channels // p**2`` channels (:func:`image_channels`).
+        input_features: the config's ``in_channels`` counts this many features per image channel (Mochi: 5, the value
+            and the sine and cosine of two frequencies: 15 = 3 x 5); the image has ``in_channels // input_features``.
     """
 
     name: str
@@ -51,6 +53,7 @@ class FamilySpec(NamedTuple):
     full_config: dict
     config_match: tuple = ()
     input_patch: int = 1
+    input_features: int = 1
 
 
 _KL_FULL = dict(
@@ -276,6 +279,25 @@ FAMILIES: dict = {
             tiny_config=dict(block_out_channels=(8, 8, 16, 32, 32), layers_per_block=1, latent_channels=8),
             full_config={},
         ),
+        # Mochi's VAE as genmo's release computes it: frames dropped inside each upsampling block, non-causal
+        # encoder attention (distributed/vae/variants.py). GroupNorm(32) is fixed in the class: widths stay multiples
+        # of 32; the tiny config keeps both halves' depth per group at one resnet, the released attention pattern
+        FamilySpec(
+            "mochi",
+            "AutoencoderKLMochiGenmo",
+            8,
+            6,
+            12,
+            True,
+            tiny_config=dict(
+                encoder_block_out_channels=(32, 32, 64, 64),
+                decoder_block_out_channels=(32, 32, 64, 64),
+                layers_per_block=(1, 1, 1, 1, 1),
+                latent_channels=8,
+            ),
+            full_config={},
+            input_features=5,
+        ),
         # HunyuanVideo's VAE as ComfyUI runs it: full mid-block attention, whole clips (distributed/vae/variants.py)
         FamilySpec(
             "hunyuan_video_full_attention",
@@ -430,7 +452,8 @@ def latent_shape(family: str, height: int, width: int, frames: int = 1, batch: i
 def image_channels(family: str, config: Optional[dict]) -> int:
     """Channels of the image/video the VAE of ``family`` with ``config`` encodes (3 unless the config says)."""
     spec = get_family(family)
-    return int((config or {}).get("in_channels", 3 * spec.input_patch**2)) // spec.input_patch**2
+    per_channel = spec.input_patch**2 * spec.input_features
+    return int((config or {}).get("in_channels", 3 * per_channel)) // per_channel
 
 
 def _tiny_latent_channels(spec: FamilySpec) -> int:

@@ -25,7 +25,7 @@ import torch.nn as nn
 from ..comm import gather_to
 from ..context import ParallelContext
 from ..parallel.attention import GatheredAttention, GatheredAttnBlock, GatheredCausalAttnBlock, GatheredFrameAttention, RecordVideoLayout
-from ..parallel.conv import HaloConv, HaloPadThenConv, HaloPaddedCausalConv, HaloWanCausalConv
+from ..parallel.conv import HaloCogVideoXCausalConv, HaloConv, HaloPadThenConv, HaloPaddedCausalConv, HaloWanCausalConv
 from ..bands import row_bands
 from ..parallel.groupnorm import ShardedGroupNorm
 from ..parallel.resnet import HaloResnetBlock
@@ -212,6 +212,29 @@ ROW_PLANS: Dict[str, dict] = {
         ),
         "HunyuanImageRefinerCausalConv3d": HaloPaddedCausalConv(),
         "HunyuanImageRefinerAttnBlock": GatheredAttnBlock(),
+    },
+    # Mochi: GroupNorm per frame (each chunk of frames is a batch of images to nn.GroupNorm: one exact collective
+    # per chunk, the same chunks on every rank since frames are never split), causal convs padded by replication
+    # in time and space, 1x1 projections and depth-to-space up blocks that move whole rows (bands scale by 2 at
+    # every level), Fourier features per pixel. The encoder's attention runs over the frames of one pixel at a
+    # time (tokens [(B h w), T, C]), so it is row-local: no keys come from another row.
+    "mochi": {
+        **_TORCH_COMMON,
+        **_local(
+            "MochiEncoder3D",
+            "MochiDecoder3D",
+            "MochiMidBlock3D",
+            "MochiDownBlock3D",
+            "MochiUpBlock3D",
+            "MochiUpBlock3DFrameDrop",
+            "MochiResnetBlock3D",
+            "MochiChunkedGroupNorm3D",
+            "FourierFeatures",
+            "Attention",
+            "LpNorm",
+        ),
+        "CogVideoXCausalConv3d": HaloCogVideoXCausalConv(),
+        "CogVideoXSafeConv3d": ClaimedOnly(parent="CogVideoXCausalConv3d"),
     },
     # HunyuanVideo with full mid-block attention: the same layers as "hunyuan_video"; the mid-block calls its
     # attention without a mask, which the gathered attention then computes over every rank's tokens

@@ -11,6 +11,12 @@ the row plans stay the diffusers ones. A family names such a class like a diffus
   is how ComfyUI runs the released HunyuanVideo VAE (its 3-D ``AutoencoderKL``: the 2-D ``AttnBlock`` applied to
   ``[B, C, T, H, W]``, one decode call per clip); diffusers' ``AutoencoderKLHunyuanVideo`` masks the mid-block
   attention frame-causally and decodes clips of more than four latent frames in blended temporal tiles.
+* ``AutoencoderKLMochiGenmo``: Mochi's VAE as genmo's release computes it (and ComfyUI, whose
+  ``comfy/ldm/genmo/vae`` is that code): each upsampling block drops its first ``temporal_expansion - 1`` frames right
+  after its depth-to-space step, so the next block's causal convolutions replicate the new first frame; diffusers'
+  ``AutoencoderKLMochi`` keeps every frame through the decoder and drops ``temporal_compression_ratio - 1`` frames
+  at the end, which computes the early frames from other context. The encoder's attention over the frames of each
+  pixel is not causal in the release; diffusers masks it causally.
 """
 
 from __future__ import annotations
@@ -57,8 +63,42 @@ def _hunyuan_video_full_attention() -> type:
     return AutoencoderKLHunyuanVideoFullAttention
 
 
+@functools.lru_cache(maxsize=None)
+def _mochi_genmo() -> type:
+    from diffusers import AutoencoderKLMochi
+    from diffusers.models.autoencoders.autoencoder_kl_mochi import MochiUpBlock3D
+
+    class MochiUpBlock3DFrameDrop(MochiUpBlock3D):
+        """``MochiUpBlock3D`` that drops its first ``temporal_expansion - 1`` output frames (genmo's depth-to-space)."""
+
+        def forward(self, hidden_states, conv_cache=None):
+            hidden_states, new_conv_cache = super().forward(hidden_states, conv_cache=conv_cache)
+            if self.temporal_expansion > 1:
+                hidden_states = hidden_states[:, :, self.temporal_expansion - 1 :]
+            return hidden_states, new_conv_cache
+
+    class AutoencoderKLMochiGenmo(AutoencoderKLMochi):
+        """``AutoencoderKLMochi`` with genmo's per-block frame drop and non-causal encoder attention (see module)."""
+
+        def __init__(self, **config):
+            super().__init__(**config)
+            for block in self.decoder.up_blocks:
+                block.__class__ = MochiUpBlock3DFrameDrop  # same parameters; only the forward changes
+            for module in self.encoder.modules():
+                if hasattr(module, "is_causal"):
+                    module.is_causal = False
+            self.drop_last_temporal_frames = False  # the up blocks dropped them already
+
+        __init__.__signature__ = inspect.signature(AutoencoderKLMochi.__init__)
+
+    return AutoencoderKLMochiGenmo
+
+
 #: class name -> builder of the derived class (imported lazily, like the diffusers classes)
-VARIANTS = {"AutoencoderKLHunyuanVideoFullAttention": _hunyuan_video_full_attention}
+VARIANTS = {
+    "AutoencoderKLHunyuanVideoFullAttention": _hunyuan_video_full_attention,
+    "AutoencoderKLMochiGenmo": _mochi_genmo,
+}
 
 
 def variant_class(name: str):

@@ -37,6 +37,8 @@ def _tiny_channels(family):
 LONG_VIDEO_FRAMES = {"wan": 3, "hunyuan_video": 6}
 # whole clips beyond four latent frames (where diffusers' own HunyuanVideo class would tile in time)
 LONG_VIDEO_FRAMES["hunyuan_video_full_attention"] = 6
+# Mochi: every upsampling block drops its first frames, then the causal convolutions replicate the new first one
+LONG_VIDEO_FRAMES["mochi"] = 3
 
 
 def _latent(family, batch=2, seed=1, frames=2):
