@@ -109,3 +109,59 @@ def test_the_line_after_sampling_gives_the_measured_step_bytes_and_communication
     assert line == ("measured: 2 s/step over 3 steps, 41.3 MB exchanged per step, 0.9 s in communication (0.3 s/step); "
                     "the plan expected 0.1 s/step (MODELLED)")
     assert bap.after_line(1.0, 1, None, None, None) == "measured: 1 s/step over 1 step, 0 B exchanged per step"
+
+
+# ------------------------------------------------------------------------------------------- on the ranks
+
+
+def _gather_then_exchange(ctx):
+    from patchray.distributed import comm
+    from patchray.nodes.bridge.ksampler_rank import comm_seconds
+
+    with comm_seconds(ctx.device, ctx.world_size) as stats:
+        comm.all_gather_padded(torch.ones(4, 8), ctx, dim=0, sizes=[4] * ctx.world_size)  # 128 B a rank
+        comm.all_reduce(torch.ones(10), ctx)  # 40 B
+    outside = dict(stats)
+    comm.all_gather_padded(torch.ones(4, 8), ctx, dim=0, sizes=[4] * ctx.world_size)  # after the block: not counted
+    return outside, dict(stats)
+
+
+def test_the_ranks_count_the_bytes_they_send_and_the_seconds_inside_communication():
+    from patchray.distributed.spawn import run_ranks
+
+    got = run_ranks(_gather_then_exchange, 3, timeout_s=120)
+    for inside, after in got:
+        # the gather: 128 B to each of 2 peers = 256 B; the all-reduce (a ring): 2 x 40 B x 2/3 = 53.3 -> 53 B
+        assert inside["bytes"] == 256 + 53
+        assert inside["s"] > 0.0
+        assert after == inside  # the hook is gone once the block ends
+
+
+def test_the_probe_wrapper_times_each_call_and_records_its_self_attentions():
+    from patchray.nodes.bridge.dit_rank import Counter
+    from patchray.nodes.bridge.ksampler_rank import probe_calls
+
+    record, session = [], SimpleNamespace(calls=0, entered=0)
+    q = torch.zeros(2, 48, 4 * 16)  # [B, L, H * D]: 2 rows, 48 tokens, 4 heads of 16
+    text = torch.zeros(2, 7, 4 * 16)
+
+    def attention_fn(q_, k_, v_, heads, **kw):
+        return q_
+
+    def executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs):
+        attend = transformer_options["optimized_attention_override"]
+        for _ in range(3):
+            attend(attention_fn, q, q, q, 4)  # self-attention: counted
+        attend(attention_fn, q, text, text, 4)  # cross-attention over the text: kept whole, not counted
+        attend(attention_fn, q.view(2, 48, 4, 16).transpose(1, 2), q.view(2, 48, 4, 16).transpose(1, 2), None, 4,
+               skip_reshape=True)  # [B, H, L, D]
+        return torch.zeros(2, 16, 6, 8)
+
+    wrapper = probe_calls(Counter(session), record)
+    out = wrapper(executor, torch.zeros(2, 16, 6, 8), torch.zeros(2), None, None, None, {"cond_or_uncond": [0, 1]})
+    assert out.shape == (2, 16, 6, 8) and session.calls == 1
+    (call,) = record
+    assert call["rows"] == 2 and call["ms"] > 0.0
+    # 3 self-attentions laid out [B, L, H * D] and one [B, H, L, D] read as one shape: 48 tokens, 4 heads of 16, 2 rows
+    assert call["sites"] == [[48, 4, 16, 2, 4]]
+    assert call["out_bytes"] == 2 * 16 * 6 * 8 * 4 and call["itemsize"] == 4
