@@ -35,6 +35,9 @@ class ClusterConfig:
         rank_memory_mb: a cap on what one call may allocate on each rank beyond what the rank already held
             (``None``: no cap). Past it the rank raises ``torch.OutOfMemoryError``, as a full GPU does; see
             ``memory.py``. For sharing a GPU with other work, and for exercising out-of-memory recovery on CPU ranks.
+        ranks_per_gpu: GPU ranks only: how many ranks share one GPU (default 1: each rank its own GPU). Above 1 the
+            ranks split the card's memory and compute and meet through gloo (NCCL refuses two ranks on one GPU): for
+            trying a multi-rank setup, its faults and its memory on one card, not for speed.
         rank_threads: CPU ranks only: the compute threads of each rank (one count per rank, e.g. ``(2, 1)``);
             empty gives each rank this machine's cores divided by the rank count. Unequal counts make ranks of
             unequal speed on one machine (what speed-weighted bands are for, shown on CPU).
@@ -56,6 +59,7 @@ class ClusterConfig:
     connect_timeout_s: float = 30.0
     rank_memory_mb: Optional[float] = None
     rank_threads: tuple = ()
+    ranks_per_gpu: int = 1
 
     def __post_init__(self):
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
@@ -70,6 +74,12 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be a positive number of seconds (got {value!r})")
         if self.rank_memory_mb is not None and (not isinstance(self.rank_memory_mb, (int, float)) or self.rank_memory_mb <= 0):
             raise ValueError(f"rank_memory_mb must be a positive number of MiB or None (got {self.rank_memory_mb!r})")
+        if not isinstance(self.ranks_per_gpu, int) or isinstance(self.ranks_per_gpu, bool) or self.ranks_per_gpu < 1:
+            raise ValueError(f"ranks_per_gpu must be an integer >= 1 (got {self.ranks_per_gpu!r})")
+        if self.ranks_per_gpu > 1 and self.device == "cpu":
+            raise ValueError("ranks_per_gpu shares GPUs, but device is 'cpu': drop ranks_per_gpu or use device='cuda'")
+        if self.ranks_per_gpu > 1 and self.gpu_ids:
+            raise ValueError("gpu_ids pins one GPU per rank; ranks_per_gpu shares them: use one of the two")
         object.__setattr__(self, "extra_pythonpath", tuple(self.extra_pythonpath))
         object.__setattr__(self, "gpu_ids", tuple(self.gpu_ids))
         object.__setattr__(self, "rank_threads", tuple(self.rank_threads))

@@ -104,13 +104,15 @@ class RankCluster:
         t0 = time.perf_counter()
         require_canonical_root()
         # what this machine cannot hold is refused before Ray starts (embedded) or anything is placed
-        check_rank_count(config.num_ranks, config.device, embedded=config.address is None, gpu_ids=config.gpu_ids)
+        check_rank_count(-(-config.num_ranks // config.ranks_per_gpu), config.device, embedded=config.address is None,
+                         gpu_ids=config.gpu_ids)
         if cancel_check is not None:
             cancel_check()
         ray = ensure_ray(config)
         self._ray_node = getattr(ray._private.worker.global_worker, "node", None)  # the Ray it runs on (watchdog.py)
         self.device_kind = self._pick_device(ray)
-        self.backend = "nccl" if self.device_kind == "cuda" else "gloo"
+        # NCCL refuses two ranks on one GPU: ranks that share a GPU meet through gloo
+        self.backend = "nccl" if self.device_kind == "cuda" and config.ranks_per_gpu == 1 else "gloo"
         try:
             self._start(ray)
         except BaseException:
@@ -121,7 +123,7 @@ class RankCluster:
     # -- formation
 
     def _pick_device(self, ray) -> str:
-        n = self.config.num_ranks
+        n = -(-self.config.num_ranks // self.config.ranks_per_gpu)  # GPUs the ranks need
         gpus = int(ray.cluster_resources().get("GPU", 0))
         if self.config.device == "cpu":
             return "cpu"
@@ -131,9 +133,11 @@ class RankCluster:
                     "device is cuda but the Ray cluster has no GPU: set device to cpu for CPU ranks, or add nodes with GPUs"
                 )
             if gpus < n:
+                k = self.config.ranks_per_gpu
+                share = "each GPU rank needs its own" if k == 1 else f"{k} ranks share a GPU"
                 raise ClusterSetupError(
-                    f"num_ranks is {n}, but the Ray cluster has {gpus} GPU(s) and each GPU rank needs its own: set num_ranks "
-                    f"to at most {gpus}" + (", or device to cpu for CPU ranks" if self.config.device == "auto" else "")
+                    f"num_ranks is {self.config.num_ranks}, but the Ray cluster has {gpus} GPU(s) and {share}: set "
+                    f"num_ranks to at most {gpus * k}" + (", or device to cpu for CPU ranks" if self.config.device == "auto" else "")
                 )
             return "cuda"
         return "cpu"
@@ -160,7 +164,8 @@ class RankCluster:
         cfg = self.config
         n = cfg.num_ranks
         self._check_capacity(ray)
-        bundle = {"GPU": 1, "CPU": 0.01} if self.device_kind == "cuda" else {"CPU": 0.01}
+        gpu_share = 1.0 / cfg.ranks_per_gpu if self.device_kind == "cuda" else 0
+        bundle = {"GPU": gpu_share, "CPU": 0.01} if self.device_kind == "cuda" else {"CPU": 0.01}
         self._pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.strategy)
         try:
             self._wait_placed(ray, cfg.connect_timeout_s)
@@ -193,7 +198,7 @@ class RankCluster:
         for r in range(n):
             opts = dict(
                 num_cpus=0.01,
-                num_gpus=1 if self.device_kind == "cuda" else 0,
+                num_gpus=gpu_share,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=r),
                 runtime_env={"env_vars": env},
                 max_concurrency=2,  # a second thread answers ping() while a call runs

@@ -111,3 +111,16 @@ def test_free_rank_caches_drops_the_ranks_cached_models_and_keeps_the_ranks():
     assert free_rank_caches() == [1, 1]
     assert cluster.run(tasks.cache_len) == [0, 0]
     assert get_cluster(ClusterConfig(num_ranks=2, device="cpu")) is cluster  # same ranks, no restart
+
+
+def test_ranks_per_gpu_is_checked_in_the_users_terms():
+    from patchray.distributed.cluster import ClusterConfig
+
+    assert ClusterConfig(num_ranks=4, device="cuda", ranks_per_gpu=2).ranks_per_gpu == 2
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="ranks_per_gpu must be an integer >= 1"):
+            ClusterConfig(num_ranks=2, ranks_per_gpu=bad)
+    with pytest.raises(ValueError, match="device is 'cpu'"):
+        ClusterConfig(num_ranks=2, device="cpu", ranks_per_gpu=2)
+    with pytest.raises(ValueError, match="use one of the two"):
+        ClusterConfig(num_ranks=2, device="cuda", gpu_ids=(0, 1), ranks_per_gpu=2)
