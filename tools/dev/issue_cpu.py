@@ -110,8 +110,9 @@ def _attention_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
     import fnmatch
 
     from patchray.distributed.sampling.dit import family_of
+    from patchray.distributed.sampling.dit_families import attention_globs
 
-    globs = [g for g, (kind, _) in family_of(model).layers.items() if kind == "attention"]
+    globs = attention_globs(family_of(model))
     return [m for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in globs)]
 
 

@@ -102,6 +102,7 @@ def _build(spec: dict, device: torch.device, dtype: torch.dtype, ctx: ParallelCo
     import diffusers
 
     from patchray.distributed.parallel.shard import shard_model
+    from patchray.distributed.sampling.dit_families import shard_blocks_for
 
     cls = getattr(diffusers, spec["cls"])
     with torch.device("meta"):
@@ -139,7 +140,7 @@ def _build(spec: dict, device: torch.device, dtype: torch.dtype, ctx: ParallelCo
 
     handle = None
     if sharding in ("blocks", "blocks+offload"):
-        handle = shard_model(model, ctx, offload=offload, init=materialize)
+        handle = shard_model(model, ctx, shard_blocks_for(model), offload=offload, init=materialize)
     else:
         materialize(model)
     return model.eval(), handle
