@@ -54,8 +54,12 @@ class _Mix:
         from .test_vae_nodes import _kl_vae
 
         self.tasks = tasks
-        self.config = ClusterConfig(num_ranks=2, device="cpu")
-        self.capped = ClusterConfig(num_ranks=2, device="cpu", rank_memory_mb=8)
+        self.gpu = os.environ.get("PATCHRAY_SOAK_DEVICE", "cpu") == "cuda"  # two ranks sharing one GPU
+        dev = dict(device="cuda", ranks_per_gpu=2) if self.gpu else dict(device="cpu")
+        self.config = ClusterConfig(num_ranks=2, **dev)
+        self.capped = ClusterConfig(num_ranks=2, rank_memory_mb=8, **dev)
+        # the one-process twins run on this process's CPU; GPU ranks convolve in TF32 (PyTorch's default on a GPU)
+        self.decode_bound, self.sample_bound = (4 / 255, 5e-3) if self.gpu else (1 / 255, 2e-5)
         self.vae = _kl_vae(4)  # ComfyUI's VAE shape (tests/nodes/comfy_shapes.py), spatial ratio 8
         self.payload = tasks.make_payload(0)
         self.key = ("soak-tiny-unet", 0)
@@ -104,14 +108,17 @@ class _Mix:
         node, note = self.decode_node(z)
         pv = self.decode_parallel_vae(z)
         rel = self.sample()
-        ok = node <= 1 / 255 and pv <= 1 / 255 and rel < 2e-5 and note is None
+        ok = node <= self.decode_bound and pv <= self.decode_bound and rel < self.sample_bound and note is None
         return {"decode_node_max_abs": node, "parallel_vae_max_abs": pv, "sampling_rel_l2": rel, "ok": ok}
 
     def memory_sample(self, index: int) -> None:
         cluster = self.cluster()
         gc.collect()
-        self.memory.append({"index": index, "driver": _rss(os.getpid()),
-                            "ranks": {r["pid"]: _rss(r["pid"]) for r in cluster.ranks_info}})
+        entry = {"index": index, "driver": _rss(os.getpid()), "ranks": {r["pid"]: _rss(r["pid"]) for r in cluster.ranks_info}}
+        if self.gpu:
+            entry["gpu_used_mb"] = _gpu_used_mb()
+            entry["rank_gpu_reserved_mb"] = cluster.run(_rank_gpu_reserved_mb)
+        self.memory.append(entry)
 
     # -- one case
 
@@ -174,6 +181,22 @@ class _Cancelled(Exception):
     """What ComfyUI's cancel check raises (``comfy.model_management.InterruptProcessingException``), in miniature."""
 
 
+def _gpu_used_mb():
+    """The GPU's memory in use by every process (NVIDIA's management library), in MiB; ``None`` without one."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return round(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used / 2**20, 1)
+    except Exception:  # noqa: BLE001 - no NVIDIA library or GPU: not measured
+        return None
+
+
+def _rank_gpu_reserved_mb(ctx):
+    """What a rank's caching allocator holds on its GPU, in MiB."""
+    return round(torch.cuda.memory_reserved(ctx.device) / 2**20, 1)
+
+
 def _ray_process(name: str) -> int:
     import ray
 
@@ -184,6 +207,7 @@ def _ray_process(name: str) -> int:
 def run() -> dict:
     from patchray.distributed.cluster import RankFailure, shutdown_cluster
 
+    gpu_before = _gpu_used_mb() if os.environ.get("PATCHRAY_SOAK_DEVICE") == "cuda" else None
     mix = _Mix()
     t_start = time.monotonic()
     steady = 5
@@ -290,6 +314,9 @@ def run() -> dict:
     shutdown_cluster(stop_ray=True)  # as ComfyUI's SIGTERM handler does
     report = {"records": mix.records, "memory": mix.memory, "last_rank_pids": pids, "seconds": round(time.monotonic() - t_start, 1),
               "error_bound_s": ERROR_BOUND_S, **held}
+    if mix.gpu:
+        time.sleep(3.0)  # the ranks' processes end and their CUDA contexts with them
+        report["gpu_used_mb_before"], report["gpu_used_mb_after"] = gpu_before, _gpu_used_mb()
     return report
 
 
