@@ -1209,7 +1209,7 @@ def compact(report: dict) -> dict:
     out = {k: report[k] for k in keep if k in report}
     words, argv = report.get("command", "").split(), []
     for i, w in enumerate(words):  # where this run's files went is not part of what it did
-        if w in ("--out", "--log", "--base") or (i and words[i - 1] in ("--out", "--log", "--base")):
+        if w in ("--out", "--log", "--base", "--summary", "--keep-base") or (i and words[i - 1] in ("--out", "--log", "--base", "--summary")):
             continue
         argv.append(w)
     out["command"] = " ".join(argv)
