@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, NamedTuple, Optional
 
-__all__ = ["PlanResult", "plan_link", "probe_key_for", "measured_from_info", "after_line", "measured_layout"]
+__all__ = ["PlanResult", "plan_link", "probe_key_for", "measured_from_info", "after_line", "measured_layout", "check_layout",
+           "ranks_memory", "probe_run"]
 
 log = logging.getLogger(__name__)
 
