@@ -66,6 +66,7 @@ CANONICAL_SHAPES: Dict[str, Tuple[Shape, ...]] = {
     "hunyuan_video_full_attention": (Shape(480, 832, 129), Shape(720, 1280, 129)),
     # Mochi generates 848x480 (width first) clips of 6k + 1 frames: 85 and 163
     "mochi": (Shape(480, 848, 85), Shape(480, 848, 163)),
+    "hunyuan_refiner_conv3d": (Shape(1024, 1024, 1), Shape(2048, 2048, 1)),
 }
 
 #: What ``python -m patchray bench`` runs with no arguments where there is no GPU: the full-size kl

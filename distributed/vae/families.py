@@ -298,6 +298,18 @@ FAMILIES: dict = {
             full_config={},
             input_features=5,
         ),
+        # the refiner's architecture with plain zero-padded Conv3d and GroupNorm(32) (distributed/vae/variants.py):
+        # an image VAE, one frame in and out (repeated to four frames before encoding); widths multiples of 32
+        FamilySpec(
+            "hunyuan_refiner_conv3d",
+            "AutoencoderKLHunyuanImageRefinerConv3d",
+            16,
+            1,
+            32,
+            True,
+            tiny_config=dict(block_out_channels=(32, 32, 32, 64, 64), layers_per_block=1, latent_channels=32),
+            full_config={},
+        ),
         # HunyuanVideo's VAE as ComfyUI runs it: full mid-block attention, whole clips (distributed/vae/variants.py)
         FamilySpec(
             "hunyuan_video_full_attention",

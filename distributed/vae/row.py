@@ -213,6 +213,23 @@ ROW_PLANS: Dict[str, dict] = {
         "HunyuanImageRefinerCausalConv3d": HaloPaddedCausalConv(),
         "HunyuanImageRefinerAttnBlock": GatheredAttnBlock(),
     },
+    # the refiner's architecture with plain Conv3d: its zero-padded convs go through the same padding wrapper, the
+    # GroupNorms (which replace the RMS norms) are exact, the uniform resamplers regroup whole 2x2 cells of rows
+    "hunyuan_refiner_conv3d": {
+        **_TORCH_COMMON,
+        **_local(
+            "HunyuanImageRefinerEncoder3D",
+            "HunyuanImageRefinerDecoder3D",
+            "HunyuanImageRefinerMidBlock",
+            "HunyuanImageRefinerDownBlock3D",
+            "HunyuanImageRefinerUpBlock3D",
+            "HunyuanImageRefinerResnetBlock",
+            "HunyuanImageRefinerDownsampleUniform",
+            "HunyuanImageRefinerUpsampleUniform",
+        ),
+        "HunyuanImageRefinerCausalConv3d": HaloPaddedCausalConv(),
+        "HunyuanImageRefinerAttnBlock": GatheredAttnBlock(),
+    },
     # Mochi: GroupNorm per frame (each chunk of frames is a batch of images to nn.GroupNorm: one exact collective
     # per chunk, the same chunks on every rank since frames are never split), causal convs padded by replication
     # in time and space, 1x1 projections and depth-to-space up blocks that move whole rows (bands scale by 2 at

@@ -17,6 +17,11 @@ the row plans stay the diffusers ones. A family names such a class like a diffus
   ``AutoencoderKLMochi`` keeps every frame through the decoder and drops ``temporal_compression_ratio - 1`` frames
   at the end, which computes the early frames from other context. The encoder's attention over the frames of each
   pixel is not causal in the release; diffusers masks it causally.
+* ``AutoencoderKLHunyuanImageRefinerConv3d``: the 32-channel 16x Hunyuan VAE built without the refiner's causal
+  convolutions (ComfyUI's ``vae_refiner.py`` with ``refiner_vae=False``): the refiner's modules with zero-padded,
+  non-causal 3x3x3 convolutions, GroupNorm(32, eps 1e-6) where the refiner has RMS norms, resamplers that fold
+  every pair of frames alike (no first-frame case), one input frame repeated to ``temporal_compression_ratio``
+  frames before encoding, and only the last decoded frame kept when the latent holds one frame.
 """
 
 from __future__ import annotations
@@ -94,10 +99,68 @@ def _mochi_genmo() -> type:
     return AutoencoderKLMochiGenmo
 
 
+@functools.lru_cache(maxsize=None)
+def _hunyuan_refiner_conv3d() -> type:
+    import torch.nn as nn
+    from diffusers import AutoencoderKLHunyuanImageRefiner
+    from diffusers.models.autoencoders import autoencoder_kl_hunyuanimage_refiner as base
+
+    class HunyuanImageRefinerUpsampleUniform(base.HunyuanImageRefinerUpsampleDCAE):
+        """Depth-to-space over ``(frames, rows, columns)`` alike, with the repeating shortcut (no first-frame case)."""
+
+        def forward(self, x):
+            r1 = 2 if self.add_temporal_upsample else 1
+            h = self._dcae_upsample_rearrange(self.conv(x), r1=r1, r2=2, r3=2)
+            shortcut = self._dcae_upsample_rearrange(x.repeat_interleave(repeats=self.repeats, dim=1), r1=r1, r2=2, r3=2)
+            return h + shortcut
+
+    class HunyuanImageRefinerDownsampleUniform(base.HunyuanImageRefinerDownsampleDCAE):
+        """Space-to-depth over ``(frames, rows, columns)`` alike, with the averaging shortcut (no first-frame case)."""
+
+        def forward(self, x):
+            r1 = 2 if self.add_temporal_downsample else 1
+            h = self._dcae_downsample_rearrange(self.conv(x), r1=r1, r2=2, r3=2)
+            shortcut = self._dcae_downsample_rearrange(x, r1=r1, r2=2, r3=2)
+            b, _, t, hh, ww = shortcut.shape
+            return h + shortcut.view(b, h.shape[1], self.group_size, t, hh, ww).mean(dim=2)
+
+    class AutoencoderKLHunyuanImageRefinerConv3d(AutoencoderKLHunyuanImageRefiner):
+        """The refiner's architecture with plain zero-padded 3-D convolutions and GroupNorm (see module)."""
+
+        def __init__(self, **config):
+            super().__init__(**config)
+            for module in list(self.modules()):
+                if isinstance(module, base.HunyuanImageRefinerCausalConv3d):
+                    kt, kh, kw = module.conv.kernel_size
+                    module.time_causal_padding = (kw // 2, kw // 2, kh // 2, kh // 2, kt // 2, kt // 2)
+                    module.pad_mode = "constant"  # zeros on every side: nn.Conv3d(padding=k // 2)
+                elif type(module) is base.HunyuanImageRefinerUpsampleDCAE:
+                    module.__class__ = HunyuanImageRefinerUpsampleUniform
+                elif type(module) is base.HunyuanImageRefinerDownsampleDCAE:
+                    module.__class__ = HunyuanImageRefinerDownsampleUniform
+                for name, child in list(module.named_children()):
+                    if isinstance(child, base.HunyuanImageRefinerRMS_norm):
+                        setattr(module, name, nn.GroupNorm(32, child.gamma.shape[0], eps=1e-6))
+
+        __init__.__signature__ = inspect.signature(AutoencoderKLHunyuanImageRefiner.__init__)
+
+        def _encode(self, x):
+            if x.shape[2] == 1:  # one frame stands for a still clip of one latent frame's length
+                x = x.expand(-1, -1, self.config.temporal_compression_ratio, -1, -1)
+            return super()._encode(x)
+
+        def _decode(self, z):
+            dec = super()._decode(z)
+            return dec[:, :, -1:] if z.shape[2] == 1 else dec
+
+    return AutoencoderKLHunyuanImageRefinerConv3d
+
+
 #: class name -> builder of the derived class (imported lazily, like the diffusers classes)
 VARIANTS = {
     "AutoencoderKLHunyuanVideoFullAttention": _hunyuan_video_full_attention,
     "AutoencoderKLMochiGenmo": _mochi_genmo,
+    "AutoencoderKLHunyuanImageRefinerConv3d": _hunyuan_refiner_conv3d,
 }
 
 

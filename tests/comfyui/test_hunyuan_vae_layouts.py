@@ -38,6 +38,8 @@ CASES = {
     "hunyuan_image": [((1, 64, 7, 5), (1, 3, 224, 160))],
     "hunyuan_image_refiner": [((1, 64, 1, 13, 9), (1, 3, 1, 208, 144))],
     "hunyuan_video": [((1, 16, 3, 17, 25), (1, 3, 9, 136, 200)), ((1, 16, 9, 9, 5), (1, 3, 33, 72, 40))],
+    # the plain-Conv3d variant: images (one frame in, four frames encoded, the last frame decoded)
+    "plain_conv3d_32ch": [((1, 32, 1, 13, 9), (1, 3, 1, 208, 144))],
 }
 
 

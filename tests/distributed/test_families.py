@@ -12,11 +12,11 @@ from patchray.distributed.vae.families import (
 SEVEN = ("kl", "flux2", "qwen_image", "wan", "hunyuan_video", "hunyuan_video_15", "ltx2")
 VIDEO = ("wan22", "ltx_video", "ltx_video_090")
 HUNYUAN_IMAGE = ("hunyuan_image", "hunyuan_image_refiner", "hunyuan_video_full_attention")
-MOCHI = ("mochi",)
+DERIVED = ("mochi", "hunyuan_refiner_conv3d")
 
 
 def test_the_seven_families_are_listed():
-    assert set(FAMILIES) == set(SEVEN) | set(VIDEO) | set(HUNYUAN_IMAGE) | set(MOCHI)
+    assert set(FAMILIES) == set(SEVEN) | set(VIDEO) | set(HUNYUAN_IMAGE) | set(DERIVED)
     for name, spec in FAMILIES.items():
         assert spec.name == name
         assert spec.spatial_ratio in (8, 16, 32) and spec.temporal_ratio >= 1
@@ -24,7 +24,7 @@ def test_the_seven_families_are_listed():
         assert spec.is_video or spec.temporal_ratio == 1
 
 
-@pytest.mark.parametrize("family", SEVEN + VIDEO + HUNYUAN_IMAGE + MOCHI)
+@pytest.mark.parametrize("family", SEVEN + VIDEO + HUNYUAN_IMAGE + DERIVED)
 def test_configs_name_real_constructor_arguments(family):
     spec = FAMILIES[family]
     params = inspect.signature(resolve_class(family).__init__).parameters
@@ -85,7 +85,7 @@ def test_latent_shape_refuses_sizes_the_vae_cannot_take():
 
 
 def test_family_of_and_unknown_families():
-    for family in SEVEN + VIDEO + HUNYUAN_IMAGE + MOCHI:
+    for family in SEVEN + VIDEO + HUNYUAN_IMAGE + DERIVED:
         assert family_of(build_vae(family)) == family
     for call in (lambda: family_of(torch.nn.Conv2d(1, 1, 1)), lambda: get_family("sd3"), lambda: build_vae("sd3")):
         with pytest.raises(ValueError, match="known families") as info:

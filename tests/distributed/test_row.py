@@ -47,10 +47,14 @@ def _latent(family, batch=2, seed=1, frames=2):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
+#: families that encode one frame per image only (the plain-Conv3d Hunyuan VAE repeats it to a four-frame clip)
+ONE_FRAME_ENCODE = ("hunyuan_refiner_conv3d",)
+
+
 def _image(family, batch=2, seed=2):
     spec = FAMILIES[family]
     r = spec.spatial_ratio
-    frames = (1 + spec.temporal_ratio,) if spec.is_video else ()
+    frames = (1 if family in ONE_FRAME_ENCODE else 1 + spec.temporal_ratio,) if spec.is_video else ()
     shape = (batch, 3) + frames + (IMAGE_LATENT_HW[0] * r, IMAGE_LATENT_HW[1] * r)
     return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
 

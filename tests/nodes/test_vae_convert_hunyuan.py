@@ -24,6 +24,7 @@ EXPECTED = {
     "hunyuan_image": ("hunyuan_image", "AutoencoderKLHunyuanImage", 32, 64),
     "hunyuan_image_refiner": ("hunyuan_image_refiner", "AutoencoderKLHunyuanImageRefiner", 16, 32),
     "hunyuan_video": ("hunyuan_video_full_attention", "AutoencoderKLHunyuanVideoFullAttention", 8, 16),
+    "plain_conv3d_32ch": ("hunyuan_refiner_conv3d", "AutoencoderKLHunyuanImageRefinerConv3d", 16, 32),
 }
 
 
@@ -62,9 +63,18 @@ def test_hunyuan_video_decoder_levels_are_renumbered_from_the_latent():
     assert torch.equal(conv.state_dict["decoder.mid_block.attentions.0.to_q.weight"], q.reshape(q.shape[0], -1))
 
 
-def test_the_plain_conv3d_32_channel_variant_falls_back_with_the_reason():
-    with pytest.raises(UnsupportedVaeError, match="no diffusers VAE class"):
-        detect_family(_comfy_sd("plain_conv3d_32ch"))
+def test_the_plain_conv3d_variant_gets_groupnorm_and_zero_padded_convs():
+    conv = convert_comfy_vae(_comfy_sd("plain_conv3d_32ch"))
+    model = resolve_class(conv.family)(**conv.config)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert norms and not any(type(m).__name__.endswith("RMS_norm") for m in model.modules())
+    pads = {m.time_causal_padding + (m.pad_mode,) for m in model.modules() if hasattr(m, "time_causal_padding")}
+    assert pads == {(1, 1, 1, 1, 1, 1, "constant")}  # Conv3d(padding=1): zeros on every side, not causal
+    layout = latent_layout(conv.family)
+    z = torch.zeros(2, 32, 1, 3, 3)
+    assert layout.images_are_batch and layout.to_library(z) is z
+    with pytest.raises(ValueError, match="one latent frame"):
+        layout.to_library(torch.zeros(1, 32, 2, 3, 3))
 
 
 @pytest.mark.parametrize("layout", ["hunyuan_image", "hunyuan_image_refiner", "hunyuan_video"])

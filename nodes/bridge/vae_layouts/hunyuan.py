@@ -14,8 +14,12 @@
   no temporal resampling, and both agree exactly on one frame: :data:`REFINER_LATENTS` does the packing, and a
   latent of more than one frame is refused (ComfyUI would resample it in time).
 * The 32-channel plain-``Conv3d`` variant of ``vae_refiner.py`` (``refiner_vae=False``, detected by a 5-D
-  32-channel ``decoder.conv_in.weight``): zero-padded, non-causal 3-D convolutions with GroupNorm, which no
-  diffusers class has: refused (falls back to the stock decode).
+  32-channel ``decoder.conv_in.weight``): the refiner's modules with zero-padded, non-causal 3-D convolutions,
+  GroupNorm(32) instead of RMS norms and resamplers that treat every frame alike, which no diffusers class
+  computes. It converts to the derived class ``AutoencoderKLHunyuanImageRefinerConv3d`` (family
+  ``hunyuan_refiner_conv3d``, ``distributed/vae/variants.py``) through the refiner's key map. ComfyUI treats it as
+  an image VAE (``not_video``): one frame in (repeated to four before encoding), one latent frame, one frame out;
+  a latent of more than one frame is refused (:data:`CONV3D_LATENTS`).
 * HunyuanVideo's 3-D KL autoencoder (ComfyUI's ``AutoencoderKL`` with ``conv3d=True``, detected by
   ``decoder.conv_in.conv.weight``): the same causal replicate-padded convolutions, GroupNorm(32) resnets, first-frame
   aware nearest upsampling and replicate-padded strided downsampling as diffusers' ``AutoencoderKLHunyuanVideo``,
@@ -30,6 +34,7 @@ Key maps: diffusers has no single-file converter for these layouts; ComfyUI keep
 
 from __future__ import annotations
 
+import re
 from typing import Dict, Mapping, NamedTuple
 
 import torch
@@ -37,7 +42,7 @@ import torch
 from ....distributed.vae.convert import UnsupportedVaeError
 from .table import LayoutRow, indices, refuse
 
-__all__ = ["ROWS", "LatentLayout", "REFINER_LATENTS"]
+__all__ = ["ROWS", "LatentLayout", "REFINER_LATENTS", "CONV3D_LATENTS"]
 
 _LTX_KEY = "decoder.up_blocks.0.res_blocks.0.conv1.conv.weight"
 _MOCHI_KEYS = ("blocks.2.blocks.3.stack.5.weight", "decoder.blocks.2.blocks.3.stack.5.weight")
@@ -77,6 +82,19 @@ def _refiner_from_library(mean: torch.Tensor) -> torch.Tensor:
 
 #: ComfyUI's latent packing of the refiner VAE (``vae_refiner.Encoder/Decoder`` with ``refiner_vae=True``)
 REFINER_LATENTS = LatentLayout(_refiner_to_library, _refiner_from_library, images_are_batch=True)
+
+
+def _conv3d_to_library(z: torch.Tensor) -> torch.Tensor:
+    if z.dim() != 5 or z.shape[2] != 1:
+        raise ValueError(
+            f"the 32-channel plain-Conv3d Hunyuan VAE decodes one latent frame per image in PatchRay; got shape "
+            f"{tuple(z.shape)}: decode it with the stock VAE Decode"
+        )
+    return z
+
+
+#: the plain-Conv3d variant (``refiner_vae=False``): an image VAE whose latent passes through, one frame per image
+CONV3D_LATENTS = LatentLayout(_conv3d_to_library, lambda mean: mean, images_are_batch=True)
 
 
 # ------------------------------------------------------------------------------------------ key maps
@@ -217,6 +235,21 @@ def _is_plain_conv3d_refiner(sd) -> bool:
     return w is not None and w.ndim == 5 and w.shape[1] == 32
 
 
+_CONV3D_LEAF = re.compile(r"^(.*\.(?:conv_in|conv_out|conv1|conv2|conv|nin_shortcut))\.(weight|bias)$")
+
+
+def _convert_plain_conv3d_refiner(sd: Mapping[str, torch.Tensor], **_):
+    """The refiner's key map, after naming each plain ``Conv3d`` as the refiner's wrapped one (``x.conv.weight``)."""
+    wrapped = {}
+    for key, tensor in sd.items():
+        m = _CONV3D_LEAF.match(key)
+        wrapped[f"{m.group(1)}.conv.{m.group(2)}" if m and tensor.ndim in (1, 5) and ".attn_1." not in key else key] = tensor
+    _, config, out = _convert_refiner(wrapped)
+    if any(k.endswith(".gamma") for k in out):
+        raise UnsupportedVaeError("a 32-channel Conv3d Hunyuan VAE with RMS norms, which ComfyUI's class does not build")
+    return "AutoencoderKLHunyuanImageRefinerConv3d", config, out
+
+
 def _pixel_shuffle_kl(sd) -> bool:
     """A 2-D KL-style VAE with pixel-shuffle upsampling that is not HunyuanImage's 64-channel one."""
     if "decoder.conv_in.weight" not in sd or "decoder.mid.block_1.mix_factor" in sd:
@@ -274,12 +307,8 @@ def _convert_hunyuan_video(sd: Mapping[str, torch.Tensor], *, norm_num_groups: i
 ROWS = [
     LayoutRow("HunyuanImage-2.1 VAE", "hunyuan_image", _is_hunyuan_image, _convert_hunyuan_image),
     LayoutRow("HunyuanImage-2.1 refiner VAE", "hunyuan_image_refiner", _is_refiner, _convert_refiner, latents=REFINER_LATENTS),
-    refuse(
-        "32-channel 16x Hunyuan VAE (plain Conv3d)",
-        _is_plain_conv3d_refiner,
-        "this 32-channel Hunyuan VAE (vae_refiner.py without the refiner's causal convolutions) uses zero-padded "
-        "non-causal 3-D convolutions and GroupNorm, which no diffusers VAE class computes",
-    ),
+    LayoutRow("32-channel 16x Hunyuan VAE (plain Conv3d)", "hunyuan_refiner_conv3d", _is_plain_conv3d_refiner,
+              _convert_plain_conv3d_refiner, latents=CONV3D_LATENTS),
     LayoutRow("HunyuanVideo VAE", "hunyuan_video_full_attention", _is_hunyuan_video, _convert_hunyuan_video),
     refuse(
         "Hunyuan-style pixel-shuffle VAE",
