@@ -65,6 +65,15 @@ def reference(payload: dict, inp: dict) -> torch.Tensor:
         return sdxl.sample_euler_cfg(sdxl.unet_denoiser(unet), inp["latent"], inp["cond"], inp["steps"])
 
 
+def _to(value, device):
+    """``value`` (tensors in nested dicts) on ``device``."""
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
 def sample(ctx, unet, session, inp):
     from patchray.distributed.sampling import sdxl
 
@@ -75,8 +84,11 @@ def sample(ctx, unet, session, inp):
         return session.denoise(unet, fn, x, t, stream="cfg", **cond)
 
     steps = inp["steps"]
+    dev = ctx.device  # the inputs travel on the host; a GPU rank samples on its card
+    latent = inp["latent"].to(dev)
+    cond = _to(inp["cond"], dev)
     with torch.no_grad():
-        return sdxl.sample_euler_cfg(model, inp["latent"], inp["cond"], steps, on_step=lambda i: session.progress(i + 1, steps))
+        return sdxl.sample_euler_cfg(model, latent, cond, steps, on_step=lambda i: session.progress(i + 1, steps)).cpu()
 
 
 def sample_with_info(ctx, unet, session, inp):
