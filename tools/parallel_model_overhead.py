@@ -91,7 +91,7 @@ def _rank(ctx, opts):
     from patchray.distributed.sampling.config import preset
     from patchray.distributed.sampling.remote import RankSession
     from patchray.nodes.bridge import ksampler_rank as kr
-    from patchray.nodes.bridge import parallel_model as pm
+    from patchray.nodes.bridge import rank_call
     from patchray.nodes.bridge.dit_layout import plan_layout
 
     kr.prepare(ctx, opts["comfy"])
@@ -107,7 +107,7 @@ def _rank(ctx, opts):
     mp, width, pooled = build(opts["model"], opts["tiny"], device, dtype)
     latent, cfg_scale, inputs = _inputs(opts["model"], opts["tiny"], opts["height"], opts["width"], opts["frames"],
                                         opts["steps"], width, pooled)
-    pm.travel_by_value = lambda *a, **k: None  # pickling for Ray is not what this measures (no Ray here)
+    rank_call.travel_by_value = lambda *a, **k: None  # pickling for Ray is not what this measures (no Ray here)
     layout = plan_layout("sequence", ctx.world_size, cfg_scale, 1, sequence_refusal=None)
     run = rank_run_inputs(mp, dict(inputs), layout, "dit", "auto")
 
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     from patchray.distributed.sampling.config import preset
     from patchray.distributed.sampling.remote import RankSession
     from patchray.nodes.bridge import ksampler_rank as kr
-    from patchray.nodes.bridge import parallel_model as pm
+    from patchray.nodes.bridge import rank_call
     from patchray.nodes.bridge.dit_layout import plan_layout
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "comfyui"))
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
         cond = lambda: [[torch.randn(1, 512, width, generator=g), {}]]  # noqa: E731
         cfg_scale = 5.0
     inputs = sampling_inputs(latent, None, cond(), cond(), "euler", cfg_scale, steps=args.steps)
-    pm.travel_by_value = lambda *a, **k: None  # pickling for Ray is not what this measures (no Ray here)
+    rank_call.travel_by_value = lambda *a, **k: None  # pickling for Ray is not what this measures (no Ray here)
     layout = plan_layout("auto", 1, cfg_scale, 1, sequence_refusal=None)
     rank_inputs = rank_run_inputs(mp, dict(inputs), layout, "dit", "auto")
     ctx = ParallelContext.single(device)

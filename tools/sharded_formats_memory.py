@@ -109,7 +109,7 @@ def _rank(ctx, opts):
     from patchray.distributed.sampling.ship import fill_tensors, parts_by_bytes
     from patchray.distributed.sampling.weights import from_arrays, to_arrays
     from patchray.nodes.bridge import ksampler_rank as kr
-    from patchray.nodes.bridge import parallel_model as pm
+    from patchray.nodes.bridge import rank_call
     from patchray.nodes.bridge.dit_layout import plan_layout
     from patchray.nodes.bridge.model import portable_parts
 
@@ -122,7 +122,7 @@ def _rank(ctx, opts):
     base, cfg = build(opts["model"], opts["tiny"], opts["weights"], compute, ctx.device)
     source = patcher(base)
     latent, inputs = _inputs(opts["model"], opts["tiny"], cfg, opts["frames"], opts["steps"])
-    pm.travel_by_value = lambda *a, **k: None  # no Ray here: nothing is pickled
+    rank_call.travel_by_value = lambda *a, **k: None  # no Ray here: nothing is pickled
     layout = plan_layout("sequence", ctx.world_size, inputs["cfg"], 1, sequence_refusal=None)
     run = rank_run_inputs(source, dict(inputs), layout, "dit", "auto")
     _, make_skeleton, names, tensor, sizes = portable_parts(source, layout.mode)

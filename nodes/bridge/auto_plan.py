@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, NamedTuple, Optional
 
-__all__ = ["PlanResult", "plan_link", "probe_key_for", "measured_from_info", "after_line", "measured_layout", "check_layout",
+__all__ = ["PlanResult", "words_bytes", "plan_link", "probe_key_for", "measured_from_info", "after_line", "measured_layout", "check_layout",
            "ranks_memory", "probe_run"]
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,9 @@ def after_line(seconds: float, steps: int, bytes_per_step: Optional[float], comm
                expected_s: Optional[float]) -> str:
     """``measured: X s/step, B exchanged per step, C s in communication (...); the plan expected E s/step`` (B: the
     bytes rank 0 put on its link)."""
-    from .parallel_model import _words_bytes
 
     line = f"measured: {seconds / steps:.3g} s/step over {steps} step{'s' if steps != 1 else ''}"
-    line += f", {_words_bytes(bytes_per_step or 0.0)} exchanged per step"
+    line += f", {words_bytes(bytes_per_step or 0.0)} exchanged per step"
     if comm_s is not None:
         line += f", {comm_s:.3g} s in communication ({comm_s / steps:.3g} s/step)"
     if expected_s is not None:
@@ -112,7 +111,7 @@ def measured_layout(rule_layout, *, mp, options, cfg_on: bool, batch: int, laten
     """
     from ...distributed.bench import auto_plan as ap
     from .dit_layout import Layout
-    from .parallel_model import check_call_memory
+    from .rank_call import check_call_memory
 
     n = int(options.num_ranks)
     mem = memory()
@@ -166,7 +165,7 @@ def check_layout(mp, latent, layout, kind: str, attention: str) -> None:
 
     from . import model as bridge_model
     from . import validate
-    from .parallel_model import OUTER_KEY
+    from .rank_call import OUTER_KEY
 
     bridge_model.model_key(mp, layout.mode, ignore=(OUTER_KEY,))
     if layout.seq_ranks > 1:
@@ -201,7 +200,7 @@ def probe_run(guider, noise, latent, sampler, sigmas, denoise_mask, seed, option
     from . import ksampler_rank
     from . import model as bridge_model
     from .dit_layout import Layout
-    from .parallel_model import OUTER_KEY, rank_inputs
+    from .rank_call import OUTER_KEY, rank_inputs
 
     mp = guider.model_patcher
     n = int(options.num_ranks)
@@ -224,3 +223,11 @@ def probe_run(guider, noise, latent, sampler, sigmas, denoise_mask, seed, option
                                 prepare_args=(root,), cancel_check=hooks.cancel_check,
                                 timeout_s=options.cluster.call_timeout_s)
     return result.get("info") or {}
+
+
+def words_bytes(n: float) -> str:
+    """``n`` bytes in words (``"3.2 MB"``), as the node's lines give them."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
