@@ -4,7 +4,7 @@ caught and refused; Wan VACE's row without its hint-stream hook never passes; ev
 
 Runs ``ksampler_rank.verify_sequence`` (what a rank runs on the first use of a model class under sequence parallelism)
 with the run inputs the Parallel Model's driver sends (``rank_harness.rank_run_inputs``), on the small random-weight
-models of ``dit_ranks.py`` and ``dit_ranks_more.py``.
+models of ``dit_ranks.py`` and ``dit_ranks_qwen_hunyuan_ltxv.py``.
 
     python tests/comfyui/exactness_ranks.py --comfy /path/to/ComfyUI --ranks 2 --cases flux wan21 ... [--out r.json]
 """
@@ -19,8 +19,8 @@ from rank_harness import each_case, rank_main, rank_run_inputs
 
 #: name -> (model kind, which script builds it)
 CASES = {"flux": ("flux", "dit_ranks"), "chroma": ("chroma", "dit_ranks"), "wan21": ("wan21", "dit_ranks"),
-         "wan21i2v": ("wan21i2v", "dit_ranks"), "qwen": ("qwen", "dit_ranks_more"), "hunyuan": ("hunyuan", "dit_ranks_more"),
-         "hyimage": ("hyimage", "dit_ranks_more"), "ltxv": ("ltxv", "dit_ranks_more"), "vace": ("vace", "dit_ranks"),
+         "wan21i2v": ("wan21i2v", "dit_ranks"), "qwen": ("qwen", "dit_ranks_qwen_hunyuan_ltxv"), "hunyuan": ("hunyuan", "dit_ranks_qwen_hunyuan_ltxv"),
+         "hyimage": ("hyimage", "dit_ranks_qwen_hunyuan_ltxv"), "ltxv": ("ltxv", "dit_ranks_qwen_hunyuan_ltxv"), "vace": ("vace", "dit_ranks"),
          "sd3": ("sd3", "dit_ranks"), "sd35m": ("sd35m", "dit_ranks"), "lumina2": ("lumina2", "dit_ranks")}
 #: the same models with bf16 weights (what a GPU user loads): the check must still compute in fp32 and catch the row
 BF16 = {"flux_bf16": "flux", "hunyuan_bf16": "hunyuan"}
@@ -32,14 +32,14 @@ def _build(kind):
         mp, make_inputs = _build(BF16[kind])
         return _to_bf16(mp), make_inputs
     import dit_ranks
-    import dit_ranks_more
+    import dit_ranks_qwen_hunyuan_ltxv
 
     script = dict(CASES)[next(k for k, v in CASES.items() if v[0] == kind)][1]
     if script == "dit_ranks":
         mp, cond, shape = dit_ranks._model(kind)
         return mp, (lambda g: (dit_ranks._inputs(kind, cond, shape, "euler", 1, "sequence", "gathered", 4.0)))
-    mp, cond, shape, mask = dit_ranks_more._model(kind)
-    return mp, (lambda g: dit_ranks_more._inputs(kind, cond, shape, mask, "euler", 1, "sequence", "gathered", 4.0))
+    mp, cond, shape, mask = dit_ranks_qwen_hunyuan_ltxv._model(kind)
+    return mp, (lambda g: dit_ranks_qwen_hunyuan_ltxv._inputs(kind, cond, shape, mask, "euler", 1, "sequence", "gathered", 4.0))
 
 
 def _to_bf16(mp):

@@ -1,7 +1,7 @@
 """Every site of the family table (``nodes/bridge/families.py``) resolves on ComfyUI's own classes.
 
 For each class with a sequence layout or sharding blocks, a small model of ComfyUI's class (the builders of
-``dit_ranks.py`` and ``dit_ranks_more.py``; Wan Fun Camera from its ``comfy.supported_models`` config) is checked against its row: the token, RoPE, gather and text sites name modules; every attention class the
+``dit_ranks.py`` and ``dit_ranks_qwen_hunyuan_ltxv.py``; Wan Fun Camera from its ``comfy.supported_models`` config) is checked against its row: the token, RoPE, gather and text sites name modules; every attention class the
 row routes is found in one of its class's variants, every modulation glob here; the heads attribute and the patch size read; the row's hooks find
 their modules; every block glob matches a unit; every extra stream and text-whole keyword is a name the class's source
 uses, every refused call keyword one it or ComfyUI's base model uses. The rank side then applies the row and takes it off (one rank).
@@ -29,9 +29,9 @@ CASES = {k: (k,) for k in ("flux", "chroma", "wan21", "wan21i2v", "wan22", "unet
 def _model(kind):
     """The ModelPatcher of a small model of ComfyUI's class ``kind``."""
     if kind in ("qwen", "hunyuan", "ltxv"):
-        import dit_ranks_more
+        import dit_ranks_qwen_hunyuan_ltxv
 
-        return dit_ranks_more._model(kind)[0]
+        return dit_ranks_qwen_hunyuan_ltxv._model(kind)[0]
     if kind == "camera":
         import comfy.supported_models as sm
 

@@ -1,11 +1,11 @@
 """Shared set-up of the opt-in rank harnesses: the rank scripts and the tests that launch them.
 
-Rank side (imported as a top-level module by ``dit_ranks.py``, ``dit_ranks_more.py``, ``shard_ranks.py`` and
+Rank side (imported as a top-level module by ``dit_ranks.py``, ``dit_ranks_qwen_hunyuan_ltxv.py``, ``shard_ranks.py`` and
 ``ksampler_ranks.py``, which run with ComfyUI's Python and have this folder on their import path): seeded random
 weights, a small model of ComfyUI's own classes, the stock KSampler's result, one case sampled by the node's rank code
 against it, the scripts' command line and report.
 
-Test side (imported by ``test_dit_ranks.py``, ``test_dit_ranks_more.py`` and ``test_shard_ranks.py``): the opt-in
+Test side (imported by ``test_dit_ranks.py``, ``test_dit_ranks_qwen_hunyuan_ltxv.py`` and ``test_shard_ranks.py``): the opt-in
 marks and the launcher that runs a rank script on N gloo CPU ranks and returns its report.
 
 No pytest import at module level: ``ksampler_ranks.py`` also runs on machines without pytest.

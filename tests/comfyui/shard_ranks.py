@@ -15,9 +15,9 @@ every Linear's weight stored as ``weight / scale`` in float8_e4m3fn beside its 0
 ``scale_input``) and loaded back by ``comfy.sd.load_diffusion_model``, whose detection builds it with
 ``comfy.ops.scaled_fp8_ops`` (compute in fp32); sampled with sequence and with cfg parallelism, and with a LoRA
 (``*-scaled-lora``: ComfyUI patches such a weight through the layer's ``convert_weight`` / ``set_weight``).
-LTX-Video (``ltxv-seq``, ``dit_ranks_more._model``: ComfyUI's ``LTXVModel`` through its stock loader) with sequence
+LTX-Video (``ltxv-seq``, ``dit_ranks_qwen_hunyuan_ltxv._model``: ComfyUI's ``LTXVModel`` through its stock loader) with sequence
 parallelism: its RoPE reaches each block as an argument, cut per rank by a hook on the (then FSDP-wrapped) block;
-HunyuanVideo image-to-video "v2" (``hunyuani2v-seq``, cfg 1 as in ``dit_ranks_more``): its first-frame modulation
+HunyuanVideo image-to-video "v2" (``hunyuani2v-seq``, cfg 1 as in ``dit_ranks_qwen_hunyuan_ltxv``): its first-frame modulation
 boundary is moved per rank by a hook on each (then FSDP-wrapped) block too.
 
     python tests/comfyui/shard_ranks.py --comfy /path/to/ComfyUI --ranks 2 [--out r.json]
@@ -116,7 +116,7 @@ def _scaled_wan(lora):
 def _build(kind, weights, parallelism, cfg_scale):
     """(ModelPatcher, the KSampler's inputs) of a case."""
     if kind in ("ltxv", "hunyuani2v"):
-        from dit_ranks_more import CFG, _inputs as more_inputs, _model as more_model
+        from dit_ranks_qwen_hunyuan_ltxv import CFG, _inputs as more_inputs, _model as more_model
 
         mp, cond, shape, mask = more_model(kind)
         return mp, more_inputs(kind, cond, shape, mask, "euler", 1, parallelism, "gathered", CFG.get(kind, cfg_scale))

@@ -2,7 +2,7 @@
 the rank-side hooks those families need (LTX-Video's RoPE block argument, per-token timestep and attention scopes by
 path; HunyuanVideo's first-frame modulation boundary), each checked against the full-sequence tensor indexed by the
 shard table's positions. Their use inside ComfyUI's sampler, against the stock KSampler on 2, 3 and 4 gloo ranks, is
-tested in tests/comfyui/test_dit_ranks_more.py (opt-in).
+tested in tests/comfyui/test_dit_ranks_qwen_hunyuan_ltxv.py (opt-in).
 """
 
 import operator

@@ -16,7 +16,7 @@ downloaded file where its detection allows a small model:
 Latents have odd token rows; videos an odd frame count (HunyuanVideo pads odd latent sizes but cannot unpatchify
 them in ComfyUI 0.3.64, so its latent rows are even, its token rows odd).
 
-    python tests/comfyui/dit_ranks_more.py --comfy /path/to/ComfyUI --ranks 2 --cases qwen-seq ltxv-cfg ... [--out r.json]
+    python tests/comfyui/dit_ranks_qwen_hunyuan_ltxv.py --comfy /path/to/ComfyUI --ranks 2 --cases qwen-seq ltxv-cfg ... [--out r.json]
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Opt-in: sequence-, CFG- and batch-parallel sampling of Qwen-Image, HunyuanVideo / HunyuanImage 2.1 and LTX-Video
 equals ComfyUI's stock sampling (the rank side, as ``test_dit_ranks.py`` does for FLUX.1 and Wan).
 
-Runs ``dit_ranks_more.py`` with ComfyUI's Python on 2, 3 and 4 gloo CPU ranks: ComfyUI's own classes, loaded through
+Runs ``dit_ranks_qwen_hunyuan_ltxv.py`` with ComfyUI's Python on 2, 3 and 4 gloo CPU ranks: ComfyUI's own classes, loaded through
 its stock detection where that allows a small model (see that file), every weight seeded non-constant; odd token rows,
 odd frame counts, text padding masks (HunyuanImage 2.1, LTX-Video), per-token timesteps (LTX-Video image-to-video, keyframe guides) and
 first-frame modulation (HunyuanVideo image-to-video "v2").
 
-    COMFYUI_DIR=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/its/python pytest tests/comfyui -k dit_ranks_more
+    COMFYUI_DIR=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/its/python pytest tests/comfyui -k dit_ranks_qwen_hunyuan_ltxv
 """
 
 import pytest
@@ -16,7 +16,7 @@ from .rank_harness import comfyui_marks, run_rank_script
 pytestmark = comfyui_marks()
 
 STEPS = 3  # three steps; euler, euler_ancestral and dpmpp_2m call the model once per step
-#: 7 text tokens (every conditioning of dit_ranks_more.py) over 2 and 3 sequence ranks, by hand
+#: 7 text tokens (every conditioning of dit_ranks_qwen_hunyuan_ltxv.py) over 2 and 3 sequence ranks, by hand
 TEXT_SPLIT = {2: [4, 3], 3: [3, 2, 2], 4: [2, 2, 2, 1]}
 # a masked prompt and an unmasked one cannot be batched (HunyuanImage 2.1 case): ComfyUI calls the model twice a step
 CALLS_PER_STEP = {"hyimage": 2}
@@ -37,7 +37,7 @@ RUNS = {
 
 @pytest.mark.parametrize("ranks", sorted(RUNS))
 def test_qwen_hunyuan_ltxv_equal_the_stock_sampler(tmp_path, ranks):
-    report = run_rank_script("dit_ranks_more.py", tmp_path, ranks, RUNS[ranks], timeout=1500)
+    report = run_rank_script("dit_ranks_qwen_hunyuan_ltxv.py", tmp_path, ranks, RUNS[ranks], timeout=1500)
     for name in RUNS[ranks]:
         rec = report["cases"][name]
         print(f"{ranks} ranks {name}: {rec['layout']} ({rec['groups']} x {rec['seq']}), relative L2 {rec['rel_l2']:.2e}, collectives {rec['comm_calls']}")
@@ -76,7 +76,7 @@ def test_overlapped_and_ring_on_qwen_hunyuan_ltxv_equal_the_stock_sampler(tmp_pa
     """sequence_attention overlapped and ring on Qwen-Image, HunyuanVideo, HunyuanImage 2.1 and LTX-Video (keyframe
     guides included): exact like gathered; a call with an attention mask (HunyuanImage 2.1's padded prompt) runs
     gathered, the others the mode picked."""
-    report = run_rank_script("dit_ranks_more.py", tmp_path, ranks, HIDDEN, timeout=1500)
+    report = run_rank_script("dit_ranks_qwen_hunyuan_ltxv.py", tmp_path, ranks, HIDDEN, timeout=1500)
     for name in HIDDEN:
         rec = report["cases"][name]
         print(f"{ranks} ranks {name}: relative L2 {rec['rel_l2']:.2e}, attention {rec['attention_modes']}, collectives {rec['comm_calls']}")
