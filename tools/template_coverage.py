@@ -45,7 +45,7 @@ FAMILY_CLASS = {
     "FLUX.1": ("Flux", "FLUX.1 (kl, 16 channels)", "image"),
     "FLUX.1 Kontext": ("Flux", "FLUX.1 (kl, 16 channels)", "image"),
     "Chroma": ("Chroma", "FLUX.1 (kl, 16 channels)", "image"),
-    "SD3.5": ("MMDiT", "SD3 (kl, 16 channels)", "image"),
+    "SD3.5": ("OpenAISignatureMMDITWrapper", "SD3 (kl, 16 channels)", "image"),
     "HiDream": ("HiDreamImageTransformer2DModel", "FLUX.1 (kl, 16 channels)", "image"),
     "OmniGen2": ("OmniGen2Transformer2DModel", "FLUX.1 (kl, 16 channels)", "image"),
     "Lumina 2": ("NextDiT", "FLUX.1 (kl, 16 channels)", "image"),
@@ -74,7 +74,8 @@ WAN_NODE_CLASS = {
 }
 
 #: families whose class was sampled in the opt-in real-ComfyUI suite against the stock nodes
-RUN_IN_SUITE = {"UNetModel", "Flux", "Chroma", "QwenImageTransformer2DModel", "WanModel", "HunyuanVideo", "LTXVModel"}
+RUN_IN_SUITE = {"UNetModel", "Flux", "Chroma", "QwenImageTransformer2DModel", "WanModel", "HunyuanVideo", "LTXVModel",
+                "VaceWanModel", "OpenAISignatureMMDITWrapper", "NextDiT"}
 
 
 def covered_classes() -> set:
