@@ -67,6 +67,8 @@ CANONICAL_SHAPES: Dict[str, Tuple[Shape, ...]] = {
     # Mochi generates 848x480 (width first) clips of 6k + 1 frames: 85 and 163
     "mochi": (Shape(480, 848, 85), Shape(480, 848, 163)),
     "hunyuan_refiner_conv3d": (Shape(1024, 1024, 1), Shape(2048, 2048, 1)),
+    # Cosmos generates 1280x704 (width first) clips of 121 frames (8k + 1)
+    "cosmos": (Shape(704, 1280, 121), Shape(704, 1280, 57)),
 }
 
 #: What ``python -m patchray bench`` runs with no arguments where there is no GPU: the full-size kl

@@ -42,6 +42,7 @@ __all__ = [
     "GatheredFrameAttention",
     "GatheredCausalAttnBlock",
     "GatheredAttnBlock",
+    "GatheredCosmosAttention",
     "frame_causal_attention",
     "chunked_attention",
 ]
@@ -346,3 +347,41 @@ def _apply_kv_hooks(module: nn.Module, path: str, state: StepState, kv: PeerExch
         undo_forward()
 
     return Applied(undo)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredCosmosAttention(Style):
+    """``CosmosCausalAttention``: with the spatial processor, multi-head attention within each frame over all of its
+    rows (K/V gathered); with the temporal processor, attention over the frames of one pixel, which is row-local
+    (the module is left as it is). Any other processor is refused by name."""
+
+    def _apply(self, module, path, state):
+        kind = type(module.processor).__name__
+        if kind == "CosmosTemporalAttentionProcessor2_0":
+            return Applied()
+        if kind != "CosmosSpatialAttentionProcessor2_0":
+            raise NotImplementedError(f"{path}: CosmosCausalAttention with processor {kind} is not supported in row mode")
+        ctx = state.ctx
+
+        def forward(hidden_states, attention_mask=None):
+            if attention_mask is not None:
+                raise NotImplementedError(f"{path}: a spatial attention mask is not supported in row mode")
+            batch, _, frames, height, width = hidden_states.shape
+            residual = hidden_states
+            hidden_states = module.norm(hidden_states)
+            heads = module.num_attention_heads
+
+            def tokens(t):  # [B, C, T, h, W] -> [B * T, heads, h * W, C // heads]
+                t = t.permute(0, 2, 3, 4, 1).flatten(2, 3).flatten(0, 1)
+                return t.unflatten(2, (heads, -1)).transpose(1, 2)
+
+            query = tokens(module.to_q(hidden_states))
+            key, value = tokens(module.to_k(hidden_states)), tokens(module.to_v(hidden_states))
+            key, value = _gather_kv(key.contiguous(), value.contiguous(), ctx, 2, _token_sizes(state, height, width))
+            out = chunked_attention(query, key, value, ctx.world_size)
+            out = out.transpose(1, 2).flatten(2, 3).type_as(query)
+            out = out.unflatten(1, (height, width)).unflatten(0, (batch, frames)).permute(0, 4, 1, 2, 3)
+            out = module.to_out[1](module.to_out[0](out))
+            return out + residual
+
+        return Applied(replace_forward(module, path, lambda prior: forward))

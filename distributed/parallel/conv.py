@@ -9,6 +9,8 @@ Design decisions:
   :class:`HaloWanCausalConv` (Wan/Qwen-Image causal conv with its temporal feature cache),
   :class:`HaloPaddedCausalConv` (HunyuanVideo/HunyuanVideo-1.5: ``F.pad`` with replicate, then a conv),
   :class:`HaloCogVideoXCausalConv` (``CogVideoXCausalConv3d`` as Mochi uses it: the same, returning a cache slot),
+  :class:`HaloCosmosCausalConv` (Cosmos: first frame repeated in time, zero rows and columns, then the conv) and
+  :class:`HaloCosmosDownsample` (Cosmos: pad right/bottom, strided conv plus 2x2 average pool),
   :class:`HaloPadThenConv` (KL ``Downsample2D`` and Wan/Qwen ``Resample``: pad right/bottom, strided conv).
   Frames are never sharded: temporal padding and caches run exactly as in diffusers on the band.
 * **Halo sizes come from the band table.** For output band ``[a, b)`` a conv with kernel ``k``, stride ``s`` and
@@ -49,6 +51,8 @@ __all__ = [
     "HaloPaddedCausalConv",
     "HaloPadThenConv",
     "HaloCogVideoXCausalConv",
+    "HaloCosmosCausalConv",
+    "HaloCosmosDownsample",
 ]
 
 _EDGE_MODES = ("zeros", "replicate", "reflect")
@@ -425,5 +429,58 @@ class HaloCogVideoXCausalConv(Style):
             # the layer's own single F.pad (rows too: the band ends get edge padding, inner ones are fixed after)
             inputs = F.pad(inputs, padding, mode="replicate")
             return conv_rows(inputs, conv, state, h_top, h_bottom, "replicate", prepadded=True), None
+
+        return Applied(replace_forward(module, path, lambda prior: forward), claims=(conv,))
+
+
+@dataclasses.dataclass(frozen=True)
+class HaloCosmosCausalConv(Style):
+    """``CosmosCausalConv3d``: an ``nn.Conv3d`` whose forward repeats the first frame ``temporal_pad`` times in
+    front, zero-pads rows and columns by ``spatial_pad``, then convolves with no padding of its own."""
+
+    def _apply(self, module, path, state):
+        _check_conv(module, path)
+        if module.pad_mode != "constant" or any(module.padding):
+            raise NotImplementedError(f"{path}: CosmosCausalConv3d with pad_mode={module.pad_mode!r}, padding={module.padding}")
+        left, right, top, bottom = module.spatial_pad
+        if not _needs_rows(module, top + bottom):
+            return Applied()
+        if module.stride[-2] != 1:
+            # the strided spatial conv runs inside CosmosDownsample3d (HaloCosmosDownsample), never alone
+            return Applied()
+
+        def forward(hidden_states):
+            front = hidden_states[:, :, :1].repeat(1, 1, module.temporal_pad, 1, 1)
+            hidden_states = torch.cat([front, hidden_states], dim=2)
+            hidden_states = F.pad(hidden_states, (left, right, top, bottom, 0, 0))
+            return conv_rows(hidden_states, module, state, top, bottom, "zeros", prepadded=True)
+
+        return Applied(replace_forward(module, path, lambda prior: forward))
+
+
+@dataclasses.dataclass(frozen=True)
+class HaloCosmosDownsample(Style):
+    """``CosmosDownsample3d``: zero-pad right and bottom by one, then ``conv1`` (3x3, stride 2, no padding) plus a 2x2
+    average pool; the temporal half and the 1x1 ``conv3`` are row-local. The bottom padding row belongs to the
+    image edge (the last rank); the pool never reads it (bands start on even rows at every level)."""
+
+    def _apply(self, module, path, state):
+        if not module.spatial_downsample:
+            return Applied()
+        conv = module.conv1
+        _check_conv(conv, f"{path}.conv1")
+        if any(conv.padding) or tuple(conv.stride[-2:]) != (2, 2) or any(conv.spatial_pad) or conv.temporal_pad:
+            raise NotImplementedError(f"{path}.conv1: expected a 3x3 stride-2 conv with no padding of its own")
+
+        def forward(hidden_states):
+            padded = F.pad(hidden_states, (0, 1, 0, 0, 0, 0))  # columns: whole on every rank
+            conv_out = conv_rows(padded, conv, state, 0, 1, "zeros")
+            pool_out = F.avg_pool3d(padded, kernel_size=(1, 2, 2), stride=(1, 2, 2))
+            del padded
+            hidden_states = conv_out + pool_out
+            if module.temporal_downsample:
+                hidden_states = torch.cat([hidden_states[:, :, :1, ...], hidden_states], dim=2)
+                hidden_states = module.conv2(hidden_states) + F.avg_pool3d(hidden_states, kernel_size=(2, 1, 1), stride=(2, 1, 1))
+            return module.conv3(hidden_states)
 
         return Applied(replace_forward(module, path, lambda prior: forward), claims=(conv,))

@@ -310,6 +310,19 @@ FAMILIES: dict = {
             tiny_config=dict(block_out_channels=(32, 32, 32, 64, 64), layers_per_block=1, latent_channels=32),
             full_config={},
         ),
+        # NVIDIA's Cosmos tokenizer (CV8x8x8) with its own latent statistics (distributed/vae/variants.py); the tiny
+        # config keeps attention at the first level (resolution 128 / patch 4 = 32) and GroupNorm(1)
+        FamilySpec(
+            "cosmos",
+            "AutoencoderKLCosmosLatentStats",
+            8,
+            8,
+            16,
+            True,
+            tiny_config=dict(encoder_block_out_channels=(8, 16, 32, 32), decode_block_out_channels=(16, 32, 32, 32),
+                             attention_resolutions=(32,), resolution=128, num_layers=1),
+            full_config={},
+        ),
         # HunyuanVideo's VAE as ComfyUI runs it: full mid-block attention, whole clips (distributed/vae/variants.py)
         FamilySpec(
             "hunyuan_video_full_attention",
@@ -433,6 +446,9 @@ def build_vae(
         # a small deterministic perturbation makes every parameter matter in the exactness tests.
         for p in vae.parameters():
             p.data.add_(torch.randn_like(p) * 0.02)
+        if hasattr(vae, "latent_std") and hasattr(vae, "latent_mean"):  # a model normalising its own latent (Cosmos)
+            vae.latent_mean.copy_(torch.randn_like(vae.latent_mean) * 0.3)
+            vae.latent_std.copy_(torch.rand_like(vae.latent_std) + 0.5)
         if vae.config.get("patchray_latents_normalized"):  # the latent statistics matter too (zeros/ones by default)
             vae.latents_mean.copy_(torch.randn_like(vae.latents_mean) * 0.3)
             vae.latents_std.copy_(torch.rand_like(vae.latents_std) + 0.5)

@@ -24,8 +24,9 @@ import torch.nn as nn
 
 from ..comm import gather_to
 from ..context import ParallelContext
-from ..parallel.attention import GatheredAttention, GatheredAttnBlock, GatheredCausalAttnBlock, GatheredFrameAttention, RecordVideoLayout
-from ..parallel.conv import HaloCogVideoXCausalConv, HaloConv, HaloPadThenConv, HaloPaddedCausalConv, HaloWanCausalConv
+from ..parallel.attention import (GatheredAttention, GatheredAttnBlock, GatheredCausalAttnBlock, GatheredCosmosAttention,
+                                  GatheredFrameAttention, RecordVideoLayout)
+from ..parallel.conv import HaloCogVideoXCausalConv, HaloConv, HaloCosmosCausalConv, HaloCosmosDownsample, HaloPadThenConv, HaloPaddedCausalConv, HaloWanCausalConv
 from ..bands import row_bands
 from ..parallel.groupnorm import ShardedGroupNorm
 from ..parallel.resnet import HaloResnetBlock
@@ -229,6 +230,29 @@ ROW_PLANS: Dict[str, dict] = {
         ),
         "HunyuanImageRefinerCausalConv3d": HaloPaddedCausalConv(),
         "HunyuanImageRefinerAttnBlock": GatheredAttnBlock(),
+    },
+    # Cosmos: per-frame GroupNorm(1) (frames folded into the batch), factorised causal convs (first frame repeated,
+    # zero rows), per-frame spatial attention with gathered K/V, temporal attention over one pixel's frames
+    # (row-local), Haar wavelet (un)patching with stride-2 kernels that move whole 2-row cells (bands start on even
+    # rows at every level), nearest upsampling, and the pad-then-strided-conv downsampler with its average pool
+    "cosmos": {
+        **_TORCH_COMMON,
+        **_local(
+            "CosmosEncoder3d",
+            "CosmosDecoder3d",
+            "CosmosDownBlock3d",
+            "CosmosUpBlock3d",
+            "CosmosMidBlock3d",
+            "CosmosResnetBlock3d",
+            "CosmosCausalGroupNorm",
+            "CosmosConvProjection3d",
+            "CosmosPatchEmbed3dConstants",
+            "CosmosUnpatcher3dConstants",
+            "CosmosUpsample3d",
+        ),
+        "CosmosCausalConv3d": HaloCosmosCausalConv(),
+        "CosmosDownsample3d": HaloCosmosDownsample(),
+        "CosmosCausalAttention": GatheredCosmosAttention(),
     },
     # Mochi: GroupNorm per frame (each chunk of frames is a batch of images to nn.GroupNorm: one exact collective
     # per chunk, the same chunks on every rank since frames are never split), causal convs padded by replication
@@ -504,15 +528,18 @@ def row_encode(vae: nn.Module, x: torch.Tensor, ctx: ParallelContext, *, return_
     start, stop = bands[ctx.rank]
     if ctx.world_size == 1 and "encoder" not in vae.__dict__.get(_HANDLE_ATTR, {}):
         with _untiled(vae):  # one rank: the plain encode
-            params = vae.encode(x.to(device=device, dtype=dtype)).latent_dist.parameters
+            dist = vae.encode(x.to(device=device, dtype=dtype)).latent_dist
+            params = dist.parameters
     else:
         with _sharded(vae, ctx, "encoder", _bounds(bands)):
             band = x.narrow(-2, start * ratio, (stop - start) * ratio).to(device=device, dtype=dtype)
-            params = vae.encode(band).latent_dist.parameters
+            dist = vae.encode(band).latent_dist
+            params = dist.parameters
         params = _gather_rows(params, ctx, bands)
     if params is None or return_parameters:
         return params  # the raw parameters, before a normalising family's latent statistics
-    mean = DiagonalGaussianDistribution(params).mean
+    # a deterministic autoencoder (Cosmos) returns its latent itself; a KL VAE its mean and log-variance
+    mean = params if not isinstance(dist, DiagonalGaussianDistribution) else DiagonalGaussianDistribution(params).mean
     if vae.config.get("patchray_latents_normalized"):
         latents_mean, latents_std = _stats_view(vae, mean)
         mean = (mean - latents_mean) / latents_std

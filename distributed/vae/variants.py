@@ -22,6 +22,11 @@ the row plans stay the diffusers ones. A family names such a class like a diffus
   non-causal 3x3x3 convolutions, GroupNorm(32, eps 1e-6) where the refiner has RMS norms, resamplers that fold
   every pair of frames alike (no first-frame case), one input frame repeated to ``temporal_compression_ratio``
   frames before encoding, and only the last decoded frame kept when the latent holds one frame.
+* ``AutoencoderKLCosmosLatentStats``: NVIDIA's Cosmos tokenizer (CV8x8x8) as released and as ComfyUI runs it: the
+  model itself normalises its latent by per-(channel, frame) statistics (``latent_mean`` / ``latent_std``, 16 frames
+  repeated along time) and ``sigma_data = 0.5``, in ``encode`` and ``decode``; diffusers' ``AutoencoderKLCosmos``
+  leaves that to the pipeline. Every step is pointwise per (channel, frame), so a row band gets exactly what the
+  whole latent would.
 """
 
 from __future__ import annotations
@@ -156,11 +161,86 @@ def _hunyuan_refiner_conv3d() -> type:
     return AutoencoderKLHunyuanImageRefinerConv3d
 
 
+@functools.lru_cache(maxsize=None)
+def _cosmos_latent_stats() -> type:
+    import torch
+    from diffusers import AutoencoderKLCosmos
+    from diffusers.models.autoencoders import autoencoder_kl_cosmos as base
+    from diffusers.models.autoencoders.vae import IdentityDistribution
+
+    class _HaarConstants:
+        """The Haar filters are constants of the class, kept as non-persistent buffers: a model built on the meta
+        device (PatchRay's ranks) has them unallocated or uninitialised, so every call sets them first (two numbers)."""
+
+        # diffusers' own table is a module-level tensor, made on the meta device when the module is first imported
+        # under ``torch.device("meta")`` (as the ranks build models): the values are written out here
+        _FILTERS = {"haar": (0.7071067811865476, 0.7071067811865476), "rearrange": (1.0, 1.0)}
+
+        def forward(self, hidden_states):
+            values = self._FILTERS[self.patch_method]
+            self.wavelets = torch.tensor(values, device=hidden_states.device)  # the registered buffer, replaced
+            self._arange = torch.arange(len(values), device=hidden_states.device)
+            return super().forward(hidden_states)
+
+    class CosmosPatchEmbed3dConstants(_HaarConstants, base.CosmosPatchEmbed3d):
+        pass
+
+    class CosmosUnpatcher3dConstants(_HaarConstants, base.CosmosUnpatcher3d):
+        pass
+
+    class LatentPosterior(IdentityDistribution):
+        """The tokenizer's deterministic latent, answering ``mean`` and ``mode()`` alike."""
+
+        @property
+        def mean(self):
+            return self.parameters
+
+    class AutoencoderKLCosmosLatentStats(AutoencoderKLCosmos):
+        """``AutoencoderKLCosmos`` with the tokenizer's own latent statistics inside encode/decode (see module)."""
+
+        _stats_frames = 16  # the released tokenizer's statistics cover 16 latent frames, repeated along time
+        sigma_data = 0.5
+
+        def __init__(self, **config):
+            super().__init__(**config)
+            self.encoder.patch_embed.__class__ = CosmosPatchEmbed3dConstants
+            self.decoder.unpatch_embed.__class__ = CosmosUnpatcher3dConstants
+            n = self.config.latent_channels * self._stats_frames
+            self.register_buffer("latent_mean", torch.zeros(n))
+            self.register_buffer("latent_std", torch.ones(n))
+
+        __init__.__signature__ = inspect.signature(AutoencoderKLCosmos.__init__)
+
+        def _stats(self, like):
+            channels, frames = like.shape[1], like.shape[2]
+            view = lambda t: t.view(channels, -1).repeat(1, -(-frames // self._stats_frames))[:, :frames]  # noqa: E731
+            shape = (1, channels, frames, 1, 1)
+            return (view(self.latent_mean).reshape(shape).to(like), view(self.latent_std).reshape(shape).to(like))
+
+        def _encode(self, x):
+            z = super()._encode(x)
+            mean, std = self._stats(z)
+            return (z - mean) / std * self.sigma_data
+
+        def encode(self, x, return_dict=True):
+            out = super().encode(x, return_dict=return_dict)
+            posterior = out.latent_dist if return_dict else out[0]
+            posterior.__class__ = LatentPosterior  # also answers ``.mean``, as a KL posterior does
+            return out
+
+        def _decode(self, z, return_dict=True):
+            mean, std = self._stats(z)
+            return super()._decode(z / self.sigma_data * std + mean, return_dict=return_dict)
+
+    return AutoencoderKLCosmosLatentStats
+
+
 #: class name -> builder of the derived class (imported lazily, like the diffusers classes)
 VARIANTS = {
     "AutoencoderKLHunyuanVideoFullAttention": _hunyuan_video_full_attention,
     "AutoencoderKLMochiGenmo": _mochi_genmo,
     "AutoencoderKLHunyuanImageRefinerConv3d": _hunyuan_refiner_conv3d,
+    "AutoencoderKLCosmosLatentStats": _cosmos_latent_stats,
 }
 
 

@@ -12,7 +12,7 @@ from patchray.distributed.vae.families import (
 SEVEN = ("kl", "flux2", "qwen_image", "wan", "hunyuan_video", "hunyuan_video_15", "ltx2")
 VIDEO = ("wan22", "ltx_video", "ltx_video_090")
 HUNYUAN_IMAGE = ("hunyuan_image", "hunyuan_image_refiner", "hunyuan_video_full_attention")
-DERIVED = ("mochi", "hunyuan_refiner_conv3d")
+DERIVED = ("mochi", "hunyuan_refiner_conv3d", "cosmos")
 
 
 def test_the_seven_families_are_listed():

@@ -26,7 +26,7 @@ from patchray.distributed.vae.tiled import (
 )
 
 GROUPNORM_FAMILIES = ("kl", "flux2", "hunyuan_video")
-GROUPNORM_FAMILIES += ("hunyuan_image", "hunyuan_video_full_attention", "mochi", "hunyuan_refiner_conv3d")
+GROUPNORM_FAMILIES += ("hunyuan_image", "hunyuan_video_full_attention", "mochi", "hunyuan_refiner_conv3d", "cosmos")
 
 
 def _latent(family, lat_h, lat_w, frames=1, batch=1, seed=1):

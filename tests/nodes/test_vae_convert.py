@@ -56,7 +56,6 @@ def test_wrong_shape_is_refused():
         ({"decoder.conv_in.weight": torch.zeros(128, 4, 3, 3), "decoder.mid.block_1.mix_factor": torch.zeros(1)}, "SVD"),
         ({"decoder.up_blocks.0.res_blocks.0.conv1.conv.weight": torch.zeros(1),
           "decoder.up_blocks.0.res_blocks.0.per_channel_scale1": torch.zeros(1)}, "0.9.1 VAE: its decoder adds fresh random noise"),
-        ({"decoder.unpatcher3d.wavelets": torch.zeros(1)}, "Cosmos"),
         ({"decoder.conv_in.weight": torch.zeros(8, 4, 3, 3), "decoder.up.1.upsample.conv.weight": torch.zeros(32, 8, 3, 3)}, "Hunyuan"),
         ({"something.else": torch.zeros(1)}, "unrecognised"),
     ],

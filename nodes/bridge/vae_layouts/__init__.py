@@ -26,12 +26,12 @@ import torch
 
 from ....distributed.vae.convert import UnsupportedVaeError, check_state_dict
 from .table import ConvertedVae, LayoutRow
-from . import hunyuan, kl, ltx, mochi, other, wan
+from . import cosmos, hunyuan, kl, ltx, mochi, other, wan
 
 __all__ = ["ConvertedVae", "LayoutRow", "LAYOUTS", "UnsupportedVaeError", "detect_family", "convert_comfy_vae", "latent_layout"]
 
 #: the ordered table: most specific layouts first (a row may also *refuse* a layout with the reason)
-LAYOUTS = [*wan.ROWS, *mochi.ROWS, *hunyuan.ROWS, *ltx.ROWS, *kl.ROWS, *other.ROWS]
+LAYOUTS = [*wan.ROWS, *mochi.ROWS, *cosmos.ROWS, *hunyuan.ROWS, *ltx.ROWS, *kl.ROWS, *other.ROWS]
 
 
 def _row_for(sd: Mapping[str, torch.Tensor]) -> LayoutRow:
