@@ -20,26 +20,14 @@ def _load_tool():
 
 ig = _load_tool()
 
-#: Cycles the package still has, each a frozenset of modules. An entry here is a debt, not a permission: the test
-#: fails for any other cycle, and fails as well once a listed one is gone, so the list only shrinks.
-#: The cluster's rank-replacement watchdog and the rank registry import each other through the cluster's set-up.
-KNOWN_CYCLES = {
-    frozenset({"distributed.cluster.actor", "distributed.cluster.ranks", "distributed.cluster.ray_setup",
-               "distributed.cluster.registry", "distributed.cluster.watchdog"}),
-}
-
-
 @pytest.fixture(scope="module")
 def graph():
     return ig.build(ROOT)
 
 
 def test_no_import_cycle(graph):
-    found = {frozenset(c) for c in ig.cycles(graph)}
-    new = [sorted(c) for c in found - KNOWN_CYCLES]
+    new = [sorted(c) for c in ig.cycles(graph)]
     assert not new, "import cycles (run python tools/import_graph.py):\n" + "\n".join(", ".join(c) for c in new)
-    gone = [sorted(c) for c in KNOWN_CYCLES - found]
-    assert not gone, "a listed cycle is gone: remove it from KNOWN_CYCLES:\n" + "\n".join(", ".join(c) for c in gone)
 
 
 def test_no_arrow_from_a_lower_layer_up(graph):

@@ -13,8 +13,9 @@ import threading
 from typing import Callable, List, Optional
 
 from .config import ClusterConfig
-from .ranks import RankCluster
+from .ranks import RankCluster, abandon_all
 from .ray_setup import forget_ray
+from .watchdog import on_ray_death
 
 __all__ = ["get_cluster", "running_cluster", "shutdown_cluster", "free_rank_caches", "give_up_ray"]
 
@@ -47,6 +48,17 @@ def get_cluster(config: Optional[ClusterConfig] = None, cancel_check: Optional[C
             _current = None
         _current = RankCluster(config, cancel_check=cancel_check)
         return _current
+
+
+def _ray_died(node, reason: str, leave_s: float) -> None:
+    """The watchdog's handler when this process's embedded Ray died: every rank cluster on it is marked lost and its
+    rank processes killed (no Ray calls: they would block on a dead GCS); a call in flight notices within half a
+    second and leaves, and so does a cluster start (which holds the registry); then the Ray is given up."""
+    clusters = abandon_all(reason, node)
+    for cluster in clusters:
+        if cluster._lock.acquire(timeout=leave_s):
+            cluster._lock.release()
+    give_up_ray(node, leave_s)
 
 
 def give_up_ray(node, wait_s: float) -> None:
@@ -137,3 +149,6 @@ def shutdown_cluster(stop_ray: bool = False, lock_timeout_s: Optional[float] = N
         if ray.is_initialized():
             ray.shutdown()
         forget_ray()
+
+
+on_ray_death(_ray_died)

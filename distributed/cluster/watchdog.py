@@ -29,9 +29,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
-__all__ = ["POLL_S", "dead_processes", "reason_for", "watch", "lost_reason"]
+__all__ = ["POLL_S", "dead_processes", "reason_for", "watch", "lost_reason", "on_ray_death"]
 
 log = logging.getLogger(__name__)
 
@@ -158,19 +158,28 @@ def _watch(node) -> None:
             next_list = time.monotonic() + _HELPERS_EVERY_S
 
 
-def _give_up(node, dead: List[str], helpers: Optional[Dict[int, float]] = None) -> None:
-    from . import ranks, registry
+#: what runs when a watched Ray dies, in registration order: ``handler(node, reason, leave_s)``. The cluster
+#: registry registers the one that abandons this Ray's rank clusters and shuts the Ray down (``registry.py``), so
+#: this module, which ``ray_setup`` starts, imports nothing of the clusters it protects.
+_handlers: List[Callable] = []
 
+
+def on_ray_death(handler: Callable) -> None:
+    """Run ``handler(node, reason, leave_s)`` when a watched embedded Ray dies (registered once)."""
+    if handler not in _handlers:
+        _handlers.append(handler)
+
+
+def _give_up(node, dead: List[str], helpers: Optional[Dict[int, float]] = None) -> None:
     reason = reason_for(dead)
     with _lock:
         _state["lost"] = reason
     log.error("PatchRay: %s", reason)
-    clusters = ranks.abandon_all(reason, node)  # no Ray calls: they would block on a dead GCS
-    # a call in flight notices within half a second and leaves; so does a cluster start (which holds the registry)
-    for cluster in clusters:
-        if cluster._lock.acquire(timeout=_LEAVE_S):
-            cluster._lock.release()
-    registry.give_up_ray(node, _LEAVE_S)
+    for handler in list(_handlers):
+        try:
+            handler(node, reason, _LEAVE_S)
+        except Exception:  # noqa: BLE001 - the next handler, and the helpers' cleanup, must still run
+            log.exception("PatchRay: giving up the dead Ray")
     killed = _kill_helpers(helpers or {})
     log.info("PatchRay: this process's Ray is shut down (%d of its helper processes stopped); the next PatchRay prompt "
              "starts a fresh one", killed)
