@@ -57,7 +57,7 @@ FAMILY_CLASS = {
     "HuMo (Wan 2.1-based)": ("HumoWanModel", "Wan 2.1", "video"),
     "HunyuanVideo": ("HunyuanVideo", "HunyuanVideo", "video"),
     "LTX-Video": ("LTXVModel", "LTX-Video", "video"),
-    "Mochi": ("AsymmDiT", None, "video"),
+    "Mochi": ("AsymmDiT", "Mochi", "video"),
     "Hunyuan3D 2.x": ("HunYuan3Dv2", None, "3d"),
     "ACE-Step": ("ACEStepTransformer", None, "audio4d"),  # [B, 8, 16, L]: a 4-D latent, CFG and batch apply
     "Stable Audio": ("AudioDiffusionTransformer", None, "audio"),
