@@ -25,7 +25,7 @@ pytestmark = [
 sys.path.insert(0, str(Path(__file__).parent))
 
 #: ComfyUI's resident memory may grow this much per 100 cases once its own model cache holds the three families and
-#: their VAEs (the full run: 24 MB per 100 cases); a prompt's outputs, latents or results kept per prompt would add more
+#: their VAEs (the full run: 17.7 MB per 100 cases over its longest server run); a prompt's outputs, latents or results kept per prompt would add more
 COMFYUI_MB_PER_100 = 400
 #: a rank process over the second half of a life of at least 16 cases, with the same model cached
 RANK_MB_PER_100 = 400
