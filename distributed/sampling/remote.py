@@ -74,13 +74,14 @@ class RankSession:
         self._fn: Optional[Callable[..., Any]] = None
         self.calls = 0  # model calls (UNet or DiT) completed in this run
         self.entered = 0  # model calls begun in this run (collectives may have started)
+        self._denoised = 0  # of them, calls through this session's own denoiser (others count sub-sessions' calls)
         #: what this run's sampler leaves for the caller to read (e.g. the attention modes that ran); rank 0's
         #: comes back beside the latent as ``"info"``
         self.info: dict = {}
 
     def begin(self) -> None:
         """A new sampling run: every stream starts again at logical step 0 (synchronous)."""
-        self.calls = self.entered = 0
+        self.calls = self.entered = self._denoised = 0
         self.info = {}
         if self.denoiser is not None:
             self.denoiser.reset()
@@ -130,6 +131,7 @@ class RankSession:
         finally:
             self._fn = None
         self.calls += 1
+        self._denoised += 1
         return out
 
     def _call(self, x, t, **cond):
@@ -140,8 +142,10 @@ class RankSession:
             report_progress(done, total)
 
     def finalize(self, latent: torch.Tensor) -> torch.Tensor:
-        """The exact final latent (each rank's own band, gathered); the latent itself if the UNet never ran."""
-        if self.denoiser is None or self.calls == 0:
+        """The exact final latent (each rank's own band, gathered); the latent itself if this session's denoiser did
+        not run in this run (its state may be an earlier run's, of another size, while a CFG or batch group's own
+        session sampled this one)."""
+        if self.denoiser is None or self._denoised == 0:
             return latent
         with torch.no_grad():  # host samplers may hand back inference-mode tensors on the host's device
             return self.denoiser.finalize(latent.to(self.ctx.device))

@@ -147,3 +147,27 @@ def test_ranks_agree_on_the_minimum_of_a_local_value():
     # e.g. each rank's free memory: ComfyUI's batching decision must be the same on every rank
     cluster = _cluster(3)
     assert cluster.run(tasks.agreed_minimum, [7.5, 2.25, 9.0]) == [2.25, 2.25, 2.25]
+
+
+def _stale_denoiser_then_a_group_run(ctx):
+    from patchray.distributed.sampling.remote import RankSession
+
+    unet = tasks.build(ctx, tasks.make_payload(0))
+    session = RankSession(ctx, "stale", preset("full_sync", split_batch=False))
+    session.begin()
+    first = session.finalize(tasks.sample(ctx, unet, session, tasks.inputs(steps=1)))  # its denoiser ran: H rows
+    session.begin()
+    session.calls += 2  # this run a CFG or batch group's own session sampled (the rank adds its calls here)
+    other = torch.randn(2, 4, 9, 12, generator=torch.Generator().manual_seed(1))
+    return tuple(first.shape), torch.equal(session.finalize(other), other)
+
+
+def test_a_session_whose_denoiser_did_not_run_this_run_hands_back_the_latent_of_another_size():
+    """A UNet sampled row-split at one size and then, on the same ranks, split by batch at another: the WORLD session
+    still holds the first run's denoiser; finalize must not gather the second run's latent with the first's bands."""
+    from patchray.distributed.spawn import run_ranks
+
+    got = run_ranks(_stale_denoiser_then_a_group_run, 2, timeout_s=300)
+    for shape, untouched in got:
+        assert shape == (1, 4, tasks.H, tasks.W)
+        assert untouched
