@@ -32,7 +32,7 @@ import torch
 
 from . import gguf_weights
 
-__all__ = ["comfy_root", "model_key", "portable_parts", "portable_options", "check_patches", "check_model_type", "check_conditioning", "check_area_sequence", "area_rows", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal", "patch_weight"]
+__all__ = ["comfy_root", "model_key", "portable_parts", "portable_options", "check_patches", "check_model_type", "check_conditioning", "check_area_sequence", "check_latent_channels", "area_rows", "check_rows", "check_sequence", "latent_and_noise", "diffusion_kind", "sequence_refusal", "patch_weight"]
 
 _UNSUPPORTED_COND_KEYS = {
     "control": "ControlNet conditioning (its residuals are full-image tensors added inside the model)",
@@ -118,6 +118,21 @@ def sequence_refusal(mp):
 
         return refusal(type(dm).__name__, type(dm).__module__, family=model_name(mp))
     return None
+
+
+def check_latent_channels(mp, latent: torch.Tensor) -> None:
+    """Refuse, before anything ships, a latent whose channels are not the model's (``latent_format.latent_channels``,
+    the count ComfyUI itself gives an empty latent of this model): the ranks would fail inside the model's first layer.
+    An all-zero latent is left alone: ComfyUI resizes it to the model's channels (``fix_empty_latent_channels``)."""
+    fmt = mp.get_model_object("latent_format") if hasattr(mp, "get_model_object") else None
+    want = getattr(fmt, "latent_channels", None)
+    have = int(latent.shape[1]) if latent.dim() >= 2 else None
+    if not isinstance(want, int) or have is None or have == want or not bool(latent.any()):
+        return
+    raise ValueError(
+        f"latent_image has {have} channels, but this model ({type(mp.model.diffusion_model).__name__}) samples "
+        f"{want}-channel latents: the latent was made for another model (its VAE or empty-latent node); make it with "
+        "this model's VAE or empty latent node")
 
 
 def check_sequence(mp, latent: torch.Tensor, num_ranks: int) -> None:

@@ -177,6 +177,7 @@ def sample_guided(guider, noise, latent_image, sampler, sigmas, denoise_mask, ca
     if latent.dim() not in (4, 5):
         raise ValueError(f"PatchRay Parallel Model takes image latents [B, C, H, W] or video latents [B, C, T, H, W]; "
                          f"got shape {tuple(latent.shape)}")
+    bridge_model.check_latent_channels(mp, latent)
     steps = max(0, int(sigmas.shape[-1]) - 1)
     config = options.patch_config(mp)
     stale = config.layer_mode is not LayerMode.FULL_SYNC or config.output is not OutputMode.GATHER

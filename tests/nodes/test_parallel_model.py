@@ -217,3 +217,22 @@ def test_auto_keeps_a_conditioning_the_sequence_split_cannot_follow_whole():
     ref = {"negative": [[torch.zeros(1, 4, 8), {"reference_latents": [torch.zeros(1, 16, 4, 4)]}]]}
     why = pm._sequence_cond_reason(mp, "dit", ref)
     assert "Kontext" in why and "in negative" in why and "use parallelism" not in why
+
+
+def test_a_latent_of_another_models_channels_is_refused_before_shipping_but_an_empty_one_is_left_to_comfyui():
+    from patchray.nodes.bridge.model import check_latent_channels
+
+    class _Patcher:
+        model = SimpleNamespace(diffusion_model=type("WanModel", (), {})())
+
+        def get_model_object(self, name):
+            assert name == "latent_format"
+            return SimpleNamespace(latent_channels=16)
+
+    mp = _Patcher()
+    check_latent_channels(mp, torch.randn(1, 16, 5, 8, 8))  # the model's own channels
+    check_latent_channels(mp, torch.zeros(1, 4, 8, 8))  # empty: ComfyUI resizes it (fix_empty_latent_channels)
+    with pytest.raises(ValueError) as exc:
+        check_latent_channels(mp, torch.randn(1, 4, 8, 8))
+    text = str(exc.value)
+    assert "4 channels" in text and "16-channel" in text and "WanModel" in text and "VAE" in text
