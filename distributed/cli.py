@@ -21,6 +21,7 @@ COMMANDS = {
     "plan": ("patchray.distributed.vae.planner", "plan_main", "tile plans (coarse / balanced / fine) and the Pareto frontier"),
     "row-memory": ("patchray.distributed.vae.row_memory", "main", "per-rank peak CUDA memory of row mode vs the band 1/N baseline"),
     "exactness": ("patchray.distributed.sampling.exactness", "main", "the runtime exactness check's verdicts (--clear forgets them)"),
+    "auto-plan": ("patchray.distributed.bench.auto_plan", "main", "parallelism auto's measured model calls (--clear forgets them)"),
     "plan-rig": ("patchray.distributed.bench.rig_cli", "main", "MODELLED s/step and memory of every mode on N cards of one kind"),
 }
 

@@ -38,7 +38,7 @@ from ..parallel.seq_cost import attention_cost
 from ..topology.links import LinkProfile, get_profile, transfer_ms
 
 __all__ = ["AttentionSite", "Measured", "Candidate", "Plan", "RULE_ORDER", "link_ms", "candidates", "choose",
-           "plan_line", "probe_key", "ProbeCache"]
+           "plan_line", "probe_key", "ProbeCache", "main"]
 
 #: the rules' order of preference: ties in the modelled step time go to the earlier layout
 RULE_ORDER = ("batch", "cfg", "cfg+sequence", "sequence")
@@ -263,3 +263,23 @@ class ProbeCache:
         except FileNotFoundError:
             pass
         return n
+
+
+def main(argv=None) -> int:
+    """``python -m patchray auto-plan [--clear]``: the model calls ``parallelism`` auto measured (one per model, size,
+    rank count and cluster); ``--clear`` forgets them, so the next auto run measures again."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="patchray auto-plan", description=main.__doc__)
+    p.add_argument("--clear", action="store_true", help="forget every measurement (auto measures again on first use)")
+    args = p.parse_args(argv)
+    cache = ProbeCache()
+    if args.clear:
+        print(f"forgot {cache.clear()} measurement(s) in {cache.path}")
+        return 0
+    data = cache.load()
+    print(f"{len(data)} measurement(s) in {cache.path}")
+    for key, raw in sorted(data.items()):
+        ms = raw.get("call_ms") if isinstance(raw, dict) else None
+        print(f"  {key}: one model call {ms:.1f} ms" if isinstance(ms, (int, float)) else f"  {key}: (unreadable)")
+    return 0

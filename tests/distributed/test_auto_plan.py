@@ -118,3 +118,15 @@ def test_an_unreadable_measurement_cache_is_an_empty_one(tmp_path):
 def test_the_cache_sits_next_to_the_exactness_verdicts(tmp_path, monkeypatch):
     monkeypatch.setenv("PATCHRAY_CACHE_DIR", str(tmp_path))
     assert ap.ProbeCache().path == tmp_path / "auto_plan.json"
+
+
+def test_the_command_lists_and_clears_the_measurements(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATCHRAY_CACHE_DIR", str(tmp_path))
+    key = ap.probe_key("Flux", 1, "torch.bfloat16", (1, 16, 8, 8), 2, "cpu@embedded/any", "none", "0.3.64", "0.2.0")
+    ap.ProbeCache().put(key, FLUX_LIKE)
+    assert ap.main([]) == 0
+    out = capsys.readouterr().out
+    assert "1 measurement(s)" in out and "100.0 ms" in out and "Flux" in out
+    assert ap.main(["--clear"]) == 0
+    assert "forgot 1 measurement(s)" in capsys.readouterr().out
+    assert ap.ProbeCache().get(key) is None
