@@ -12,7 +12,7 @@ where the inserted nodes go. :func:`build` then
   the decode nodes' links onto it (encode nodes stay on the plain VAE);
 * adds one **PatchRay Cluster** feeding all of them, and a MarkdownNote saying what the added nodes do;
 * gives an added node the mode of what it feeds (bypassed where it only feeds a bypassed group's nodes), sets the
-  seeds' "control after generate" to *fixed* (so a run with and a run without the PatchRay nodes compare), and
+  noise widgets' "control after generate" to *fixed* (so a run with and a run without the PatchRay nodes compare), and
   places the added nodes where nothing is (or in a column it opens inside a group, moving what is right of it);
 * makes the API form with :func:`workflow_tools.ui_to_api_graph` (the frontend's conversion: bypassed nodes pass
   their input through, primitive nodes' values go into their widgets); ``tools/frontend_prompts.py`` checks it
@@ -89,8 +89,8 @@ class Recipe:
 _REMOVE = (
     "\n\nEverything else is the template as ComfyUI ships it: the same models (file names), prompts, sizes and "
     "settings. **To get the stock template back**, delete the PatchRay nodes (ComfyUI reconnects the MODEL and VAE "
-    "links through them) or bypass them (select, Ctrl+B). The seeds are set to *fixed*, so a run with and a run "
-    "without the PatchRay nodes can be compared."
+    "links through them) or bypass them (select, Ctrl+B). The random-noise widgets are set to *fixed*, so a run "
+    "with and a run without the PatchRay nodes can be compared."
 )
 
 
@@ -266,8 +266,8 @@ def _new_node(nid: int, node_type: str, values: dict, info: dict, mode: int) -> 
             "properties": {"Node name for S&R": node_type}, "widgets_values": widgets}
 
 
-def _fix_seeds(ui: dict, info: dict) -> None:
-    """Set every seed's "control after generate" to fixed (the value after each such widget's value)."""
+def _fix_noise_controls(ui: dict, info: dict) -> None:
+    """Set every noise widget's "control after generate" to fixed (the value after each such widget's value)."""
     for n in ui["nodes"]:
         spec = info.get(n["type"])
         if spec is None or not isinstance(n.get("widgets_values"), list):
@@ -372,7 +372,7 @@ def build(name: str, info: dict, template: dict = None):
     ui = copy.deepcopy(tpl)
     ui["id"] = str(uuid.uuid5(uuid.NAMESPACE_URL, f"patchray/workflows/{name}"))
     ui["revision"] = 0
-    _fix_seeds(ui, info)
+    _fix_noise_controls(ui, info)
     nodes = {n["id"]: n for n in ui["nodes"]}
     links = {l[0]: l for l in ui["links"]}
     next_node, next_link = ui["last_node_id"] + 1, ui["last_link_id"] + 1
