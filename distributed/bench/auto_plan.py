@@ -28,13 +28,11 @@ Every figure here is MODELLED and says what it is from.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..parallel.seq_cost import attention_cost
+from ..sampling.exactness import JsonFileCache
 from ..topology.links import LinkProfile, get_profile, transfer_ms
 
 __all__ = ["AttentionSite", "Measured", "Candidate", "Plan", "RULE_ORDER", "link_ms", "candidates", "choose",
@@ -221,48 +219,21 @@ def probe_key(model_class: str, params: int, dtype: str, latent_shape: Sequence[
     return f"{model_class}|{int(params)}|{dtype}|{shape}|{int(ranks)}|{cluster}|{sharding}|{host_version}|{patchray_version}"
 
 
-class ProbeCache:
-    """Measurements in one JSON file (``auto_plan.json`` in ``sampling.exactness.cache_dir``). A missing or unreadable
-    file is an empty cache (the call is measured again); writes replace the file atomically."""
+class ProbeCache(JsonFileCache):
+    """Measurements in one JSON file (``auto_plan.json`` beside the exactness verdicts). A missing or unreadable
+    record is no record (the call is measured again)."""
 
     NAME = "auto_plan.json"
 
-    def __init__(self, folder: Optional[Path] = None):
-        if folder is None:
-            from ..sampling.exactness import cache_dir
-
-            folder = cache_dir()
-        self.path = Path(folder) / self.NAME
-
-    def load(self) -> dict:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
     def get(self, key: str) -> Optional[Measured]:
-        raw = self.load().get(key)
+        raw = self._raw(key)
         try:
-            return Measured.from_dict(raw) if isinstance(raw, dict) else None
+            return Measured.from_dict(raw) if raw is not None else None
         except (KeyError, TypeError, ValueError):
             return None
 
     def put(self, key: str, m: Measured) -> None:
-        data = self.load()
-        data[key] = m.to_dict()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
-
-    def clear(self) -> int:
-        n = len(self.load())
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-        return n
+        self._write(key, m.to_dict())
 
 
 def main(argv=None) -> int:

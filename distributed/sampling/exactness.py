@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 
 __all__ = ["BOUNDS", "ExactnessMismatch", "Verdict", "VerdictCache", "bound_for", "relative_error", "agreed_error",
-           "agreed_flag", "verdict_key", "cache_dir", "main"]
+           "agreed_flag", "verdict_key", "cache_dir", "JsonFileCache", "main"]
 
 #: relative L2 bound of a split call against the whole call after one step, by compute dtype. fp32: a split reorders
 #: sums only, measured at 1e-7..1e-6 on the table's random-weight models (tests/comfyui), so 1e-4 leaves two orders of
@@ -103,11 +103,12 @@ def cache_dir() -> Path:
     return Path(base) / "patchray"
 
 
-class VerdictCache:
-    """The checks' verdicts in one JSON file (``exactness.json`` in :func:`cache_dir`). Reads are tolerant: a missing
-    or unreadable file is an empty cache (the check runs again); writes replace the file atomically."""
+class JsonFileCache:
+    """Records keyed by strings in one JSON file (``NAME`` in :func:`cache_dir`). Reads are tolerant: a missing or
+    unreadable file is an empty cache (what it held is measured or checked again); writes replace the file
+    atomically. Subclasses type the records (:class:`VerdictCache`, ``bench.auto_plan.ProbeCache``)."""
 
-    NAME = "exactness.json"
+    NAME = "cache.json"
 
     def __init__(self, folder: Optional[Path] = None):
         self.path = Path(folder or cache_dir()) / self.NAME
@@ -119,9 +120,36 @@ class VerdictCache:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def get(self, key: str) -> Optional[Verdict]:
+    def _raw(self, key: str) -> Optional[dict]:
         raw = self.load().get(key)
-        if not isinstance(raw, dict):
+        return raw if isinstance(raw, dict) else None
+
+    def _write(self, key: str, record: dict) -> None:
+        data = self.load()
+        data[key] = record
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+    def clear(self) -> int:
+        """Forget every record; returns how many there were."""
+        n = len(self.load())
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        return n
+
+
+class VerdictCache(JsonFileCache):
+    """The checks' verdicts (``exactness.json``): a missing or unreadable one means the check runs again."""
+
+    NAME = "exactness.json"
+
+    def get(self, key: str) -> Optional[Verdict]:
+        raw = self._raw(key)
+        if raw is None:
             return None
         try:
             return Verdict(**{k: raw[k] for k in Verdict._fields if k in raw})
@@ -129,21 +157,7 @@ class VerdictCache:
             return None
 
     def put(self, key: str, verdict: Verdict) -> None:
-        data = self.load()
-        data[key] = verdict._asdict()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
-
-    def clear(self) -> int:
-        """Forget every verdict; returns how many there were."""
-        n = len(self.load())
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-        return n
+        self._write(key, verdict._asdict())
 
 
 def now() -> float:
