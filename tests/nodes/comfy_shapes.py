@@ -4,6 +4,8 @@
   (``comfy.sd.VAE.first_stage_model.state_dict()``: ``encoder.down.{i}.block.{j}``, ``mid.attn_1.q`` as 1x1
   convs, ``decoder.up`` numbered from the lowest resolution...). It is the inverse of diffusers'
   ``convert_ldm_vae_checkpoint``, written out here so the test does not check the converter against itself.
+* :func:`fixture_state_dict` fills a layout fixture (key names and shapes recorded from ComfyUI's own classes,
+  ``tests/fixtures/comfy_*_vae_layouts.json``) with meta or seeded random tensors.
 * :class:`ComfyLikeVAE` carries such a state dict the way ``comfy.sd.VAE`` does (``first_stage_model``,
   ``vae_dtype``, ``decode``/``encode`` with ComfyUI's pre/post-processing) with diffusers doing the maths.
   ComfyUI's decode and diffusers' decode of the same weights agreed within 1.1e-5 when this stand-in was written;
@@ -98,3 +100,16 @@ def tiny_kl(seed: int = 0, latent_channels: int = 4, quant: bool = True):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # move norms/biases off their 1/0 init so a mis-mapped key shows
     return model
+
+
+def fixture_state_dict(fixture: str, layout: str, device: str = "cpu", seed: int = 0) -> dict:
+    """The state dict of ``layout`` in ``tests/fixtures/<fixture>``: meta tensors (``device="meta"``), else seeded
+    random ones of the recorded shapes."""
+    import json
+    from pathlib import Path
+
+    shapes = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / fixture).read_text())[layout]
+    if device == "meta":
+        return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}

@@ -6,7 +6,6 @@ into the family's model. That ComfyUI and the converted model compute the same o
 present (tests/comfyui/test_hunyuan_vae_layouts.py).
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,8 @@ from patchray.distributed.vae.convert import UnsupportedVaeError
 from patchray.distributed.vae.families import get_family, resolve_class
 from patchray.nodes.bridge import convert as cv
 from patchray.nodes.bridge.vae_layouts import convert_comfy_vae, detect_family, latent_layout
+
+from .comfy_shapes import fixture_state_dict
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "comfy_hunyuan_vae_layouts.json"
 
@@ -29,9 +30,7 @@ EXPECTED = {
 
 
 def _comfy_sd(layout, seed=0):
-    shapes = json.loads(FIXTURE.read_text())[layout]
-    g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    return fixture_state_dict(FIXTURE.name, layout, seed=seed)
 
 
 @pytest.mark.parametrize("layout", sorted(EXPECTED))

@@ -7,7 +7,6 @@ builds it. Here they are filled with meta or random tensors, converted and loade
 converted model compute the same outputs is checked where ComfyUI is present (tests/comfyui/test_mochi_vae.py).
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,13 @@ from patchray.distributed.vae.convert import UnsupportedVaeError
 from patchray.distributed.vae.families import image_channels, instantiate
 from patchray.nodes.bridge.vae_layouts import convert_comfy_vae, detect_family, latent_layout
 
+from .comfy_shapes import fixture_state_dict
+
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "comfy_mochi_vae_layouts.json"
 
 
 def _comfy_sd(layout, device="cpu", seed=0):
-    shapes = json.loads(FIXTURE.read_text())[layout]
-    if device == "meta":
-        return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
-    g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    return fixture_state_dict(FIXTURE.name, layout, device, seed)
 
 
 def test_the_released_layout_converts_to_the_released_diffusers_config():
