@@ -225,6 +225,24 @@ def rank_main(rank_fn, doc, cases, argv, summary):
 # ------------------------------------------------------------------------------------------------ test side
 
 
+def comfy_in_process(tmp):
+    """ComfyUI importable in this test process, on the CPU, with the checkout importable as ``patchray`` through a
+    link in ``tmp`` (what the pack's import shim does in ComfyUI) and this folder's scripts on the path."""
+    if not (tmp / "patchray").exists():
+        os.symlink(ROOT, tmp / "patchray")
+    for p in (str(tmp), COMFYUI_DIR, str(Path(__file__).parent)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    saved = sys.argv
+    sys.argv = [sys.argv[0], "--cpu"]
+    import comfy.options
+
+    comfy.options.enable_args_parsing()
+    import comfy.model_management  # noqa: F401  (parses the arguments once)
+
+    sys.argv = saved
+
+
 def comfyui_marks():
     """The marks of an opt-in real-ComfyUI test module (``pytestmark``): skipped unless COMFYUI_DIR is set."""
     import pytest

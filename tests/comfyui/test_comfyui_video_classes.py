@@ -13,10 +13,11 @@ Python:
 """
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
+
+from .rank_harness import comfy_in_process
 
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 pytestmark = [
@@ -25,22 +26,6 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _setup(tmp):
-    if not (tmp / "patchray").exists():
-        os.symlink(ROOT, tmp / "patchray")
-    for p in (str(tmp), COMFYUI_DIR, str(Path(__file__).parent)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    saved = sys.argv
-    sys.argv = [sys.argv[0], "--cpu"]
-    import comfy.options
-
-    comfy.options.enable_args_parsing()
-    import comfy.model_management  # noqa: F401  (parses the arguments once)
-
-    sys.argv = saved
 
 
 def _wan22():
@@ -101,7 +86,7 @@ def _rank_task(ctx, family, config, state_dict, z, x):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_comfyui_video_class_row_mode_matches_the_comfyui_module(name, tmp_path):
-    _setup(tmp_path)
+    comfy_in_process(tmp_path)
     import torch
 
     from make_models import _init_varied

@@ -21,10 +21,11 @@ differences (printed) are ~1e-6.
 """
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
+
+from .rank_harness import comfy_in_process
 
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 pytestmark = [
@@ -42,22 +43,6 @@ NARROW = dict(DDCONFIG, channels=32, num_res_blocks=1, resolution=128)
 
 #: (latent [B, C, T, h, w], video [B, 3, F, H, W]): odd rows and columns, 1 and 3 latent frames (1 and 17 frames)
 CASES = [((1, 16, 1, 7, 5), (1, 3, 1, 56, 40)), ((1, 16, 3, 5, 7), (1, 3, 17, 40, 56))]
-
-
-def _setup(tmp):
-    if not (tmp / "patchray").exists():
-        os.symlink(ROOT, tmp / "patchray")
-    for p in (str(tmp), COMFYUI_DIR, str(Path(__file__).parent)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    saved = sys.argv
-    sys.argv = [sys.argv[0], "--cpu"]
-    import comfy.options
-
-    comfy.options.enable_args_parsing()
-    import comfy.model_management  # noqa: F401  (parses the arguments once)
-
-    sys.argv = saved
 
 
 def _narrow():
@@ -91,7 +76,7 @@ def _rank_task(ctx, family, config, state_dict, z, x):
 
 
 def test_stock_loader_detects_cosmos_and_patchray_converts_it(tmp_path):
-    _setup(tmp_path)
+    comfy_in_process(tmp_path)
     import diffusers
     import torch
 
@@ -116,7 +101,7 @@ def test_stock_loader_detects_cosmos_and_patchray_converts_it(tmp_path):
 def test_diffusers_own_cosmos_class_differs_from_comfyui(tmp_path):
     """Negative control: diffusers' AutoencoderKLCosmos on the converted weights (no latent statistics in the model)
     does not reproduce ComfyUI; the derived class does."""
-    _setup(tmp_path)
+    comfy_in_process(tmp_path)
     import diffusers
     import torch
 
@@ -144,7 +129,7 @@ def test_diffusers_own_cosmos_class_differs_from_comfyui(tmp_path):
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_cosmos_row_mode_matches_the_comfyui_module(case, tmp_path):
-    _setup(tmp_path)
+    comfy_in_process(tmp_path)
     import torch
 
     from patchray.distributed.spawn import run_ranks

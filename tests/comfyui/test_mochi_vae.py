@@ -20,10 +20,11 @@ relative (max abs difference over max abs value). Row mode differs from ComfyUI 
 """
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
+
+from .rank_harness import comfy_in_process
 
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 pytestmark = [
@@ -35,22 +36,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: (latent [B, C, T, h, w], video [B, 3, F, H, W]): odd rows and columns, 1 and 3 latent frames (1 and 13 frames)
 CASES = [((1, 12, 1, 7, 5), (1, 3, 1, 56, 40)), ((1, 12, 3, 5, 7), (1, 3, 13, 40, 56))]
-
-
-def _setup(tmp):
-    if not (tmp / "patchray").exists():
-        os.symlink(ROOT, tmp / "patchray")
-    for p in (str(tmp), COMFYUI_DIR, str(Path(__file__).parent)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    saved = sys.argv
-    sys.argv = [sys.argv[0], "--cpu"]
-    import comfy.options
-
-    comfy.options.enable_args_parsing()
-    import comfy.model_management  # noqa: F401  (parses the arguments once)
-
-    sys.argv = saved
 
 
 def _narrow():
@@ -87,7 +72,7 @@ def _rank_task(ctx, family, config, state_dict, z, x):
 
 
 def test_stock_loader_detects_mochi_and_patchray_converts_it(tmp_path):
-    _setup(tmp_path)
+    comfy_in_process(tmp_path)
     import torch
 
     import comfy.sd
@@ -111,7 +96,7 @@ def test_stock_loader_detects_mochi_and_patchray_converts_it(tmp_path):
 def test_diffusers_own_mochi_class_differs_from_comfyui(tmp_path):
     """Negative control: diffusers' AutoencoderKLMochi on the converted weights (frames dropped at the end, causal
     encoder attention) does not reproduce ComfyUI on a multi-frame clip; the derived class does."""
-    _setup(tmp_path)
+    comfy_in_process(tmp_path)
     import diffusers
     import torch
 
@@ -139,7 +124,7 @@ def test_diffusers_own_mochi_class_differs_from_comfyui(tmp_path):
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_mochi_row_mode_matches_the_comfyui_module(case, tmp_path):
-    _setup(tmp_path)
+    comfy_in_process(tmp_path)
     import torch
 
     from make_models import _init_varied
